@@ -1,0 +1,218 @@
+"""Command line: `python -m medddpm {info,configs,train,sample,bench}`; `--help` on each."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .configs import CONFIGS, ConfigError, get_config, parse_config_list, resolve
+from .data import DataError
+from .model import ModelSpec
+from .storage import atomic_write
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _add_model_args(p: argparse.ArgumentParser, *, mask_default: int | None = 3) -> None:
+    p.add_argument("--size", type=_positive, default=128, help="cubic input size in voxels (default 128)")
+    p.add_argument("--mask-channels", type=_positive, default=mask_default, help="label classes without background")
+    p.add_argument("--base-channels", type=_positive, default=64)
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="baseline", help=f"named configuration: {', '.join(CONFIGS)}")
+    g = p.add_argument_group("override single switches of the configuration")
+    g.add_argument("--precision", choices=["fp32", "tf32", "bf16"])
+    for flag in ("channels-last", "compile", "cuda-graphs", "fused-adam", "recompute-attention"):
+        g.add_argument(f"--{flag}", type=_bool, metavar="BOOL")
+    g.add_argument("--attention", choices=["math", "sdpa"])
+
+
+def _config_from(args):
+    base = get_config(args.config)
+    overrides = {k: getattr(args, k) for k in ("precision", "channels_last", "compile", "cuda_graphs", "fused_adam",
+                                               "recompute_attention", "attention") if getattr(args, k) is not None}
+    return base.with_flags(**overrides)
+
+
+def _spec(args, mask_channels: int) -> ModelSpec:
+    return ModelSpec(size=args.size, mask_channels=mask_channels, base_channels=args.base_channels)
+
+
+def cmd_info(args) -> None:
+    from .flops import count
+
+    spec = _spec(args, args.mask_channels)
+    info = {"size": spec.size, "in_channels": spec.in_channels, "out_channels": spec.image_channels,
+            "channel_mult": list(spec.mult), "channels": [m * spec.base_channels for m in spec.mult],
+            "attention_tokens": (spec.size // spec.attention_ds[0]) ** 3} | count(spec)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return
+    print(f"Med-DDPM 3D U-Net, {spec.size}^3, {spec.in_channels} channels in, {spec.image_channels} out")
+    print(f"  channels per level   {info['channels']}, attention over {info['attention_tokens']} tokens")
+    print(f"  parameters           {info['parameters']:,}")
+    print(f"  forward FLOPs        {info['forward_flops'] / 1e12:.3f} T per micro-step (batch 1)")
+    for op, flops in info["forward_flops_by_op"].items():
+        print(f"    {op:<18} {flops / 1e9:,.1f} G")
+    print(f"  forward+backward     {info['train_flops'] / 1e12:.2f} T per micro-step")
+
+
+def cmd_configs(args) -> None:
+    from .env import pick_device
+
+    device = pick_device(args.device)
+    rows = []
+    for c in CONFIGS.values():
+        rows.append({"name": c.name, **c.flags, "description": c.description,
+                     "not_applicable_here": resolve(c, device).not_applicable})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    keys = list(CONFIGS["baseline"].flags)
+    print(f"{'name':<10}" + "".join(f"{k:<20}" for k in keys))
+    for r in rows:
+        print(f"{r['name']:<10}" + "".join(f"{str(r[k]):<20}" for k in keys))
+        print(f"{'':<10}{r['description']}")
+        for flag, why in r["not_applicable_here"].items():
+            print(f"{'':<10}not applicable on {device.type}: {flag}: {why}")
+
+
+def cmd_train(args) -> None:
+    from .data import open_dataset
+    from .env import pick_device
+    from .train import train
+
+    config = _config_from(args)
+    device = pick_device(args.device)
+    data = open_dataset(args.data, size=args.size, n=args.pairs, seed=args.seed)
+    spec = _spec(args, data.mask_channels)
+    engine = train(spec, config, data, out_dir=args.out, steps=args.steps, device=device, grad_accum=args.grad_accum,
+                   lr=args.lr, seed=args.seed, save_every=args.save_every, log_every=args.log_every)
+    for flag, why in engine.run.not_applicable.items():
+        print(f"note: {flag} not applicable on {device.type}: {why}", file=sys.stderr)
+    print(f"trained {engine.step_count} steps; checkpoint in {Path(args.out) / 'checkpoint.pt'}")
+
+
+def cmd_sample(args) -> None:
+    from .env import pick_device
+    from .sampling import generate, label_volume, load_checkpoint, write_nifti
+
+    device = pick_device(args.device)
+    engine = load_checkpoint(args.checkpoint, device=device, use_ema=not args.no_ema)
+    out = Path(args.out)
+    for i, source in enumerate(args.labels):
+        labels = label_volume(source, size=engine.spec.size)
+        image = generate(engine, labels, seed=args.seed + i)
+        stem = f"sample_{i:03d}"
+        write_nifti(out / "image" / f"{stem}.nii.gz", image[0] if image.shape[0] == 1 else image)
+        write_nifti(out / "mask" / f"{stem}.nii.gz", labels)
+        print(f"wrote {out / 'image' / stem}.nii.gz")
+
+
+def cmd_bench(args) -> None:
+    from .bench import bench_train
+    from .env import environment, pick_device
+
+    configs = parse_config_list(args.configs)
+    device = pick_device(args.device)
+    spec = _spec(args, args.mask_channels)
+    results = {"environment": environment(device), "spec": spec.__dict__ | {"mult": list(spec.mult)}, "runs": []}
+    jobs = [lambda c=c: bench_train(spec, c, device=device, warmup=args.warmup, steps=args.steps, seed=args.seed)
+            for c in configs]
+    if args.reference:
+        from .reference import bench_reference
+
+        jobs += [lambda p=p: bench_reference(args.reference, spec, precision=p, device=device, warmup=args.warmup,
+                                             steps=args.steps, seed=args.seed)
+                 for p in args.reference_precisions.split(",")]
+    for job in jobs:
+        results["runs"].append(job())
+        if args.json:  # after every run, atomically: a later failure keeps what was measured
+            atomic_write(args.json, lambda f: f.write(json.dumps(results, indent=1).encode()))
+    print(f"{'run':<22}{'median ms':>10}{'p10':>9}{'p90':>9}{'peak GiB':>10}{'first warm-up s':>17}")
+    for r in results["runs"]:
+        mem = r["peak_mem_bytes"] / 2**30 if r["peak_mem_bytes"] else float("nan")
+        print(f"{r['config']:<22}{r['median_ms']:>10.1f}{r['p10_ms']:>9.1f}{r['p90_ms']:>9.1f}{mem:>10.2f}"
+              f"{(r['warmup_ms'] or [float('nan')])[0] / 1e3:>17.1f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m medddpm", description="Med-DDPM training and profiling")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("info", help="model summary: parameters and FLOPs (meta device, no memory)")
+    _add_model_args(p, mask_default=2)
+    p.add_argument("--json", action="store_true", help="print a JSON object")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("configs", help="list the named configurations and their switches")
+    p.add_argument("--device", help="say which switches apply on this device (default: cuda if present)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_configs)
+
+    p = sub.add_parser("train", help="train Med-DDPM; resumes from OUT/checkpoint.pt if present")
+    _add_model_args(p, mask_default=None)
+    _add_config_args(p)
+    p.add_argument("--data", default="mni", help="'mni' (embedded templates) or a folder with mask/ and image/")
+    p.add_argument("--pairs", type=_positive, default=8, help="number of embedded training pairs (with --data mni)")
+    p.add_argument("--steps", type=_positive, default=100, help="optimizer steps")
+    p.add_argument("--grad-accum", type=_positive, default=2)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-every", type=_positive, default=500)
+    p.add_argument("--log-every", type=_positive, default=10)
+    p.add_argument("--device")
+    p.add_argument("--out", required=True, help="folder for checkpoint.pt and loss.jsonl")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("sample", help="generate volumes for label maps and write NIfTI files")
+    p.add_argument("--checkpoint", required=True, help="checkpoint.pt or the training folder holding it")
+    p.add_argument("--labels", nargs="+", default=["mni:0"], help="label maps: mni:SEED or NIfTI files")
+    p.add_argument("--no-ema", action="store_true", help="use the raw weights instead of the EMA")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_sample)
+
+    p = sub.add_parser("bench", help="time training micro-steps (fwd + bwd + Adam) per configuration")
+    _add_model_args(p)
+    p.add_argument("--configs", default="paper", help="paper, all, or comma-separated names")
+    p.add_argument("--warmup", type=_positive, default=5)
+    p.add_argument("--steps", type=_positive, default=30)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device")
+    p.add_argument("--reference", help="path to a clone of the reference mobaidoctor/med-ddpm, timed alongside")
+    p.add_argument("--reference-precisions", default="fp32,tf32")
+    p.add_argument("--json", help="write all timings to this JSON file")
+    p.set_defaults(func=cmd_bench)
+
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except (ConfigError, DataError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

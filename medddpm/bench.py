@@ -1,0 +1,88 @@
+"""Timing of training micro-steps: warm-up first (compilation, cuDNN autotuning), then each timed
+step between device events, no profiler attached (nanoGPT's bench.py habit)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from .configs import Config, get_config
+from .data import make_mni_pair, one_hot_condition
+from .engine import Engine
+from .model import ModelSpec
+
+
+def time_steps(fn: Callable[[], object], *, device: torch.device, warmup: int, steps: int,
+               desc: str = "steps", progress: bool = True) -> dict:
+    """Run `fn` `warmup` times (each timed with a host sync: compilation shows there), then `steps`
+    times back to back, each between CUDA events (host clock on a CPU). Milliseconds."""
+    cuda = device.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    warm_ms = []
+    for _ in tqdm(range(warmup), desc=f"{desc} warm-up", disable=not progress):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        warm_ms.append((time.perf_counter() - t0) * 1e3)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+    times, dispatch = [], []
+    sync()
+    wall0 = time.perf_counter()
+    for i in tqdm(range(steps), desc=f"{desc} timed", disable=not progress):
+        t0 = time.perf_counter()
+        if cuda:
+            events[i][0].record()
+        fn()
+        if cuda:
+            events[i][1].record()
+        else:
+            times.append((time.perf_counter() - t0) * 1e3)
+        dispatch.append((time.perf_counter() - t0) * 1e3)  # host time to issue the step
+    sync()
+    wall_ms = (time.perf_counter() - wall0) * 1e3
+    if cuda:
+        times = [a.elapsed_time(b) for a, b in events]
+    return {"warmup_ms": warm_ms, "step_ms": times, "dispatch_ms": dispatch, "wall_ms": wall_ms,
+            "peak_mem_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
+            **summarize(times)}
+
+
+def summarize(times: list[float]) -> dict:
+    if not times:
+        return {"median_ms": float("nan"), "p10_ms": float("nan"), "p90_ms": float("nan")}
+    q = statistics.quantiles(times, n=10, method="inclusive") if len(times) > 1 else [times[0]] * 9
+    return {"median_ms": statistics.median(times), "p10_ms": q[0], "p90_ms": q[-1]}
+
+
+def real_batch(spec: ModelSpec, *, seed: int = 0, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of embedded MNI pairs (never zeros: they time faster than real data)."""
+    if spec.mask_channels != 3:
+        raise ValueError(f"the embedded MNI pairs have 3 label channels, the model expects {spec.mask_channels}")
+    pairs = [make_mni_pair(seed + i, size=spec.size) for i in range(batch)]
+    image = torch.stack([torch.from_numpy(img)[None] for img, _ in pairs])
+    cond = torch.stack([one_hot_condition(lab, num_classes=3) for _, lab in pairs])
+    return image, cond
+
+
+def bench_train(spec: ModelSpec, config: Config | str, *, device: torch.device, warmup: int = 5,
+                steps: int = 30, batch: int = 1, seed: int = 0, progress: bool = True) -> dict:
+    """Median time of one micro-step (forward + backward + Adam step) for one configuration."""
+    config = get_config(config)
+    engine = Engine(spec, config, device=device, seed=seed, ema=False)
+    image, cond = real_batch(spec, seed=seed, batch=batch)
+    x0, c = engine.prepare(image), engine.prepare(cond)
+    losses = []
+    result = time_steps(lambda: losses.append(engine.step((x0, c))), device=device, warmup=warmup, steps=steps,
+                        desc=config.name, progress=progress)
+    result["loss"] = torch.stack(losses).float().cpu().tolist()
+    result["config"] = config.name
+    result["not_applicable"] = engine.run.not_applicable
+    result["backend_flags"] = engine.backend_flags
+    return result

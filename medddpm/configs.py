@@ -1,0 +1,162 @@
+"""Optimization configurations: each is data (a frozen dataclass), never a copy of the training loop.
+
+The paper's four (Ryoo et al. 2026) are `baseline` (strict FP32), `opt1` (TF32 tensor cores),
+`opt2` (channels-last 3D) and `opt12` (both). The rest go past the paper. Every switch can also
+be set on its own (`Config.with_flags`, or the CLI's flags), so any combination is a configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal, get_args, get_type_hints
+
+import torch
+
+Precision = Literal["fp32", "tf32", "bf16"]
+AttentionKind = Literal["math", "sdpa"]
+
+
+class ConfigError(ValueError):
+    """An unknown configuration or a flag of the wrong type or value (one line)."""
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    precision: Precision = "fp32"  # fp32 = strict IEEE (TF32 off and verified off)
+    channels_last: bool = False  # channels-last 3D (NDHWC) for the model and its inputs
+    compile: bool = False  # torch.compile (Inductor) fusion of the model's forward and backward
+    cuda_graphs: bool = False  # capture the whole training step (fwd + bwd + optimizer) in one graph
+    fused_adam: bool = False  # one fused Adam kernel instead of PyTorch's foreach implementation
+    attention: AttentionKind = "math"  # "sdpa": F.scaled_dot_product_attention (flash / mem-efficient)
+    recompute_attention: bool = True  # the reference checkpoints attention blocks in backward
+    description: str = field(default="", compare=False)
+
+    def __post_init__(self):
+        hints = get_type_hints(Config)
+        for f in dataclasses.fields(self):
+            value, hint = getattr(self, f.name), hints[f.name]
+            if hint is bool and not isinstance(value, bool):
+                raise ConfigError(f"config flag {f.name} must be a bool, got {value!r}")
+            if hint is str and not isinstance(value, str):
+                raise ConfigError(f"config field {f.name} must be a str, got {value!r}")
+            if get_args(hint) and value not in get_args(hint):
+                raise ConfigError(f"config flag {f.name} must be one of {get_args(hint)}, got {value!r}")
+
+    @property
+    def flags(self) -> dict:
+        """The switches alone (what a result row records)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("name", "description")}
+
+    def with_flags(self, name: str | None = None, **flags) -> "Config":
+        unknown = set(flags) - set(self.flags)
+        if unknown:
+            raise ConfigError(f"unknown config flag(s) {sorted(unknown)}; known: {sorted(self.flags)}")
+        changed = {k: v for k, v in flags.items() if getattr(self, k) != v}
+        if not changed:
+            return self
+        label = name or self.name + "".join(f"+{k}={v}" for k, v in sorted(changed.items()))
+        return dataclasses.replace(self, name=label, description=f"{self.name} with {changed}", **changed)
+
+
+_fast = dict(precision="bf16", channels_last=True, fused_adam=True, attention="sdpa", recompute_attention=False)
+
+CONFIGS: dict[str, Config] = {c.name: c for c in [
+    Config("baseline", description="Strict FP32: cuDNN and matmul TF32 both off (the paper's Baseline)"),
+    Config("opt1", precision="tf32", description="TF32 tensor cores for convolutions and matmuls (paper OPT1)"),
+    Config("opt2", channels_last=True, description="Channels-last 3D memory layout, FP32 (paper OPT2)"),
+    Config("opt12", precision="tf32", channels_last=True, description="TF32 + channels-last 3D (paper OPT12)"),
+    Config("bf16", precision="bf16", description="bf16 autocast; GroupNorm statistics and loss in FP32"),
+    Config("bf16-cl", precision="bf16", channels_last=True, description="bf16 autocast + channels-last 3D"),
+    Config("sdpa", precision="bf16", channels_last=True, fused_adam=True, attention="sdpa",
+           recompute_attention=False, description="bf16 + channels-last + fused Adam + SDPA attention, no recompute"),
+    Config("compile", **_fast, compile=True, description="The sdpa configuration fused by torch.compile (Inductor)"),
+    Config("graphs", **_fast, cuda_graphs=True, description="The sdpa configuration with the whole step in a CUDA graph"),
+    Config("best", **_fast, compile=True, cuda_graphs=True,
+           description="Fastest combination: bf16, channels-last, SDPA, fused Adam, torch.compile, CUDA graph"),
+]}
+
+PAPER = ("baseline", "opt1", "opt2", "opt12")
+
+
+def get_config(name: str | Config) -> Config:
+    if isinstance(name, Config):
+        return name
+    if not isinstance(name, str):
+        raise ConfigError(f"configuration name must be a str, got {type(name).__name__}")
+    if name not in CONFIGS:
+        raise ConfigError(f"unknown configuration {name!r}; known: {', '.join(CONFIGS)}")
+    return CONFIGS[name]
+
+
+def parse_config_list(spec: str) -> list[Config]:
+    """'paper', 'all' or a comma-separated list of names; every name is checked before any work."""
+    if spec == "paper":
+        return [CONFIGS[n] for n in PAPER]
+    if spec == "all":
+        return list(CONFIGS.values())
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    if not names:
+        raise ConfigError("empty configuration list")
+    return [get_config(n) for n in names]
+
+
+# ------------------------------------------------------------------------------ device resolution
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A configuration as it will run on one device: the switches in force and those that cannot be."""
+
+    config: Config
+    device: torch.device
+    precision: str
+    channels_last: bool
+    compile: bool
+    cuda_graphs: bool
+    fused_adam: bool
+    not_applicable: dict[str, str]  # flag -> why it is off on this device
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return torch.bfloat16 if self.precision == "bf16" else None
+
+    @property
+    def memory_format(self) -> torch.memory_format:
+        return torch.channels_last_3d if self.channels_last else torch.contiguous_format
+
+
+def resolve(config: Config, device: torch.device | str) -> Resolved:
+    """Decide what runs where; GPU-only switches on a CPU are recorded as not applicable."""
+    device = torch.device(device)
+    na: dict[str, str] = {}
+    precision, graphs = config.precision, config.cuda_graphs
+    if device.type != "cuda":
+        if precision == "tf32":
+            na["precision"] = "TF32 is a tensor-core mode of NVIDIA GPUs; ran as strict fp32"
+            precision = "fp32"
+        if graphs:
+            na["cuda_graphs"] = "CUDA graphs need a CUDA device; ran eagerly"
+            graphs = False
+    return Resolved(config, device, precision, config.channels_last, config.compile, graphs, config.fused_adam, na)
+
+
+def set_precision_flags(precision: str) -> dict[str, str]:
+    """Set the process-wide FP32 math mode for cuDNN convolutions and matmuls, and verify it took.
+
+    PyTorch's default leaves cuDNN TF32 on (and matmul TF32 off), so an unmodified "FP32" run
+    already uses TF32 convolutions: strict fp32 must turn both off. bf16 keeps TF32 on for the
+    few fp32 operations autocast leaves in fp32. Uses the `fp32_precision` API (torch >= 2.9):
+    mixing it with the legacy `allow_tf32` switches raises in current PyTorch.
+    """
+    want = "ieee" if precision == "fp32" else "tf32"
+    torch.backends.cudnn.conv.fp32_precision = want
+    torch.backends.cudnn.rnn.fp32_precision = want
+    torch.backends.cuda.matmul.fp32_precision = want
+    got = {"cudnn_conv_fp32_precision": torch.backends.cudnn.conv.fp32_precision,
+           "matmul_fp32_precision": torch.backends.cuda.matmul.fp32_precision}
+    if set(got.values()) != {want}:
+        raise RuntimeError(f"could not set fp32 math mode to {want!r}: {got}")
+    torch.backends.cudnn.benchmark = True
+    return got

@@ -1,0 +1,167 @@
+"""One training step of Med-DDPM under one configuration: the single place where switches act.
+
+`Engine.step(batches)` runs forward + backward over the micro-batches (gradient accumulation) and
+one Adam step, and returns the mean loss as a device tensor: nothing inside a step waits for the
+host, so steps queue back to back on a GPU. The trainer, the benchmarks and the profilers all drive
+this one object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .configs import Config, Resolved, get_config, resolve, set_precision_flags
+from .diffusion import GaussianDiffusion
+from .model import ModelSpec, UNet3D
+
+
+class EMA:
+    """Exponential moving average of the weights, as the reference keeps it: decay 0.995, updated
+    every 10 optimizer steps from step 2000 on, and a plain copy of the weights before that."""
+
+    def __init__(self, model: torch.nn.Module, *, decay: float = 0.995, every: int = 10, start: int = 2000):
+        self.decay, self.every, self.start = decay, every, start
+        self.params = [p.detach().clone() for p in model.parameters()]
+
+    @torch.no_grad()
+    def update(self, model: torch.nn.Module, step: int) -> None:
+        if step % self.every:
+            return
+        live = [p.detach() for p in model.parameters()]
+        if step < self.start:
+            torch._foreach_copy_(self.params, live)
+        else:
+            torch._foreach_lerp_(self.params, live, 1 - self.decay)
+
+    @torch.no_grad()
+    def copy_to(self, model: torch.nn.Module) -> None:
+        torch._foreach_copy_([p.detach() for p in model.parameters()], self.params)
+
+    def state_dict(self) -> dict:
+        return {"params": self.params}
+
+    def load_state_dict(self, state: dict) -> None:
+        torch._foreach_copy_(self.params, [p.to(self.params[0].device) for p in state["params"]])
+
+
+class Engine:
+    def __init__(self, spec: ModelSpec, config: Config | str, *, device: torch.device | str = "cpu",
+                 lr: float = 1e-5, timesteps: int = 250, seed: int = 0, ema: bool = True):
+        config = get_config(config)
+        self.spec, self.config = spec, config
+        self.run: Resolved = resolve(config, device)
+        self.device = self.run.device
+        self.backend_flags = set_precision_flags(self.run.precision)
+        torch.manual_seed(seed)
+
+        model = UNet3D(spec, attention=config.attention, recompute_attention=config.recompute_attention)
+        self.model = model.to(self.device, memory_format=self.run.memory_format)
+        self.denoiser = torch.compile(self.model) if self.run.compile else self.model
+        self.diffusion = GaussianDiffusion(timesteps=timesteps).to(self.device)
+        # capturable keeps Adam's step counter on the device, which graph replay requires.
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=lr, fused=True if self.run.fused_adam else None,
+                                    capturable=self.run.cuda_graphs)
+        self.ema = EMA(self.model) if ema else None
+        self.step_count = 0
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._static: tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor] | None = None
+
+    # ------------------------------------------------------------------------------------ helpers
+
+    def autocast(self):
+        dtype = self.run.autocast_dtype
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def prepare(self, x: torch.Tensor) -> torch.Tensor:
+        """Move a (B, C, D, H, W) batch to the device in the configuration's memory layout."""
+        return x.to(self.device, non_blocking=True).contiguous(memory_format=self.run.memory_format)
+
+    def loss(self, x0: torch.Tensor, cond: torch.Tensor, **kw) -> torch.Tensor:
+        with self.autocast():
+            return self.diffusion.loss(self.denoiser, x0, cond, **kw)
+
+    # ------------------------------------------------------------------------------------- steps
+
+    def _step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        total = None
+        for x0, cond in batches:
+            loss = self.loss(x0, cond) / len(batches)
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return total
+
+    def _capture(self, batches):
+        """Warm up on a side stream, then record one whole step (PyTorch's recipe for whole-network
+        capture, docs 'CUDA semantics' > 'CUDA Graphs'). Weights, optimizer state and RNG are put
+        back afterwards, in place, so capturing does not change the training trajectory."""
+        weights = {k: v.clone() for k, v in self.model.state_dict().items()}
+        opt_state = {p: {k: v.clone() for k, v in s.items()} for p, s in self.opt.state.items()}
+        rng = torch.cuda.get_rng_state(self.device)
+        static = [(x.clone(), c.clone()) for x, c in batches]
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(3):  # cuDNN autotuning and compilation happen here, outside the graph
+                self._step(static)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            loss = self._step(static)
+        with torch.no_grad():
+            for k, v in self.model.state_dict().items():
+                v.copy_(weights[k])
+            for p, s in self.opt.state.items():
+                for k, v in s.items():
+                    v.copy_(opt_state[p][k]) if p in opt_state else v.zero_()
+        torch.cuda.set_rng_state(rng, self.device)
+        self._graph, self._static = graph, (static, loss)
+
+    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]] | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """One optimizer step over `batches` (a list of (x0, cond) micro-batches, or one pair).
+
+        Inputs must already be prepared (`prepare`). Returns the loss on the device; no host sync.
+        """
+        if isinstance(batches, tuple):
+            batches = [batches]
+        if self.run.cuda_graphs:
+            if self._graph is None:
+                self._capture(batches)
+            static, loss = self._static
+            for (sx, sc), (x, c) in zip(static, batches, strict=True):
+                sx.copy_(x, non_blocking=True)
+                sc.copy_(c, non_blocking=True)
+            self._graph.replay()
+            loss = loss.clone()
+        else:
+            loss = self._step(batches)
+        self.step_count += 1
+        if self.ema is not None:
+            self.ema.update(self.model, self.step_count)
+        return loss
+
+    # -------------------------------------------------------------------------------- checkpoints
+
+    def state_dict(self) -> dict:
+        state = {"model": self.model.state_dict(), "opt": self.opt.state_dict(), "step": self.step_count,
+                 "cpu_rng": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
+        if self.ema is not None:
+            state["ema"] = self.ema.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["opt"])
+        self.step_count = int(state["step"])
+        torch.set_rng_state(state["cpu_rng"])
+        if "cuda_rng" in state and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+        if self.ema is not None and "ema" in state:
+            self.ema.load_state_dict(state["ema"])

@@ -1,0 +1,71 @@
+"""The environment a result was measured in: every result row carries it (TorchBench's habit)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+import re
+import subprocess
+from pathlib import Path
+
+import torch
+
+
+def pick_device(name: str | None = None) -> torch.device:
+    """`name` if given (e.g. 'cpu', 'cuda:1'), else CUDA when present, else the CPU."""
+    if name:
+        device = torch.device(name)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} asked for, but no CUDA device is available")
+        return device
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def gpu_slug(name: str) -> str:
+    """'NVIDIA H200' -> 'nvidia-h200': lower case, runs of other characters as one hyphen."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def git_commit() -> str:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _driver_version() -> str:
+    try:
+        import pynvml  # nvidia-ml-py, present on GPU machines
+
+        pynvml.nvmlInit()
+        return pynvml.nvmlSystemGetDriverVersion()
+    except Exception:  # noqa: BLE001 - no NVML here is an answer, not an error
+        return ""
+
+
+def environment(device: torch.device) -> dict:
+    cuda = device.type == "cuda"
+    return {
+        "gpu_name": device_name(device),
+        "gpu_count": torch.cuda.device_count() if cuda else 0,
+        "driver": _driver_version() if cuda else "",
+        "cuda": torch.version.cuda or "" if cuda else "",
+        "cudnn": str(torch.backends.cudnn.version() or "") if cuda else "",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu": platform.processor() or platform.machine(),
+        "host_threads": torch.get_num_threads(),
+        "git_commit": git_commit(),
+        "container": os.environ.get("MEDDDPM_CONTAINER", "apptainer" if os.environ.get("APPTAINER_NAME") else
+                                    "docker" if Path("/.dockerenv").exists() else ""),
+        "time_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    }

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Create .venv (if missing) and install the pinned requirements into it. Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -r requirements.txt
+.venv/bin/python -c "import torch, medddpm; print('torch', torch.__version__, '| cuda' if torch.cuda.is_available() else '| cpu')"

@@ -1,0 +1,24 @@
+import pytest
+import torch
+
+from medddpm.model import ModelSpec
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    torch.set_num_threads(2)
+
+
+@pytest.fixture
+def tiny_spec() -> ModelSpec:
+    """Two levels, 32 base channels, attention at downsample 2: the reference's shape, tiny."""
+    return ModelSpec(size=16, mask_channels=3, base_channels=32, channel_mult=(1, 2), attention_ds=(2,))
+
+
+def random_batch(spec: ModelSpec, *, batch: int = 1, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    s = spec.size
+    image = torch.rand(batch, 1, s, s, s, generator=g) * 2 - 1
+    labels = torch.randint(0, spec.mask_channels + 1, (batch, s, s, s), generator=g)
+    cond = torch.stack([(labels == k + 1).float() * 2 - 1 for k in range(spec.mask_channels)], dim=1)
+    return image, cond

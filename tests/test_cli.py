@@ -1,0 +1,65 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from medddpm.__main__ import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*args, **kw):
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "medddpm", *args], capture_output=True, text=True, env=env, **kw)
+
+
+def test_info_json_reports_the_reference_figures():
+    out = run("info", "--size", "128", "--mask-channels", "2", "--json")
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert info["parameters"] == 40_226_433
+    assert abs(info["forward_flops"] / 5.537e12 - 1) < 0.01
+    assert info["channels"] == [64, 64, 128, 192, 256] and info["attention_tokens"] == 4096
+
+
+def test_configs_lists_every_configuration_and_what_does_not_apply(capsys):
+    assert main(["configs", "--device", "cpu", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert {"baseline", "opt1", "opt2", "opt12", "bf16", "compile", "graphs", "best"} <= set(rows)
+    assert "precision" in rows["opt1"]["not_applicable_here"]
+    assert rows["baseline"]["not_applicable_here"] == {}
+
+
+def test_train_then_sample_on_embedded_data(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MEDDDPM_CACHE", str(tmp_path / "cache"))
+    args = ["train", "--size", "16", "--base-channels", "32", "--pairs", "2", "--steps", "2", "--device", "cpu",
+            "--config", "opt1", "--out", str(tmp_path / "run")]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "trained 2 steps" in captured.out and "precision not applicable on cpu" in captured.err
+    assert len((tmp_path / "run" / "loss.jsonl").read_text().splitlines()) == 2
+    assert main(["sample", "--checkpoint", str(tmp_path / "run"), "--labels", "mni:3", "--device", "cpu",
+                 "--out", str(tmp_path / "gen")]) == 0
+    assert (tmp_path / "gen" / "image" / "sample_000.nii.gz").exists()
+    assert (tmp_path / "gen" / "mask" / "sample_000.nii.gz").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "--config", "opt3", "--out", "x"], "unknown configuration 'opt3'"),
+    (["train", "--steps", "-5", "--out", "x"], "expected a positive integer, got -5"),
+    (["train", "--steps", "ten", "--out", "x"], "expected a positive integer, got 'ten'"),
+    (["train", "--compile", "maybe", "--out", "x"], "expected true or false"),
+    (["train", "--data", "/nonexistent/folder", "--out", "x"], "/nonexistent/folder"),
+    (["bench", "--configs", "baseline,nope"], "unknown configuration 'nope'"),
+    (["sample", "--checkpoint", "/nonexistent/ckpt.pt", "--out", "x"], "no checkpoint"),
+])
+def test_bad_input_fails_with_one_clear_line(args, message, tmp_path):
+    out = run(*args, cwd=tmp_path)
+    assert out.returncode == 2
+    last = out.stderr.strip().splitlines()[-1]
+    assert message in last, out.stderr
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "x").exists()

@@ -1,0 +1,79 @@
+import pytest
+import torch
+
+from medddpm.configs import (CONFIGS, PAPER, Config, ConfigError, get_config, parse_config_list, resolve,
+                             set_precision_flags)
+from medddpm.engine import Engine
+
+from conftest import random_batch
+
+
+def test_paper_configurations_have_the_papers_switches():
+    assert PAPER == ("baseline", "opt1", "opt2", "opt12")
+    assert (CONFIGS["baseline"].precision, CONFIGS["baseline"].channels_last) == ("fp32", False)
+    assert (CONFIGS["opt1"].precision, CONFIGS["opt1"].channels_last) == ("tf32", False)
+    assert (CONFIGS["opt2"].precision, CONFIGS["opt2"].channels_last) == ("fp32", True)
+    assert (CONFIGS["opt12"].precision, CONFIGS["opt12"].channels_last) == ("tf32", True)
+    for name in ("bf16", "compile", "graphs", "best"):
+        assert name in CONFIGS
+    assert CONFIGS["compile"].compile and CONFIGS["graphs"].cuda_graphs
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(precision="fp16"), "precision must be one of"),
+    (dict(channels_last="yes"), "channels_last must be a bool"),
+    (dict(compile=1), "compile must be a bool"),
+    (dict(attention="flash"), "attention must be one of"),
+])
+def test_wrong_flag_types_are_refused(bad, message):
+    with pytest.raises(ConfigError, match=message):
+        Config("x", **bad)
+
+
+def test_unknown_names_are_refused_before_any_work():
+    with pytest.raises(ConfigError, match="unknown configuration 'opt3'"):
+        parse_config_list("baseline,opt3")
+    with pytest.raises(ConfigError, match="must be a str"):
+        get_config(3)
+    with pytest.raises(ConfigError, match="unknown config flag"):
+        CONFIGS["baseline"].with_flags(turbo=True)
+    assert [c.name for c in parse_config_list("paper")] == list(PAPER)
+    assert len(parse_config_list("all")) == len(CONFIGS)
+
+
+def test_with_flags_composes_and_names_the_change():
+    c = CONFIGS["opt1"].with_flags(channels_last=True)
+    assert c.flags == CONFIGS["opt12"].flags and c.name == "opt1+channels_last=True"
+    assert CONFIGS["opt1"].with_flags(precision="tf32") is CONFIGS["opt1"]
+
+
+def test_gpu_only_switches_are_not_applicable_on_cpu():
+    r = resolve(CONFIGS["opt1"], "cpu")
+    assert r.precision == "fp32" and "precision" in r.not_applicable
+    r = resolve(CONFIGS["best"], "cpu")
+    assert not r.cuda_graphs and "cuda_graphs" in r.not_applicable and r.compile
+    assert resolve(CONFIGS["baseline"], "cpu").not_applicable == {}
+    assert resolve(CONFIGS["best"], "cuda").not_applicable == {}
+
+
+def test_strict_fp32_turns_both_tf32_switches_off_and_tf32_on():
+    assert set(set_precision_flags("fp32").values()) == {"ieee"}
+    assert torch.backends.cudnn.conv.fp32_precision == "ieee" and torch.backends.cuda.matmul.fp32_precision == "ieee"
+    assert set(set_precision_flags("tf32").values()) == {"tf32"}
+    set_precision_flags("fp32")
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_every_named_configuration_runs_one_cpu_step(name, tiny_spec):
+    engine = Engine(tiny_spec, name, device="cpu", ema=False)
+    x, c = random_batch(tiny_spec)
+    before = [p.detach().clone() for p in engine.model.parameters()]
+    loss = engine.step((engine.prepare(x), engine.prepare(c)))
+    assert loss.shape == () and torch.isfinite(loss)
+    changed = sum(not torch.equal(a, p) for a, p in zip(before, engine.model.parameters()))
+    assert changed > 0, "an optimizer step must move some weights"
+    expected_na = {k for k in ("precision", "cuda_graphs")
+                   if (k == "precision" and CONFIGS[name].precision == "tf32") or (k == "cuda_graphs" and CONFIGS[name].cuda_graphs)}
+    assert set(engine.run.not_applicable) == expected_na
+    if engine.run.channels_last:
+        assert next(p for p in engine.model.parameters() if p.ndim == 5).is_contiguous(memory_format=torch.channels_last_3d)

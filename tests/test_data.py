@@ -1,0 +1,312 @@
+import gzip
+import os
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+
+from medddpm import data
+from medddpm.data import DataError, MNIPairs, NiftiPairs, make_mni_pair, one_hot_condition, open_dataset
+
+
+# make_mni_pair
+
+@pytest.mark.parametrize("size", [16, 24, 32])
+def test_mni_pair_shapes_and_ranges(size):
+    image, labels = make_mni_pair(3, size=size)
+    assert image.shape == labels.shape == (size,) * 3
+    assert image.dtype == np.float32 and labels.dtype == np.uint8
+    assert image.min() >= -1 and image.max() <= 1
+    assert set(np.unique(labels)) <= set(data.LABELS)
+    assert (image[labels == 0] == -1).all()
+    assert (image[labels > 0] > -1).mean() > 0.95
+
+
+def test_mni_pair_deterministic_per_seed():
+    a, b, c = (make_mni_pair(s, size=24) for s in (5, 5, 6))
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert not np.array_equal(a[0], c[0]) and not np.array_equal(a[1], c[1])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_mni_pair_all_labels_present(seed):
+    _, labels = make_mni_pair(seed, size=32)
+    counts = np.bincount(labels.ravel(), minlength=4)
+    assert len(counts) == 4 and (counts > 0).all()
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("size", [24, 32])
+def test_mni_brain_inside_field_of_view(seed, size):
+    _, labels = make_mni_pair(seed, size=size)
+    for axis in range(3):
+        assert not labels.take(0, axis).any() and not labels.take(-1, axis).any()
+
+
+def test_mni_spacing_is_honoured():
+    _, labels = make_mni_pair(0, size=32, spacing_mm=2.0)  # 64 mm field of view: brain everywhere
+    assert labels[0].any() and labels[-1].any()
+
+
+def test_mni_template_dir():
+    folder = data.mni_template_dir()
+    assert (folder / "mni_icbm152_t1_tal_nlin_sym_09a_converted.nii.gz").is_file()
+
+
+def test_mni_template_dir_missing(monkeypatch):
+    monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(DataError, match="nilearn"):
+        data.mni_template_dir()
+
+
+# one_hot_condition
+
+@pytest.mark.parametrize("as_tensor", [False, True])
+@pytest.mark.parametrize("batched", [False, True])
+def test_one_hot_condition(as_tensor, batched):
+    labels = np.array([0, 1, 2, 3, 2, 0], dtype=np.uint8).reshape(1, 2, 3)
+    if batched:
+        labels = np.stack([labels, 3 - labels])
+    cond = one_hot_condition(torch.from_numpy(labels).long() if as_tensor else labels, num_classes=3)
+    channel_axis = 1 if batched else 0
+    assert cond.dtype == torch.float32
+    assert cond.shape == labels.shape[:channel_axis] + (3,) + labels.shape[channel_axis:]
+    for k in range(3):  # channel k is label k + 1; background has no channel
+        expected = torch.from_numpy(labels == k + 1).float() * 2 - 1
+        assert torch.equal(cond.select(channel_axis, k), expected)
+
+
+@pytest.mark.parametrize("labels, error", [
+    (np.full((2, 2, 2), 4), ValueError),
+    (np.full((2, 2, 2), -1), ValueError),
+    (np.zeros((2, 2, 2), dtype=np.float32), TypeError),
+    (np.zeros((2, 2, 2), dtype=bool), TypeError),
+    (np.zeros((2, 2)), ValueError),
+])
+def test_one_hot_condition_rejects(labels, error):
+    with pytest.raises(error):
+        one_hot_condition(labels, num_classes=3)
+
+
+# MNIPairs
+
+def test_mni_pairs_items(tmp_path):
+    ds = MNIPairs(2, size=16, cache_dir=tmp_path, seed=7, progress=False)
+    assert len(ds) == 2 and ds.mask_channels == 3
+    image, cond = ds[1]
+    assert image.shape == (1, 16, 16, 16) and cond.shape == (3, 16, 16, 16)
+    assert image.dtype == cond.dtype == torch.float32
+    ref_image, ref_labels = make_mni_pair(8, size=16)
+    assert torch.equal(image[0], torch.from_numpy(ref_image))
+    assert torch.equal(cond, one_hot_condition(ref_labels, num_classes=3))
+    with pytest.raises(IndexError):
+        ds[2]
+
+
+def test_mni_pairs_cache(tmp_path, monkeypatch):
+    ds = MNIPairs(3, size=16, cache_dir=tmp_path, progress=False).prepare()
+    first = [ds[i] for i in range(3)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(ds.path(i).name for i in range(3))
+
+    def boom(*args, **kwargs):
+        raise AssertionError("pair regenerated instead of read from the cache")
+
+    monkeypatch.setattr(data, "make_mni_pair", boom)
+    again = MNIPairs(3, size=16, cache_dir=tmp_path, progress=False).prepare()
+    for (a, b), (c, d) in zip(first, again):
+        assert torch.equal(a, c) and torch.equal(b, d)
+
+
+def test_mni_pairs_killed_write_leaves_nothing(tmp_path, monkeypatch):
+    def killed(f, **arrays):
+        f.write(b"half a file")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(data.np, "savez_compressed", killed)
+    with pytest.raises(KeyboardInterrupt):
+        MNIPairs(1, size=16, cache_dir=tmp_path, progress=False).prepare()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_mni_pairs_default_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEDDDPM_CACHE", str(tmp_path / "cache"))
+    ds = MNIPairs(1, size=16, progress=False)
+    ds[0]
+    assert ds.path(0).parent == tmp_path / "cache" and ds.path(0).is_file()
+
+
+def test_mni_pairs_unreadable_cache_file(tmp_path):
+    ds = MNIPairs(1, size=16, cache_dir=tmp_path, progress=False)
+    ds.path(0).write_bytes(b"not a zip")
+    with pytest.raises(DataError, match=ds.path(0).name):
+        ds[0]
+
+
+# NiftiPairs
+
+SHAPE = (18, 20, 16)
+
+
+def write_nifti(path, array):
+    nib.save(nib.Nifti1Image(np.asarray(array), np.eye(4)), str(path))
+
+
+def write_pair(root, k, *, image=None, labels=None, ext=".nii.gz"):
+    rng = np.random.default_rng(k)
+    write_nifti(root / "image" / f"t1_sub{k:02d}{ext}",
+                rng.normal(size=SHAPE).astype(np.float32) if image is None else image)
+    write_nifti(root / "mask" / f"seg_{k}{ext}", rng.integers(0, 4, SHAPE, dtype=np.uint8) if labels is None else labels)
+
+
+@pytest.fixture
+def root(tmp_path):
+    root = tmp_path / "data"
+    (root / "image").mkdir(parents=True)
+    (root / "mask").mkdir()
+    for k in (1, 2):
+        write_pair(root, k)
+    write_pair(root, 3, ext=".nii")
+    return root
+
+
+def test_nifti_pairs_items(root):
+    ds = NiftiPairs(root, size=16)
+    assert len(ds) == 3 and ds.mask_channels == ds.num_classes == 3
+    for image, cond in ds:
+        assert image.shape == (1, 16, 16, 16) and cond.shape == (3, 16, 16, 16)
+        assert image.dtype == cond.dtype == torch.float32
+        assert image.min() >= -1 and image.max() <= 1
+        assert set(cond.unique().tolist()) == {-1.0, 1.0}
+        assert (cond > 0).sum(0).max() <= 1  # at most one class per voxel
+
+
+def test_nifti_pairs_explicit_num_classes(root):
+    assert NiftiPairs(root, size=8, num_classes=5)[0][1].shape == (5, 8, 8, 8)
+
+
+def test_nifti_pairs_normalizes_per_volume_not_per_slice(tmp_path):
+    root = tmp_path / "ramp"
+    (root / "image").mkdir(parents=True)
+    (root / "mask").mkdir()
+    ramp = np.broadcast_to(np.arange(16, dtype=np.float32) * 10 + 100, (16, 16, 16)).copy()
+    write_pair(root, 1, image=ramp, labels=np.ones((16, 16, 16), dtype=np.uint8))
+    image = NiftiPairs(root, size=16)[0][0][0]
+    assert torch.allclose(image, torch.from_numpy(ramp - 100) / 75 - 1)
+
+
+def _clear(folder, *, remove=False):
+    for p in folder.iterdir():
+        p.unlink()
+    if remove:
+        folder.rmdir()
+    return folder.name
+
+
+def _put(root, name, array):
+    write_nifti(root / name, array)
+    return os.path.basename(name)
+
+
+def _put_bytes(root, name, content):
+    (root / name).write_bytes(content)
+    return os.path.basename(name)
+
+
+def _rename(root, name, new_name):
+    (root / name).rename(root / new_name)
+    return os.path.basename(new_name)
+
+
+def _unlink(root, name, *, report):
+    (root / name).unlink()
+    return report
+
+
+def _truncate_data(root, name):
+    path = root / name  # header intact, voxel data cut short
+    path.write_bytes(gzip.compress(gzip.decompress(path.read_bytes())[:-200]))
+    return path.name
+
+
+def _one(value, dtype, shape=SHAPE):
+    return np.full(shape, value, dtype)
+
+
+def _with_nan():
+    a = np.ones(SHAPE, np.float32)
+    a[3, 4, 5] = np.nan
+    return a
+
+
+def _all_background(root):
+    for name in ("mask/seg_1.nii.gz", "mask/seg_2.nii.gz", "mask/seg_3.nii"):
+        _put(root, name, _one(0, np.uint8))
+    return "mask"
+
+
+BAD = {  # case -> corrupt the good data set, return the name the error must mention
+    "missing root": lambda r: _clear(r / "image", remove=True) and _clear(r / "mask", remove=True) and r.rmdir() or r.name,
+    "missing mask folder": lambda r: _clear(r / "mask", remove=True),
+    "empty image folder": lambda r: _clear(r / "image"),
+    "non-NIfTI file": lambda r: _put_bytes(r, "image/notes.txt", b"hi"),
+    "unreadable NIfTI": lambda r: _put_bytes(r, "image/t1_sub02.nii.gz", b"garbage" * 50),
+    "unreadable .nii": lambda r: _put_bytes(r, "image/t1_sub03.nii", b"garbage" * 50),
+    "truncated header": lambda r: _put_bytes(r, "image/t1_sub02.nii.gz", (r / "image/t1_sub02.nii.gz").read_bytes()[:300]),
+    "truncated data": lambda r: _truncate_data(r, "mask/seg_2.nii.gz"),
+    "no number": lambda r: _rename(r, "image/t1_sub01.nii.gz", "image/brain.nii.gz"),
+    "image without mask": lambda r: _unlink(r, "mask/seg_2.nii.gz", report="t1_sub02.nii.gz"),
+    "mask without image": lambda r: _unlink(r, "image/t1_sub02.nii.gz", report="seg_2.nii.gz"),
+    "duplicate number": lambda r: _put(r, "mask/seg_002.nii.gz", _one(1, np.uint8)) and "seg_2.nii.gz",
+    "shape mismatch": lambda r: _put(r, "mask/seg_2.nii.gz", _one(1, np.uint8, (4, 4, 4))) and "t1_sub02.nii.gz",
+    "4-D volume": lambda r: _put(r, "image/t1_sub01.nii.gz", np.random.rand(*SHAPE, 2).astype(np.float32)),
+    "NaN image": lambda r: _put(r, "image/t1_sub02.nii.gz", _with_nan()),
+    "inf image": lambda r: _put(r, "image/t1_sub02.nii.gz", _one(np.inf, np.float32)),
+    "constant image": lambda r: _put(r, "image/t1_sub03.nii", _one(7, np.float32)),
+    "negative label": lambda r: _put(r, "mask/seg_1.nii.gz", _one(-1, np.int16)),
+    "fractional label": lambda r: _put(r, "mask/seg_1.nii.gz", _one(1.5, np.float32)),
+    "all background": _all_background,
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_nifti_pairs_bad_input(root, case):
+    name = BAD[case](root)
+    with pytest.raises(DataError) as e:
+        NiftiPairs(root, size=16)
+    message = str(e.value)
+    assert "\n" not in message and name in message, message
+
+
+def test_nifti_pairs_label_out_of_range(root):
+    _put(root, "mask/seg_2.nii.gz", _one(5, np.uint8))
+    with pytest.raises(DataError, match="seg_2.nii.gz"):
+        NiftiPairs(root, size=16, num_classes=3)
+    assert NiftiPairs(root, size=16).num_classes == 5  # inferred from the largest label
+
+
+def test_nifti_pairs_shape_mismatch_names_both(root):
+    _put(root, "mask/seg_2.nii.gz", _one(1, np.uint8, (4, 4, 4)))
+    with pytest.raises(DataError, match=r"t1_sub02.nii.gz.*seg_2.nii.gz.*\(4, 4, 4\)"):
+        NiftiPairs(root, size=16)
+
+
+# open_dataset
+
+def test_open_dataset(root, tmp_path):
+    mni = open_dataset("mni", size=16, n=3, cache_dir=tmp_path / "cache", seed=4)
+    assert isinstance(mni, MNIPairs) and len(mni) == 3 and mni.size == 16 and mni.seed == 4
+    nifti = open_dataset(str(root), size=16)
+    assert isinstance(nifti, NiftiPairs) and len(nifti) == 3
+
+
+def test_open_dataset_missing_path(tmp_path):
+    missing = str(tmp_path / "nowhere")
+    with pytest.raises(DataError, match="nowhere") as e:
+        open_dataset(missing, size=16)
+    assert "\n" not in str(e.value)
+
+
+def test_data_error_is_one_line():
+    assert str(DataError("a.nii\nbroken")) == "a.nii broken"
+    assert issubclass(DataError, ValueError)

@@ -1,0 +1,85 @@
+import json
+
+import pytest
+import torch
+
+from medddpm import train as train_mod
+from medddpm.sampling import generate, load_checkpoint, write_nifti
+from medddpm.train import read_loss_log, train
+
+from conftest import random_batch
+
+
+class Pairs(torch.utils.data.Dataset):
+    def __init__(self, spec, n=4):
+        self.items = [tuple(t[0] for t in random_batch(spec, seed=i)) for i in range(n)]
+        self.mask_channels = spec.mask_channels
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def _weights(engine):
+    return [p.detach().clone() for p in engine.model.parameters()]
+
+
+def test_interrupted_run_resumes_from_its_checkpoint(tiny_spec, tmp_path, monkeypatch):
+    data = Pairs(tiny_spec)
+    kw = dict(steps=6, grad_accum=2, lr=1e-3, save_every=2, log_every=1, progress=False)
+    whole = train(tiny_spec, "baseline", data, out_dir=tmp_path / "whole", **kw)
+
+    # Kill the second run inside step 5 (after the step-4 checkpoint was written).
+    real_step = train_mod.Engine.step
+    calls = {"n": 0}
+
+    def dying_step(self, batches):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt("killed")
+        return real_step(self, batches)
+
+    monkeypatch.setattr(train_mod.Engine, "step", dying_step)
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny_spec, "baseline", data, out_dir=tmp_path / "cut", **kw)
+    monkeypatch.setattr(train_mod.Engine, "step", real_step)
+    assert torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=False)["step"] == 4
+    assert not list((tmp_path / "cut").glob("*.tmp")), "no half-written files"
+
+    resumed = train(tiny_spec, "baseline", data, out_dir=tmp_path / "cut", **kw)
+    assert resumed.step_count == whole.step_count == 6
+    for a, b in zip(_weights(whole), _weights(resumed)):
+        assert torch.equal(a, b), "a resumed run must continue exactly where the killed one stopped"
+    assert [r["step"] for r in read_loss_log(tmp_path / "cut")] == list(range(1, 7))
+    assert read_loss_log(tmp_path / "cut") == read_loss_log(tmp_path / "whole")
+
+
+def test_resume_refuses_another_configuration(tiny_spec, tmp_path):
+    data = Pairs(tiny_spec)
+    train(tiny_spec, "baseline", data, out_dir=tmp_path, steps=1, grad_accum=1, progress=False)
+    with pytest.raises(ValueError, match="another model or configuration"):
+        train(tiny_spec, "bf16", data, out_dir=tmp_path, steps=2, grad_accum=1, progress=False)
+
+
+@pytest.mark.parametrize("bad", [dict(steps=0), dict(steps=-3), dict(grad_accum=1.5), dict(steps="10")])
+def test_bad_training_parameters_fail_before_work(tiny_spec, tmp_path, bad):
+    kw = dict(steps=2, grad_accum=1, progress=False) | bad
+    with pytest.raises(ValueError, match="must be a positive int"):
+        train(tiny_spec, "baseline", Pairs(tiny_spec), out_dir=tmp_path, **kw)
+    assert not (tmp_path / "checkpoint.pt").exists()
+
+
+def test_sample_from_checkpoint_writes_nifti(tiny_spec, tmp_path):
+    import nibabel as nib
+
+    train(tiny_spec, "baseline", Pairs(tiny_spec), out_dir=tmp_path, steps=2, grad_accum=1, progress=False)
+    engine = load_checkpoint(tmp_path, device="cpu")
+    engine.diffusion.__init__(timesteps=3)  # a short chain keeps the test fast
+    labels = torch.randint(0, 4, (16, 16, 16)).numpy().astype("uint8")
+    image = generate(engine, labels, progress=False)
+    assert image.shape == (1, 16, 16, 16)
+    path = write_nifti(tmp_path / "out" / "s.nii.gz", image[0])
+    assert nib.load(path).shape == (16, 16, 16)
+    assert json.loads((tmp_path / "loss.jsonl").read_text().splitlines()[0])["step"] == 1
