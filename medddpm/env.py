@@ -32,6 +32,9 @@ def device_name(device: torch.device) -> str:
 
 
 def git_commit() -> str:
+    """HEAD of this checkout (with -dirty), or $MEDDDPM_GIT_COMMIT where the tree travels without .git."""
+    if os.environ.get("MEDDDPM_GIT_COMMIT"):
+        return os.environ["MEDDDPM_GIT_COMMIT"]
     root = Path(__file__).resolve().parent.parent
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
