@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.profiler import record_function
 
 from .configs import Config, Resolved, get_config, resolve, set_precision_flags
 from .diffusion import GaussianDiffusion
@@ -87,13 +88,17 @@ class Engine:
     # ------------------------------------------------------------------------------------- steps
 
     def _step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        # Named ranges let the profiler attribute each kernel to its pass (kernels.py).
         total = None
         for x0, cond in batches:
-            loss = self.loss(x0, cond) / len(batches)
-            loss.backward()
+            with record_function("forward"):
+                loss = self.loss(x0, cond) / len(batches)
+            with record_function("backward"):
+                loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        with record_function("optimizer"):
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
         return total
 
     def _capture(self, batches):

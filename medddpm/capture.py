@@ -1,0 +1,47 @@
+"""Run training steps of one configuration for an outside profiler (Nsight Compute).
+
+`python -m medddpm.capture --config opt1 --size 64` runs warm-up steps, then one step inside the
+NVTX range `medddpm_step`, so that `ncu --nvtx --nvtx-include "medddpm_step/"` profiles exactly
+one training step and none of the warm-up (compilation, cuDNN autotuning).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from .bench import real_batch
+from .engine import Engine
+from .model import ModelSpec
+
+NVTX_RANGE = "medddpm_step"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="baseline")
+    p.add_argument("--size", type=int, default=128)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--trace", help="also write a torch.profiler (Kineto) trace of one more step here")
+    args = p.parse_args(argv)
+    spec = ModelSpec(size=args.size, mask_channels=3)
+    engine = Engine(spec, args.config, device="cuda", ema=False)
+    x0, cond = (engine.prepare(t) for t in real_batch(spec))
+    for _ in range(args.warmup):
+        engine.step((x0, cond))
+    torch.cuda.synchronize()
+    with torch.cuda.nvtx.range(NVTX_RANGE):
+        engine.step((x0, cond))
+    torch.cuda.synchronize()
+    if args.trace:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            engine.step((x0, cond))
+            torch.cuda.synchronize()
+        prof.export_chrome_trace(args.trace)
+
+
+if __name__ == "__main__":
+    main()
