@@ -155,6 +155,18 @@ def cmd_bench(args) -> None:
               f"{(r['warmup_ms'] or [float('nan')])[0] / 1e3:>17.1f}")
 
 
+def cmd_sweep(args) -> None:
+    from .sweep import sweep
+
+    configs = parse_config_list(args.configs)  # every name checked before any work
+    params = {k: getattr(args, k) for k in ("steps", "warmup", "size", "data") if getattr(args, k) is not None}
+    params["profilers"] = args.profilers
+    results = sweep(configs, preset=args.preset, out=args.out, device=args.device, gpu_label=args.gpu_label,
+                    force=args.force, params=params)
+    for r in results:
+        print(f"{r['config']:<12}{r['status']:<14}{r['seconds']:>8.0f} s  {r['folder']}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m medddpm", description="Med-DDPM training and profiling")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -204,6 +216,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reference-precisions", default="fp32,tf32")
     p.add_argument("--json", help="write all timings to this JSON file")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("sweep", help="run the producer notebook for each configuration into data/<gpu>/<config>/")
+    p.add_argument("--configs", default="paper", help="paper, all, or comma-separated names")
+    p.add_argument("--preset", choices=["smoke", "paper"], default="smoke")
+    p.add_argument("--out", default="data")
+    p.add_argument("--force", action="store_true", help="redo configurations already measured")
+    p.add_argument("--device")
+    p.add_argument("--gpu-label", help="name the device differently in data/<gpu-slug>/")
+    p.add_argument("--size", type=_positive)
+    p.add_argument("--steps", type=_positive, help="timed micro-steps (default: the preset's)")
+    p.add_argument("--warmup", type=_positive)
+    p.add_argument("--data", help="'mni' or a folder with mask/ and image/")
+    p.add_argument("--profilers", default="torch,ncu", help="comma-separated: torch, ncu ('' for none)")
+    p.set_defaults(func=cmd_sweep)
 
     args = parser.parse_args(argv)
     try:

@@ -17,7 +17,7 @@ from .model import ModelSpec
 
 
 def time_steps(fn: Callable[[], object], *, device: torch.device, warmup: int, steps: int,
-               desc: str = "steps", progress: bool = True) -> dict:
+               desc: str = "steps", progress: bool = True, on_timed_start: Callable[[], object] | None = None) -> dict:
     """Run `fn` `warmup` times (each timed with a host sync: compilation shows there), then `steps`
     times back to back, each between CUDA events (host clock on a CPU). Milliseconds."""
     cuda = device.type == "cuda"
@@ -34,6 +34,8 @@ def time_steps(fn: Callable[[], object], *, device: torch.device, warmup: int, s
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
     times, dispatch = [], []
     sync()
+    if on_timed_start is not None:
+        on_timed_start()
     wall0 = time.perf_counter()
     for i in tqdm(range(steps), desc=f"{desc} timed", disable=not progress):
         t0 = time.perf_counter()

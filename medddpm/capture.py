@@ -1,6 +1,6 @@
 """Run training steps of one configuration for an outside profiler (Nsight Compute).
 
-`python -m medddpm.capture --config opt1 --size 64` runs warm-up steps, then one step inside the
+`python -m medddpm.capture --config opt1 --preset paper` runs warm-up steps, then one step inside the
 NVTX range `medddpm_step`, so that `ncu --nvtx --nvtx-include "medddpm_step/"` profiles exactly
 one training step and none of the warm-up (compilation, cuDNN autotuning).
 """
@@ -8,12 +8,13 @@ one training step and none of the warm-up (compilation, cuDNN autotuning).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 
 from .bench import real_batch
 from .engine import Engine
-from .model import ModelSpec
+from .measure import get_preset
 
 NVTX_RANGE = "medddpm_step"
 
@@ -21,19 +22,24 @@ NVTX_RANGE = "medddpm_step"
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="baseline")
-    p.add_argument("--size", type=int, default=128)
+    p.add_argument("--preset", default="paper", help="model shape and size of a measurement preset")
+    p.add_argument("--size", type=int, help="override the preset's input size")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--trace", help="also write a torch.profiler (Kineto) trace of one more step here")
     args = p.parse_args(argv)
-    spec = ModelSpec(size=args.size, mask_channels=3)
+    preset = get_preset(args.preset)
+    spec = dataclasses.replace(preset, size=args.size or preset.size).spec(mask_channels=3)
     engine = Engine(spec, args.config, device="cuda", ema=False)
     x0, cond = (engine.prepare(t) for t in real_batch(spec))
     for _ in range(args.warmup):
         engine.step((x0, cond))
     torch.cuda.synchronize()
-    with torch.cuda.nvtx.range(NVTX_RANGE):
-        engine.step((x0, cond))
+    # A process-wide start/end range: autograd launches the backward kernels from its own thread,
+    # which a per-thread push/pop range would miss.
+    handle = torch.cuda.nvtx.range_start(NVTX_RANGE)
+    engine.step((x0, cond))
     torch.cuda.synchronize()
+    torch.cuda.nvtx.range_end(handle)
     if args.trace:
         from torch.profiler import ProfilerActivity, profile
 

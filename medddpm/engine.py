@@ -67,7 +67,7 @@ class Engine:
         self.ema = EMA(self.model) if ema else None
         self.step_count = 0
         self._graph: torch.cuda.CUDAGraph | None = None
-        self._static: tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor] | None = None
+        self._static: tuple[list[tuple[torch.Tensor, ...]], torch.Tensor] | None = None
 
     # ------------------------------------------------------------------------------------ helpers
 
@@ -78,8 +78,13 @@ class Engine:
         return torch.autocast(self.device.type, dtype=dtype)
 
     def prepare(self, x: torch.Tensor) -> torch.Tensor:
-        """Move a (B, C, D, H, W) batch to the device in the configuration's memory layout."""
-        return x.to(self.device, non_blocking=True).contiguous(memory_format=self.run.memory_format)
+        """Move a tensor to the device; (B, C, D, H, W) batches in the configuration's memory layout."""
+        x = x.to(self.device, non_blocking=True)
+        return x.contiguous(memory_format=self.run.memory_format) if x.ndim == 5 else x
+
+    def activate(self) -> None:
+        """Re-apply this configuration's process-wide math modes (another Engine may have changed them)."""
+        self.backend_flags = set_precision_flags(self.run.precision)
 
     def loss(self, x0: torch.Tensor, cond: torch.Tensor, **kw) -> torch.Tensor:
         with self.autocast():
@@ -87,12 +92,12 @@ class Engine:
 
     # ------------------------------------------------------------------------------------- steps
 
-    def _step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def _step(self, batches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
         # Named ranges let the profiler attribute each kernel to its pass (kernels.py).
         total = None
-        for x0, cond in batches:
+        for x0, cond, *fixed in batches:  # fixed: optional (t, noise), for runs that must match
             with record_function("forward"):
-                loss = self.loss(x0, cond) / len(batches)
+                loss = self.loss(x0, cond, **dict(zip(("t", "noise"), fixed))) / len(batches)
             with record_function("backward"):
                 loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
@@ -108,7 +113,7 @@ class Engine:
         weights = {k: v.clone() for k, v in self.model.state_dict().items()}
         opt_state = {p: {k: v.clone() for k, v in s.items()} for p, s in self.opt.state.items()}
         rng = torch.cuda.get_rng_state(self.device)
-        static = [(x.clone(), c.clone()) for x, c in batches]
+        static = [tuple(t.clone() for t in batch) for batch in batches]
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -127,8 +132,9 @@ class Engine:
         torch.cuda.set_rng_state(rng, self.device)
         self._graph, self._static = graph, (static, loss)
 
-    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]] | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """One optimizer step over `batches` (a list of (x0, cond) micro-batches, or one pair).
+    def step(self, batches: list[tuple[torch.Tensor, ...]] | tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """One optimizer step over `batches`: a list of micro-batches (x0, cond) or (x0, cond, t, noise),
+        or one such tuple.
 
         Inputs must already be prepared (`prepare`). Returns the loss on the device; no host sync.
         """
@@ -138,9 +144,9 @@ class Engine:
             if self._graph is None:
                 self._capture(batches)
             static, loss = self._static
-            for (sx, sc), (x, c) in zip(static, batches, strict=True):
-                sx.copy_(x, non_blocking=True)
-                sc.copy_(c, non_blocking=True)
+            for static_batch, batch in zip(static, batches, strict=True):
+                for dst, src in zip(static_batch, batch, strict=True):
+                    dst.copy_(src, non_blocking=True)
             self._graph.replay()
             loss = loss.clone()
         else:

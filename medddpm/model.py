@@ -132,17 +132,21 @@ class Attention(nn.Module):
 
     def _forward(self, x):
         b, c, *spatial = x.shape
-        qkv = self.qkv(self.norm(x).reshape(b, c, -1))  # (B, 3C, N)
-        q, k, v = qkv.chunk(3, dim=1)
+        h = self.norm(x).reshape(b, c, -1)  # (B, C, N)
         if self.kind == "sdpa":
-            # (B, 1 head, N, C): flash / memory-efficient kernels, no N x N matrix in memory.
-            q, k, v = (u.transpose(1, 2)[:, None] for u in (q, k, v))
-            h = F.scaled_dot_product_attention(q, k, v)[:, 0].transpose(1, 2)
-        else:
-            scale = c ** -0.25  # split between q and k, as guided-diffusion does, for fp16 range
-            w = torch.einsum("bci,bcj->bij", q * scale, k * scale)
-            w = torch.softmax(w.float(), dim=-1).to(w.dtype)
-            h = torch.einsum("bij,bcj->bci", w, v)
+            # Token-major (B, N, C): the 1x1 projections become plain matmuls whose outputs have unit
+            # stride in the channel dim, which the flash / memory-efficient kernels require (a
+            # transposed view falls back to the math kernel); free for channels-last inputs.
+            h = h.transpose(1, 2)
+            q, k, v = F.linear(h, self.qkv.weight[..., 0], self.qkv.bias)[:, None].chunk(3, dim=-1)
+            h = F.scaled_dot_product_attention(q, k, v)[:, 0]  # (B, N, C), one head
+            h = F.linear(h, self.proj_out.weight[..., 0], self.proj_out.bias).transpose(1, 2)
+            return x + h.reshape(b, c, *spatial)
+        q, k, v = self.qkv(h).chunk(3, dim=1)  # (B, C, N) each
+        scale = c ** -0.25  # split between q and k, as guided-diffusion does, for fp16 range
+        w = torch.einsum("bci,bcj->bij", q * scale, k * scale)
+        w = torch.softmax(w.float(), dim=-1).to(w.dtype)
+        h = torch.einsum("bij,bcj->bci", w, v)
         return x + self.proj_out(h).reshape(b, c, *spatial)
 
 

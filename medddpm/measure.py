@@ -1,0 +1,410 @@
+"""Measure one (device, configuration, preset): timing, sampling, kernels, counters, quality.
+
+The producer notebook (notebooks/produce.ipynb) drives a `Measurement` phase by phase; each phase
+writes its table at once (atomically), and `finish()` writes `run.parquet` last. A phase that runs
+out of memory or fails is recorded with its status and message, and the phases after it are
+skipped: nothing is left half-written and nothing is silently missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime as dt
+import json
+import math
+import statistics
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from . import schema
+from .bench import summarize, time_steps
+from .configs import Config, get_config
+from .data import open_dataset
+from .engine import Engine
+from .env import environment, gpu_slug, pick_device
+from .flops import count
+from .model import ModelSpec
+
+NCU_REPORTS = Path(__file__).resolve().parent.parent / "runs" / "ncu"
+REFERENCE_STEPS = 100_000  # optimizer steps of the reference's training run
+REFERENCE_ACCUM = 2  # micro-steps per optimizer step
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    size: int
+    base_channels: int = 64
+    channel_mult: tuple[int, ...] | None = None
+    attention_ds: tuple[int, ...] = (8,)
+    warmup: int = 5
+    steps: int = 30
+    profile_steps: int = 2
+    quality_steps: int = 20
+    sample_timesteps: int = 250
+
+    def spec(self, *, mask_channels: int = 3) -> ModelSpec:
+        return ModelSpec(size=self.size, mask_channels=mask_channels, base_channels=self.base_channels,
+                         channel_mult=self.channel_mult, attention_ds=self.attention_ds)
+
+
+PRESETS = {
+    # Every configuration on a 2-core CPU in a few minutes: the model's shape, tiny.
+    "smoke": Preset("smoke", size=16, base_channels=32, channel_mult=(1, 2), attention_ds=(2,), warmup=1, steps=3,
+                    profile_steps=1, quality_steps=3, sample_timesteps=250),
+    # The study's setting: whole-head Med-DDPM at 128^3, batch 1.
+    "paper": Preset("paper", size=128),
+}
+
+
+def get_preset(name: str) -> Preset:
+    if not isinstance(name, str) or name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def _check(name: str, value, kind: type, *, minimum: int | None = None) -> None:
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise ValueError(f"parameter {name} must be {kind.__name__}, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"parameter {name} must be >= {minimum}, got {value!r}")
+
+
+def randomize_(model: torch.nn.Module, *, seed: int, std: float = 0.02) -> None:
+    """Fill the zero-initialised output layers too, so that a forward pass carries signal."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.any():
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
+class Measurement:
+    def __init__(self, config: str | Config, preset: str = "smoke", *, device: str | None = None,
+                 gpu_label: str | None = None, size: int | None = None, data: str = "mni", pairs: int = 16, batch: int = 1,
+                 steps: int | None = None, warmup: int | None = None, out: str = "data",
+                 stage: str | None = None, seed: int = 0, profilers: tuple[str, ...] = ("torch", "ncu")):
+        # Every parameter is checked here, before any GPU work.
+        self.config = get_config(config)
+        self.preset = get_preset(preset)
+        for name, value, minimum in (("pairs", pairs, 1), ("batch", batch, 1), ("seed", seed, 0)):
+            _check(name, value, int, minimum=minimum)
+        if steps is not None:
+            _check("steps", steps, int, minimum=1)
+        if size is not None:
+            _check("size", size, int, minimum=8)
+            self.preset = dataclasses.replace(self.preset, size=size)
+        if warmup is not None:
+            _check("warmup", warmup, int, minimum=0)
+        unknown = set(profilers) - {"torch", "ncu"}
+        if unknown:
+            raise ValueError(f"unknown profilers {sorted(unknown)}; known: torch, ncu")
+        self.device = pick_device(device)
+        self.steps = steps or self.preset.steps
+        self.warmup = self.preset.warmup if warmup is None else warmup
+        self.batch, self.seed, self.profilers = batch, seed, tuple(profilers)
+        self.data = open_dataset(data, size=self.preset.size, n=pairs, seed=seed)
+        self.spec = self.preset.spec(mask_channels=self.data.mask_channels)
+        info = count(self.spec)  # meta device: no memory, no GPU work
+        self.summary: dict = {"parameters": info["parameters"], "forward_flops": float(info["forward_flops"]),
+                              "flops_per_step": float(info["train_flops"])}
+        self.env = environment(self.device)
+        self.gpu_name = gpu_label or self.env["gpu_name"]
+        self.slug = gpu_slug(self.gpu_name)
+        self.final_dir = Path(out) / self.slug / self.config.name
+        self.dir = Path(stage) if stage else self.final_dir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.start = dt.datetime.now(dt.timezone.utc)
+        self.run_id = f"{self.slug}/{self.config.name}/{self.start.strftime('%Y%m%dT%H%M%SZ')}"
+        self.status, self.message = "ok", ""
+        self.profiler_status: dict = {}
+        self.tables: dict[str, pd.DataFrame] = {}
+        self._t0 = time.perf_counter()
+
+    # --------------------------------------------------------------------------------- plumbing
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Run a phase unless an earlier one failed; record out-of-memory and errors, don't raise."""
+        if self.status != "ok":
+            self.profiler_status.setdefault(name, {"status": "skipped", "message": f"after {self.status}"})
+            yield False
+            return
+        try:
+            yield True
+        except torch.OutOfMemoryError as e:
+            self.status, self.message = "oom", f"{name}: {str(e).splitlines()[0]}"
+        except Exception as e:  # noqa: BLE001 - recorded in run.parquet, the sweep goes on
+            self.status, self.message = "error", f"{name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            traceback.print_exc()
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def _write(self, table: str, df: pd.DataFrame) -> pd.DataFrame:
+        df = df.assign(run_id=self.run_id)
+        schema.write_table(df, self.dir / f"{table}.parquet", table)
+        self.tables[table] = df
+        return df
+
+    def _batch(self, *, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        items = [self.data[(offset + i) % len(self.data)] for i in range(self.batch)]
+        return torch.stack([x for x, _ in items]), torch.stack([c for _, c in items])
+
+    def _engine(self, config: Config | None = None, *, ema: bool = False) -> Engine:
+        return Engine(self.spec, config or self.config, device=self.device, seed=self.seed, ema=ema)
+
+    def _peaks(self) -> tuple[int, int]:
+        if self.device.type != "cuda":
+            return -1, -1
+        return torch.cuda.max_memory_allocated(self.device), torch.cuda.max_memory_reserved(self.device)
+
+    # ----------------------------------------------------------------------------------- phases
+
+    def train(self) -> pd.DataFrame | None:
+        """Warm-up, then timed micro-steps (forward + backward + Adam), no profiler attached."""
+        with self.phase("train") as go:
+            if not go:
+                return None
+            engine = self._engine()
+            self.summary["not_applicable"] = engine.run.not_applicable
+            self.summary["backend_flags"] = engine.backend_flags
+            self.summary["precision_used"] = engine.run.precision
+            x0, cond = (engine.prepare(t) for t in self._batch())
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+            losses = []
+            with Energy(self.device) as energy:
+                timing = time_steps(lambda: losses.append(engine.step((x0, cond))), device=self.device,
+                                    warmup=self.warmup, steps=self.steps, desc=f"train {self.config.name}",
+                                    on_timed_start=energy.start)
+            peak, reserved = self._peaks()
+            loss = torch.stack(losses).float().cpu().tolist()
+            n_warm = len(timing["warmup_ms"])
+            rows = pd.DataFrame({
+                "phase": "train", "step": range(n_warm + len(timing["step_ms"])),
+                "timed": [False] * n_warm + [True] * len(timing["step_ms"]),
+                "time_ms": timing["warmup_ms"] + timing["step_ms"],
+                "dispatch_ms": [math.nan] * n_warm + timing["dispatch_ms"],
+                "loss": loss, "peak_mem_bytes": peak,
+            })
+            median_s = timing["median_ms"] / 1e3
+            voxels = self.batch * self.spec.size ** 3
+            self.summary |= {
+                "warmup_s": sum(timing["warmup_ms"]) / 1e3, "first_step_s": (timing["warmup_ms"] or [math.nan])[0] / 1e3,
+                "train_median_ms": timing["median_ms"], "train_p10_ms": timing["p10_ms"], "train_p90_ms": timing["p90_ms"],
+                "train_mean_ms": statistics.fmean(timing["step_ms"]),
+                "train_std_ms": statistics.stdev(timing["step_ms"]) if len(timing["step_ms"]) > 1 else 0.0,
+                "dispatch_median_ms": statistics.median(timing["dispatch_ms"]),
+                "achieved_tflops": self.summary["flops_per_step"] * self.batch / median_s / 1e12,
+                "voxels_per_s": voxels / median_s, "samples_per_s": self.batch / median_s,
+                "peak_mem_bytes": peak, "peak_reserved_bytes": reserved,
+                "epoch_size": len(self.data), "epoch_s": len(self.data) / self.batch * median_s,
+                "gpu_hours_100k": REFERENCE_STEPS * REFERENCE_ACCUM * median_s / 3600,
+                "mean_power_w": energy.mean_power_w(timing["wall_ms"] / 1e3),
+                "energy_per_step_j": energy.joules / len(timing["step_ms"]) if energy.joules is not None else math.nan,
+            }
+            self.summary["energy_100k_kwh"] = self.summary["energy_per_step_j"] * REFERENCE_STEPS * REFERENCE_ACCUM / 3.6e6
+            del engine
+            self._steps = rows
+            return self._write("steps", rows)
+
+    def sample(self) -> pd.DataFrame | None:
+        """One full ancestral sample (T denoising steps), each step between device events."""
+        with self.phase("sample") as go:
+            if not go:
+                return None
+            engine = Engine(self.spec, self.config, device=self.device, seed=self.seed, ema=False,
+                            timesteps=self.preset.sample_timesteps)
+            engine.model.eval()
+            _, cond = self._batch()
+            cond = engine.prepare(cond)
+            cuda = self.device.type == "cuda"
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
+            marks: list = []
+
+            def mark(_):
+                if cuda:
+                    ev = torch.cuda.Event(enable_timing=True)
+                    ev.record()
+                    marks.append(ev)
+                else:
+                    marks.append(time.perf_counter())
+
+            mark(None)
+            t0 = time.perf_counter()
+            with engine.autocast(), torch.no_grad():
+                engine.diffusion.sample(engine.denoiser, cond, generator=torch.Generator(self.device).manual_seed(0),
+                                        step_callback=mark, progress=True)
+            if cuda:
+                torch.cuda.synchronize(self.device)
+                times = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+            else:
+                times = [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]
+            total_s = time.perf_counter() - t0
+            peak, _ = self._peaks()
+            # The first denoising step carries compilation and autotuning: it counts in the total
+            # (a user waits for it) but is marked untimed, like a warm-up step.
+            rows = pd.DataFrame({"phase": "sample", "step": range(len(times)), "timed": [i > 0 for i in range(len(times))],
+                                 "time_ms": times, "dispatch_ms": math.nan, "loss": math.nan, "peak_mem_bytes": peak})
+            self.summary |= {"sample_steps": len(times), "sample_step_median_ms": summarize(times[1:] or times)["median_ms"],
+                             "sample_total_s": total_s, "sample_peak_mem_bytes": peak}
+            del engine
+            return self._write("steps", pd.concat([self._steps, rows], ignore_index=True))
+
+    def kernels(self) -> pd.DataFrame | None:
+        """torch.profiler over a few steps (separate from the timed steps)."""
+        if "torch" not in self.profilers:
+            self.profiler_status["torch"] = {"status": "skipped", "message": "not requested"}
+            return None
+        from .kernels import profile_kernels
+
+        with self.phase("torch") as go:
+            if not go:
+                return None
+            engine = self._engine()
+            x0, cond = (engine.prepare(t) for t in self._batch())
+            df = profile_kernels(lambda: engine.step((x0, cond)), device=self.device,
+                                 steps=self.preset.profile_steps, warmup=max(1, min(self.warmup, 3)))
+            del engine
+            self.profiler_status["torch"] = {"status": "ok", "message": f"{len(df)} kernel rows"}
+            return self._write("kernels", df)
+
+    def counters(self) -> pd.DataFrame | None:
+        """Nsight Compute on the kernels that make up most of a step (GPU only)."""
+        if "ncu" not in self.profilers:
+            self.profiler_status["ncu"] = {"status": "skipped", "message": "not requested"}
+            return None
+        from .ncu import run_ncu
+
+        with self.phase("ncu") as go:
+            if not go:
+                return None
+            if "kernels" not in self.tables:
+                self.profiler_status["ncu"] = {"status": "skipped", "message": "needs the torch.profiler ranking"}
+                return None
+            # The report itself (tens of MB) stays out of the data tree, under runs/ncu/.
+            df, status = run_ncu(kernels_df=self.tables["kernels"], config=self.config.name, preset=self.preset.name,
+                                 size=self.preset.size, out_dir=NCU_REPORTS / self.slug / self.config.name)
+            self.profiler_status["ncu"] = status
+            if self.device.type != "cuda" and df.empty:
+                return None
+            return self._write("ncu", df)
+
+    def quality(self) -> pd.DataFrame | None:
+        """Same weights, data, timesteps and noise under this configuration and under strict FP32."""
+        with self.phase("quality") as go:
+            if not go:
+                return None
+            engines = {"config": self._engine(), "baseline": self._engine(get_config("baseline"))}
+            for e in engines.values():
+                randomize_(e.model, seed=self.seed + 1)
+            x0, cond = self._batch()
+            t = torch.full((self.batch,), self.preset.sample_timesteps // 2, dtype=torch.long)
+            noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(self.seed + 2))
+            out = {}
+            for name, e in engines.items():
+                e.activate()
+                with e.autocast():  # grad enabled: the compiled training graph serves this call too
+                    x_t = e.diffusion.q_sample(*(e.prepare(v) for v in (x0, t, noise)))
+                    pred = e.denoiser(torch.cat([x_t, e.prepare(cond).to(x_t.dtype)], 1), e.prepare(t))
+                out[name] = pred.detach().double()
+            rel_err = float((out["config"] - out["baseline"]).norm() / out["baseline"].norm())
+            losses = {}
+            for name, e in engines.items():
+                e.activate()
+                g = torch.Generator().manual_seed(self.seed + 3)
+                vals = []
+                for step in range(self.preset.quality_steps):
+                    x, c = self._batch(offset=step)
+                    tt = torch.randint(0, e.diffusion.timesteps, (self.batch,), generator=g)
+                    nn_ = torch.randn(x.shape, generator=g)
+                    vals.append(e.step(tuple(e.prepare(v) for v in (x, c, tt, nn_))))
+                losses[name] = torch.stack(vals).float().cpu().tolist()
+            del engines
+            rows = pd.DataFrame({"step": range(1, self.preset.quality_steps + 1), "loss": losses["config"],
+                                 "baseline_loss": losses["baseline"], "rel_err": rel_err})
+            return self._write("quality", rows)
+
+    # ----------------------------------------------------------------------------------- finish
+
+    def finish(self) -> pd.DataFrame:
+        """Write run.parquet (last: its presence marks the run finished)."""
+        row = run_row(self.config, self.preset.name, env=self.env, gpu_name=self.gpu_name, status=self.status,
+                      message=self.message) | {
+            "run_id": self.run_id, "precision_used": self.summary.get("precision_used", ""),
+            "not_applicable": json.dumps(self.summary.get("not_applicable", {})),
+            "backend_flags": json.dumps(self.summary.get("backend_flags", {})),
+            "size": self.spec.size, "batch": self.batch, "mask_channels": self.spec.mask_channels,
+            "warmup_steps": self.warmup, "timed_steps": self.steps, "profilers": json.dumps(self.profiler_status),
+            "start_time": self.start.isoformat(timespec="seconds"), "duration_s": time.perf_counter() - self._t0,
+        } | {k: v for k, v in self.summary.items() if k not in ("not_applicable", "backend_flags", "precision_used")}
+        return self._write("run", pd.DataFrame([row]))
+
+
+def run_row(config: Config, preset: str, *, env: dict, gpu_name: str, status: str, message: str) -> dict:
+    """A run.parquet row with the environment and switches filled in and every measured column at its
+    missing value (NaN, -1 or ''), for phases that did not run."""
+    now = dt.datetime.now(dt.timezone.utc)
+    row = {"run_id": f"{gpu_slug(gpu_name)}/{config.name}/{now.strftime('%Y%m%dT%H%M%SZ')}", "status": status,
+           "message": message, **{k: env[k] for k in ("gpu_count", "driver", "cuda", "cudnn", "torch", "python",
+                                                       "cpu", "host_threads", "git_commit", "container")},
+           "gpu_name": gpu_name, "gpu_slug": gpu_slug(gpu_name), "config": config.name, **config.flags,
+           "preset": preset, "start_time": now.isoformat(timespec="seconds")}
+    for name, (typ, _) in schema.TABLES["run"].items():
+        row.setdefault(name, -1 if typ == schema.I else math.nan if typ == schema.F else "")
+    return row
+
+
+def write_failed_run(config: Config, preset: str, folder: Path, *, device: torch.device, gpu_label: str | None,
+                     message: str) -> None:
+    """run.parquet for a measurement that died before writing its own (status error, and why)."""
+    env = environment(device)
+    row = run_row(config, preset, env=env, gpu_name=gpu_label or env["gpu_name"], status="error", message=message)
+    schema.write_table(pd.DataFrame([row]), Path(folder) / "run.parquet", "run")
+
+
+class Energy:
+    """Board energy over the timed steps from NVML's cumulative counter (mJ); None where absent."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.handle, self.joules, self._e0 = device, None, None, None
+        if device.type != "cuda":
+            return
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            self.handle = pynvml.nvmlDeviceGetHandleByPciBusId(_pci_bus_id(device))
+        except Exception:  # noqa: BLE001 - no NVML (or no energy counter) means no energy figure
+            self.handle = None
+
+    def start(self) -> None:
+        if self.handle is not None:
+            try:
+                self._e0 = self._nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle)
+            except Exception:  # noqa: BLE001
+                self.handle = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.handle is not None and self._e0 is not None and exc[0] is None:
+            self.joules = (self._nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle) - self._e0) / 1e3
+
+    def mean_power_w(self, seconds: float) -> float:
+        return self.joules / seconds if self.joules is not None and seconds > 0 else math.nan
+
+
+def _pci_bus_id(device: torch.device) -> str:
+    p = torch.cuda.get_device_properties(device)
+    return f"{p.pci_domain_id:08x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"

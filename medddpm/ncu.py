@@ -1,0 +1,503 @@
+"""Nsight Compute (ncu) hardware counters for the kernels that make up most of a training step.
+
+The torch.profiler ranking picks the kernels (`select_kernels`); `ncu_command` profiles only those,
+only inside the NVTX range of `medddpm.capture`'s one step, with the clocks left alone; the report is
+exported with ``ncu -i REPORT --csv --page details --print-units base --print-rule-details`` and read
+into one long table (`parse_details_csv`), from which `kernel_summary` (one row per kernel) and
+`priorities` (rules weighted by the kernel's share of the step) are derived. `run_ncu` never raises
+for a profiler problem: it returns an empty table and says why.
+
+Kernel names differ between the two profilers (pairs seen on the H200 are in
+tests/fixtures/ncu/kernel-names-h200.json). torch.profiler (Kineto) reports the GNU-demangled name,
+``void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>,
+std::array<char*, 3ul> >(int, at::native::CUDAFunctor_add<float>, std::array<char*, 3ul>)``; ncu's
+demangler gives ``void at::vectorized_elementwise_kernel<4, at::CUDAFunctor_add<float>,
+std::array<char *, 3>>(int, T2, T3)``: namespaces shortened or dropped, ``<unnamed>`` for
+``(anonymous namespace)``, literals without suffixes, ``0/1`` for ``false/true``, parameters as
+template names, ``[lambda() (instance 1)]`` for ``{lambda()#1}``. Neither an exact match nor ncu's
+``function`` base (``vectorized_elementwise_kernel``, shared by hundreds of launches) selects well,
+so names are matched by their *token skeleton*: the function name and the words and numbers of its
+template arguments, without namespaces, qualifiers, booleans, literal suffixes or parameter lists,
+the first `SKELETON_TOKENS` of them (a distinctive prefix). A name matches when the skeleton's
+tokens appear in it in order: `kernel_regex` (with ``--kernel-name-base demangled``) and
+`match_kernel` (for `priorities`). cuDNN's generated convolution kernels are matched by family
+(``xmma_fprop``/``dgrad``/``wgrad``): its autotuner picks other algorithms under ncu.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import io
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import IO
+
+import pandas as pd
+
+NVTX_RANGE = "medddpm_step"  # medddpm.capture.NVTX_RANGE (not imported: capture imports torch)
+
+# Sections, not `--set full`: full also collects SourceCounters and PM sampling (55 MB for 12 kernels).
+SECTIONS = (
+    "SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "MemoryWorkloadAnalysis_Tables",
+    "WarpStateStats", "SchedulerStats", "InstructionStats", "Occupancy", "LaunchStats",
+    "SpeedOfLight_RooflineChart",
+)
+
+# Section identifier -> display name (`ncu --list-sections`, 2025.3). In the details CSV a metric row
+# names its section by display name, but a rule row by the identifier of the section file that holds
+# the rule, so both spellings of one section appear ("Compute Workload Analysis" and
+# "ComputeWorkloadAnalysis"); parse_details_csv writes display names only.
+SECTION_NAMES = {
+    "C2CLink": "C2CLink",
+    "ComputeWorkloadAnalysis": "Compute Workload Analysis",
+    "InstructionStats": "Instruction Statistics",
+    "LaunchStats": "Launch Statistics",
+    "MemoryWorkloadAnalysis": "Memory Workload Analysis",
+    "MemoryWorkloadAnalysis_Chart": "Memory Workload Analysis Chart",
+    "MemoryWorkloadAnalysis_Tables": "Memory Workload Analysis Tables",
+    "NumaAffinity": "NUMA Affinity",
+    "Nvlink": "NVLink",
+    "Nvlink_Tables": "NVLink Tables",
+    "Nvlink_Topology": "NVLink Topology",
+    "Occupancy": "Occupancy",
+    "PmSampling": "PM Sampling",
+    "PmSampling_WarpStates": "PM Sampling: Warp States",
+    "SchedulerStats": "Scheduler Statistics",
+    "SourceCounters": "Source Counters",
+    "SpeedOfLight": "GPU Speed Of Light Throughput",
+    "SpeedOfLight_HierarchicalDoubleRooflineChart": "GPU Speed Of Light Hierarchical Roofline Chart (Double Precision)",
+    "SpeedOfLight_HierarchicalHalfRooflineChart": "GPU Speed Of Light Hierarchical Roofline Chart (Half Precision)",
+    "SpeedOfLight_HierarchicalSingleRooflineChart": "GPU Speed Of Light Hierarchical Roofline Chart (Single Precision)",
+    "SpeedOfLight_HierarchicalTensorRooflineChart": "GPU Speed Of Light Hierarchical Roofline Chart (Tensor Core)",
+    "SpeedOfLight_RooflineChart": "GPU Speed Of Light Roofline Chart",
+    "WarpStateStats": "Warp State Statistics",
+    "WorkloadDistribution": "GPU and Memory Workload Distribution",
+}
+
+# Names as in Nsight Compute's own section files (ComputeWorkloadAnalysis, WarpStateStatistics,
+# SpeedOfLight_RooflineChart) and its nvprof transition table; `run_ncu` drops any the device lacks.
+TENSOR_PIPE_METRICS = (
+    "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",  # warp MMA (Volta..Hopper)
+    # Hopper: HMMA plus warpgroup HGMMA/QGMMA (an H200 lists no sm__pipe_tensor_op_gmma_cycles_active)
+    "sm__pipe_tensor_op_hmma_type_hmma_hgmma_qgmma_cycles_active.avg.pct_of_peak_sustained_active",
+    "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",  # "Tensor (All)", any architecture
+)
+INST_CLASSES = ("fp16", "fp32", "fp64", "integer", "memory", "control", "conversion", "bit", "misc", "uniform",
+                "inter_thread_communication")
+STALL_REASONS = ("long_scoreboard", "short_scoreboard", "barrier", "membar", "mio_throttle", "lg_throttle",
+                 "math_pipe_throttle", "tex_throttle", "not_selected", "selected", "wait", "dispatch_stall",
+                 "no_instruction", "drain", "sleeping", "imc_miss", "branch_resolving", "misc", "gmma")
+# Thread instructions per op; FLOPs = add + mul + 2 * fma (what the roofline section computes).
+FLOP_OPS = {"fp32": ("fadd", "fmul", "ffma"), "fp64": ("dadd", "dmul", "dfma"), "fp16": ("hadd", "hmul", "hfma")}
+
+
+def _inst_metric(cls: str) -> str:
+    return f"smsp__sass_thread_inst_executed_op_{cls}_pred_on.sum"
+
+
+def _stall_metric(reason: str) -> str:
+    return f"smsp__average_warps_issue_stalled_{reason}_per_issue_active.ratio"
+
+
+EXTRA_METRICS: list[str] = [
+    *TENSOR_PIPE_METRICS,
+    *(_inst_metric(c) for c in INST_CLASSES),
+    *(_stall_metric(r) for r in STALL_REASONS),
+    *(_inst_metric(op) for ops in FLOP_OPS.values() for op in ops),
+    "l1tex__t_sector_hit_rate.pct",
+    "lts__t_sector_hit_rate.pct",
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    "dram__bytes.sum.per_second",
+    "sm__warps_active.avg.pct_of_peak_sustained_active",
+    "gpu__time_duration.sum",
+]
+
+COLUMNS = {"kernel": "str", "kernel_id": "int64", "kind": "str", "section": "str", "metric": "str",
+           "value": "float64", "unit": "str", "text": "str", "speedup_type": "str"}
+
+NON_KERNEL_CATEGORIES = ("memcpy",)  # copies and fills (medddpm.kernels files memsets here too): not kernels
+SKELETON_TOKENS = 10  # enough to tell instantiations apart, short enough to survive truncated names
+
+
+def empty_table() -> pd.DataFrame:
+    return pd.DataFrame({c: pd.Series(dtype=t) for c, t in COLUMNS.items()})
+
+
+# ---------------------------------------------------------------------------------------- selection
+
+def _kernel_times(kernels: pd.DataFrame) -> pd.Series:
+    """Summed device time per distinct kernel name, largest first (name breaks ties: deterministic)."""
+    k = kernels[~kernels["category"].isin(NON_KERNEL_CATEGORIES)]
+    t = k.groupby("kernel")["total_us"].sum()
+    return t.sort_index().sort_values(ascending=False, kind="stable")
+
+
+def select_kernels(kernels: pd.DataFrame, *, coverage: float = 0.8) -> list[str]:
+    """The fewest distinct kernels, longest first, whose summed time reaches `coverage` of all kernel time."""
+    t = _kernel_times(kernels)
+    total = t.sum()
+    if total <= 0:
+        return []
+    reached = t.cumsum() >= coverage * total * (1 - 1e-12)  # float sums must not miss an exact boundary
+    return t.index[: int(reached.to_numpy().argmax()) + 1].tolist()
+
+
+def covered(kernels: pd.DataFrame, names: list[str]) -> float:
+    """Fraction of all kernel time spent in `names`."""
+    t = _kernel_times(kernels)
+    return float(t[t.index.isin(names)].sum() / t.sum()) if t.sum() > 0 else 0.0
+
+
+# ------------------------------------------------------------------------------------ name matching
+
+_ANON = re.compile(r"\(anonymous namespace\)::|<?unnamed>::")
+_QUALIFIER = re.compile(r"\b[A-Za-z_]\w*::")
+_PARENS = re.compile(r"\([^()]*\)")
+_CUDNN_FAMILY = re.compile(r"sm\d+_xmma_(fprop|dgrad|wgrad)_")
+_TOKEN = re.compile(r"(\d+)[uUlL]*|([A-Za-z_]\w*)")
+# Words the two demanglers write differently: GNU "float const" vs ncu "const float"; GNU
+# "false, true" vs ncu "0, 1" (seen for cuDNN's nchwToNhwcKernel on the H200).
+_UNSTABLE = {"const", "volatile", "true", "false"}
+
+
+def _head(name: str) -> str:
+    """The name up to its parameter list: the first '(' outside template brackets."""
+    name = _ANON.sub("", name)
+    depth = 0
+    for i, ch in enumerate(name):
+        if ch in "<[{":
+            depth += 1
+        elif ch in ">]}":
+            depth = max(depth - 1, 0)
+        elif ch == "(" and depth == 0 and i > 0:
+            return name[:i]
+    return name
+
+
+def skeleton(name: str, *, tokens: int = SKELETON_TOKENS) -> list[str]:
+    """Function name, then the words and numbers of its template arguments (see the module doc).
+
+    Parenthesised groups inside the template arguments go too: they are parameter lists of nested
+    functions and lambdas, which ncu prints with template parameter names (T1, T2) instead of types.
+    """
+    head = _QUALIFIER.sub("", _head(name))  # before the groups go: `f(T&)::{lambda()#1}` keeps `f`
+    while (shorter := _PARENS.sub("", head)) != head:
+        head = shorter
+    head = head.strip().removeprefix("void ")  # the return type (kernels return void)
+    words = [num or word for num, word in _TOKEN.findall(head)]
+    return [w for w in words if w not in _UNSTABLE][:tokens]
+
+
+def _skeleton_pattern(name: str) -> str:
+    # cuDNN's autotuner (benchmark=True) picks other algorithms under ncu (H200, opt1 size 32: the
+    # profiler saw sm90_xmma_fprop_..., ncu ran sm80_xmma_fprop_...), so its generated kernels are
+    # matched by family: direction only.
+    if family := _CUDNN_FAMILY.match(name):
+        return f"xmma_{family.group(1)}_"
+    # Word characters only, so escaping is a formality; \b and .* work in ncu's regex engine.
+    # Numbers may keep their suffix ("3ul"), so the regex also matches the profiler's own spelling.
+    return ".*".join(rf"\b{re.escape(t)}{'[uUlL]*' if t.isdigit() else ''}\b" for t in skeleton(name))
+
+
+def kernel_regex(names: list[str]) -> str:
+    """One regex matching each name (and ncu's demangling of it) by its token skeleton."""
+    patterns = sorted({p for p in map(_skeleton_pattern, names) if p})
+    if not patterns:
+        raise ValueError("no kernel names to match")
+    return "|".join(f"({p})" for p in patterns)
+
+
+# ------------------------------------------------------------------------------------------ command
+
+def ncu_command(*, kernels: list[str], config: str, preset: str, report: Path, metrics: list[str],
+                size: int | None = None, launches_per_config: int | None = 1,
+                python: str = sys.executable) -> list[str]:
+    """ncu over `medddpm.capture`: one step (NVTX range), the given kernels, clocks untouched.
+
+    `launches_per_config`: profile only the first N launches of each launch configuration (kernel,
+    grid, block, shared memory); a layer repeated with the same shape is measured once, which keeps
+    a 128^3 step inside the time limit (about 2.5 s of replay per profiled launch on the H200).
+    """
+    sections = [a for s in SECTIONS for a in ("--section", s)]
+    extra = ["--metrics", ",".join(metrics)] if metrics else []
+    # Two NVTX filters, OR'ed by ncu: "medddpm_step/" is a push/pop range, which is per thread and so
+    # misses the backward kernels autograd launches from its own thread (H200: 325 of 874 launches);
+    # "medddpm_step" is a process-wide start/end range (torch.cuda.nvtx.range_start/range_end).
+    nvtx = ["--nvtx", "--nvtx-include", f"{NVTX_RANGE}/", "--nvtx-include", NVTX_RANGE]
+    per_config = (["--filter-mode", "per-launch-config", "--launch-count", str(launches_per_config)]
+                  if launches_per_config else [])
+    target = [python, "-m", "medddpm.capture", "--config", config, "--preset", preset]
+    return ["ncu", *nvtx, "--clock-control", "none", *per_config,
+            "--kernel-name-base", "demangled", "--kernel-name", f"regex:{kernel_regex(kernels)}",
+            *sections, *extra, "-o", str(report), "-f",
+            *target, *(["--size", str(size)] if size else [])]
+
+
+def export_command(report: Path, *, ncu: str = "ncu") -> list[str]:
+    return [ncu, "-i", str(report), "--csv", "--page", "details", "--print-units", "base", "--print-rule-details"]
+
+
+_METRIC_NAME = re.compile(r'^\W*([a-z][a-z0-9]*__[A-Za-z0-9_]+)')
+
+
+def parse_metric_list(text: str) -> set[str]:
+    """Base metric names from `ncu --query-metrics` output, CSV or table."""
+    return {m.group(1) for line in text.splitlines() if (m := _METRIC_NAME.match(line))}
+
+
+@functools.cache
+def available_metrics(ncu: str = "ncu") -> set[str]:
+    """Base names of the metrics the device offers; empty if ncu cannot say (then nothing is dropped)."""
+    for args in (["--query-metrics", "--csv"], ["--query-metrics"]):
+        try:
+            out = subprocess.run([ncu, *args], capture_output=True, text=True, timeout=120).stdout
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if names := parse_metric_list(out):
+            return names
+    return set()
+
+
+def base_name(metric: str) -> str:
+    """`sm__warps_active.avg.pct_of_peak_sustained_active` -> `sm__warps_active`."""
+    return metric.split(".", 1)[0]
+
+
+def split_available(metrics: list[str], available: set[str]) -> tuple[list[str], list[str]]:
+    """(kept, dropped): an unknown metric name makes ncu fail, so drop those the device lacks."""
+    if not available:
+        return list(metrics), []
+    kept = [m for m in metrics if base_name(m) in available]
+    return kept, [m for m in metrics if m not in kept]
+
+
+# ------------------------------------------------------------------------------------------- runner
+
+def _run(cmd: list[str], *, timeout_s: float, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run, but a timeout kills the whole process group (ncu and the Python it launched)."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True, **kwargs) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _tail(text: str, lines: int = 5) -> str:
+    return " | ".join(text.strip().splitlines()[-lines:])
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def run_ncu(*, kernels_df: pd.DataFrame, config: str, preset: str, out_dir: Path, size: int | None = None,
+            timeout_s: int = 420, coverage: float = 0.8) -> tuple[pd.DataFrame, dict]:
+    """Profile the kernels covering `coverage` of the step; (long table, status). Never raises for ncu."""
+    out_dir = Path(out_dir)
+    report = out_dir / f"ncu-{config}-{preset}{size or ''}.ncu-rep"
+    names = select_kernels(kernels_df, coverage=coverage)
+    status = {"status": "skipped", "message": "", "selected_kernels": len(names),
+              "coverage": covered(kernels_df, names), "dropped_metrics": [], "report": str(report)}
+
+    def done(state: str, message: str, df: pd.DataFrame | None = None) -> tuple[pd.DataFrame, dict]:
+        return (empty_table() if df is None else df), status | {"status": state, "message": message}
+
+    ncu = shutil.which("ncu")
+    if ncu is None:
+        return done("skipped", "ncu is not on PATH")
+    if not _cuda_available():
+        return done("skipped", "no CUDA device")
+    if not names:
+        return done("skipped", "no kernel time to profile")
+    metrics, status["dropped_metrics"] = split_available(EXTRA_METRICS, available_metrics(ncu))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cmd = ncu_command(kernels=names, config=config, preset=preset, size=size, report=report, metrics=metrics)
+    cmd[0] = ncu
+    # capture runs as `python -m medddpm.capture`: the package's parent must be importable
+    root = str(Path(__file__).resolve().parents[1])
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    try:
+        prof = _run(cmd, timeout_s=timeout_s, env=env, cwd=root)
+        report.with_suffix(".log").write_text(prof.stdout + prof.stderr)
+        if prof.returncode != 0 or not report.is_file():
+            return done("error", f"ncu exited {prof.returncode}: {_tail(prof.stdout + prof.stderr)}")
+        exported = _run(export_command(report, ncu=ncu), timeout_s=timeout_s)
+        if exported.returncode != 0:
+            why = _tail(exported.stderr or exported.stdout)
+            return done("error", f"ncu export exited {exported.returncode}: {why}")
+        csv = report.with_suffix(".csv")
+        csv.write_text(exported.stdout)
+        df = parse_details_csv(csv)
+    except subprocess.TimeoutExpired as e:
+        return done("error", f"ncu timed out after {e.timeout:.0f} s")
+    except (OSError, ValueError, pd.errors.ParserError) as e:
+        return done("error", f"{type(e).__name__}: {e}")
+    if df.empty:
+        return done("error", "ncu profiled no kernel (did the NVTX range or the name filter match?)", df)
+    n = df["kernel_id"].nunique()
+    return done("ok", f"{n} kernel launches profiled", df)
+
+
+# ------------------------------------------------------------------------------------------ parsing
+
+def _read_text(path_or_buffer: str | os.PathLike | IO) -> str:
+    if hasattr(path_or_buffer, "read"):
+        data = path_or_buffer.read()
+    else:
+        data = Path(path_or_buffer).read_bytes()
+    if isinstance(data, bytes):
+        data = (gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data).decode("utf-8")
+    return data
+
+
+def parse_details_csv(path_or_buffer: str | os.PathLike | IO) -> pd.DataFrame:
+    """ncu's `--page details --csv` export (optionally gzipped) as the long table `COLUMNS`."""
+    text = _read_text(path_or_buffer)
+    start = text.find('"ID",')  # ncu may print ==PROF==/==WARNING== lines before the header
+    if start < 0:
+        return empty_table()
+    raw = pd.read_csv(io.StringIO(text[start:]), dtype=str, keep_default_na=False)
+    if raw.empty:
+        return empty_table()
+    rule = raw["Rule Name"].ne("") & raw["Metric Name"].eq("")
+
+    def number(s: pd.Series) -> pd.Series:  # "3,153,508,771.93" -> 3153508771.93; "n/a", text -> NaN
+        return pd.to_numeric(s.str.replace(",", "", regex=False), errors="coerce")
+
+    df = pd.DataFrame({
+        "kernel": raw["Kernel Name"],
+        "kernel_id": raw["ID"].astype("int64"),
+        "kind": rule.map({True: "rule", False: "metric"}),
+        "section": raw["Section Name"].replace(SECTION_NAMES),
+        "metric": raw["Metric Name"].where(~rule, raw["Rule Name"]),
+        "value": number(raw["Metric Value"]).where(~rule, number(raw["Estimated Speedup"])),
+        "unit": raw["Metric Unit"].where(~rule, "%"),
+        "text": raw["Metric Value"].where(~rule, raw["Rule Description"]),
+        "speedup_type": raw["Estimated Speedup Type"].where(rule, ""),
+    })
+    return df.astype(COLUMNS)
+
+
+# ------------------------------------------------------------------------------------------ summary
+
+_SOL, _CWA, _MWA = "GPU Speed Of Light Throughput", "Compute Workload Analysis", "Memory Workload Analysis"
+# column -> candidates, best first: (section display name, metric display name) or a raw metric name
+HEADLINE: dict[str, tuple[tuple[str, str] | str, ...]] = {
+    "duration_ns": ((_SOL, "Duration"), "gpu__time_duration.sum"),
+    "sm_throughput_pct": ((_SOL, "Compute (SM) Throughput"), "sm__throughput.avg.pct_of_peak_sustained_elapsed"),
+    "memory_throughput_pct": ((_SOL, "Memory Throughput"),
+                              "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed"),
+    "dram_throughput_pct": ((_SOL, "DRAM Throughput"), "dram__throughput.avg.pct_of_peak_sustained_elapsed"),
+    "dram_bytes_per_s": ("dram__bytes.sum.per_second",),
+    "l1_hit_pct": ((_MWA, "L1/TEX Hit Rate"), "l1tex__t_sector_hit_rate.pct"),
+    "l2_hit_pct": ((_MWA, "L2 Hit Rate"), "lts__t_sector_hit_rate.pct"),
+    "achieved_occupancy_pct": (("Occupancy", "Achieved Occupancy"),
+                               "sm__warps_active.avg.pct_of_peak_sustained_active"),
+    "theoretical_occupancy_pct": (("Occupancy", "Theoretical Occupancy"),),
+    "ipc": ((_CWA, "Executed Ipc Active"), "sm__inst_executed.avg.per_cycle_active"),
+    "warp_cycles_per_inst": (("Warp State Statistics", "Warp Cycles Per Issued Instruction"),
+                             "smsp__average_warp_latency_per_inst_issued.ratio"),
+    "registers_per_thread": (("Launch Statistics", "Registers Per Thread"), "launch__registers_per_thread"),
+    **{f"inst_{c}": (_inst_metric(c),) for c in INST_CLASSES},
+    **{f"stall_{r}": (_stall_metric(r),) for r in STALL_REASONS},
+}
+
+
+def _wide(metrics: pd.DataFrame) -> pd.DataFrame:
+    """kernel_id x (section, metric) of numeric values (first non-NaN of duplicates)."""
+    return metrics.groupby(["kernel_id", "section", "metric"])["value"].first().unstack(["section", "metric"])
+
+
+def _pick(wide: pd.DataFrame, candidates: tuple[tuple[str, str] | str, ...]) -> pd.Series:
+    """First non-NaN among the candidates; a raw metric name is looked up in any section."""
+    out = pd.Series(float("nan"), index=wide.index)
+    for c in candidates:
+        for col in [c] if isinstance(c, tuple) else [k for k in wide.columns if k[1] == c]:
+            if col in wide.columns:
+                out = out.fillna(wide[col])
+    return out
+
+
+def kernel_summary(ncu: pd.DataFrame) -> pd.DataFrame:
+    """One row per profiled launch (kernel_id): the headline numbers, NaN where not collected."""
+    names = ncu.groupby("kernel_id")["kernel"].first()
+    wide = _wide(ncu[ncu["kind"] == "metric"]).reindex(names.index)
+    cols = {col: _pick(wide, cands) for col, cands in HEADLINE.items()}
+    cols["tensor_pipe_pct"] = pd.concat([_pick(wide, (m,)) for m in TENSOR_PIPE_METRICS], axis=1).max(axis=1)
+    for kind, ops in FLOP_OPS.items():  # thread instructions -> FLOPs (an FMA is two)
+        add, mul, fma = (_pick(wide, (_inst_metric(op),)) for op in ops)
+        cols[f"flop_{kind}"] = add + mul + 2 * fma
+    out = pd.DataFrame(cols, index=names.index).astype("float64")
+    out.insert(0, "kernel", names.astype("str"))
+    return out.reset_index().astype({"kernel_id": "int64"})
+
+
+# --------------------------------------------------------------------------------------- priorities
+
+def match_kernel(ncu_name: str, profiler_names: list[str]) -> list[str]:
+    """The profiler's names for an ncu kernel: the same string, else the most specific skeleton matches.
+
+    Exact first (the names agree when both come from one demangler); otherwise every profiler name
+    whose token skeleton appears, in order, in the ncu name is a candidate, and those with the
+    longest skeleton win. Several winners are indistinguishable by name (a cuDNN family, or
+    instantiations differing after the skeleton): their shares add up.
+    """
+    if ncu_name in profiler_names:
+        return [ncu_name]
+    hits = [(len(skeleton(n)), n) for n in profiler_names
+            if (p := _skeleton_pattern(n)) and re.search(p, ncu_name)]
+    best = max((k for k, _ in hits), default=0)
+    return [n for k, n in hits if k == best]
+
+
+def _shares(names: pd.Series, share: pd.Series, duration: pd.Series, ncu: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
+    """(profiler name, step share) for each ncu kernel name. ncu kernels matching the same profiler
+    names (a cuDNN family) split that share by their profiled durations, so it is counted once."""
+    per_name = ncu.groupby("kernel_id")["kernel"].first().to_frame().assign(ns=duration).groupby("kernel")["ns"].sum()
+    matches = {k: tuple(match_kernel(k, share.index.tolist())) for k in names.unique()}
+    group_ns = pd.Series({k: per_name.get(k, 0.0) for k in matches}).groupby(pd.Series(matches)).transform("sum")
+    frac = {k: per_name.get(k, 0.0) / group_ns[k] if group_ns[k] > 0 else 1.0 for k in matches}
+    first = names.map(lambda k: matches[k][0] if matches[k] else None)  # the largest share
+    return first, names.map(lambda k: share[list(matches[k])].sum() * frac[k] if matches[k] else float("nan"))
+
+
+def priorities(kernels: pd.DataFrame, ncu: pd.DataFrame, *, include_local: bool = False) -> pd.DataFrame:
+    """Per (kernel, rule): share of step time x the rule's estimated speedup; largest gain first.
+
+    `share` is the torch.profiler share summed over all rows (passes) of the matched name. A
+    "global" speedup is a fraction of the kernel's duration, so share x speedup estimates the saving
+    in step time; a "local" one is relative to a single unit or metric and overstates it, so local
+    rules are left out unless asked for. A kernel launched several times is averaged over its
+    launches weighted by duration; a rule reported more than once per launch (WorkloadImbalance per
+    unit, CPIStall) counts with its largest estimate. Unmatched kernels keep NaN share and priority.
+    """
+    cols = ["kernel", "profiler_kernel", "rule", "section", "speedup_type", "share", "speedup_pct", "priority"]
+    rules = ncu[(ncu["kind"] == "rule") & ncu["value"].notna()]
+    if not include_local:
+        rules = rules[rules["speedup_type"] == "global"]
+    if rules.empty:
+        return pd.DataFrame({c: pd.Series(dtype="float64" if c in cols[5:] else "str") for c in cols})
+    share = kernels.groupby("kernel")["share"].sum().sort_values(ascending=False)
+    duration = kernel_summary(ncu).set_index("kernel_id")["duration_ns"]
+    launch = (rules.groupby(["kernel_id", "kernel", "metric", "section", "speedup_type"], as_index=False)["value"]
+              .max().rename(columns={"metric": "rule", "value": "speedup_pct"}))
+    launch["weight"] = launch["kernel_id"].map(duration).fillna(1.0)
+    launch["weighted"] = launch["speedup_pct"] * launch["weight"]
+    g = launch.groupby(["kernel", "rule", "section", "speedup_type"], as_index=False)[["weighted", "weight"]].sum()
+    g["speedup_pct"] = g["weighted"] / g["weight"]
+    g["profiler_kernel"], g["share"] = _shares(g["kernel"], share, duration, ncu)
+    g["priority"] = g["share"] * g["speedup_pct"] / 100
+    g = g.sort_values(["priority", "speedup_pct"], ascending=False, na_position="last")
+    return g[cols].reset_index(drop=True)

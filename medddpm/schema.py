@@ -1,0 +1,183 @@
+"""The tables every measurement writes, documented in one place and checked on write and on read.
+
+Layout: ``data/<gpu-slug>/<config>/{run,steps,kernels,ncu,quality}.parquet`` plus the executed
+producer notebook. ``run.parquet`` is written last: its presence marks a finished run.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .storage import atomic_write
+
+S, I, F, B = pa.string(), pa.int64(), pa.float64(), pa.bool_()
+
+# table -> {column: (type, description)}
+TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
+    "run": {
+        "run_id": (S, "unique id of this measurement: <gpu-slug>/<config>/<start time>"),
+        "status": (S, "ok | oom | error | skipped"),
+        "message": (S, "why, when status is not ok; notes otherwise"),
+        "gpu_name": (S, "torch.cuda.get_device_name, or 'cpu'"),
+        "gpu_slug": (S, "gpu_name lower-cased, other characters as hyphens"),
+        "gpu_count": (I, "visible CUDA devices"),
+        "driver": (S, "NVIDIA driver version (NVML)"),
+        "cuda": (S, "CUDA version torch was built with"),
+        "cudnn": (S, "cuDNN version in use"),
+        "torch": (S, "torch.__version__"),
+        "python": (S, "Python version"),
+        "cpu": (S, "host processor"),
+        "host_threads": (I, "torch CPU threads"),
+        "git_commit": (S, "commit of this repository (-dirty if modified)"),
+        "container": (S, "docker | apptainer | '' (bare metal)"),
+        "config": (S, "configuration name"),
+        "precision": (S, "fp32 | tf32 | bf16 as requested"),
+        "precision_used": (S, "precision that ran on this device"),
+        "channels_last": (B, "channels-last 3D layout"),
+        "compile": (B, "torch.compile fusion"),
+        "cuda_graphs": (B, "whole-step CUDA graph (as requested)"),
+        "fused_adam": (B, "fused Adam kernel"),
+        "attention": (S, "math | sdpa"),
+        "recompute_attention": (B, "attention recomputed in backward"),
+        "not_applicable": (S, "JSON: switches that could not apply on this device, with why"),
+        "backend_flags": (S, "JSON: fp32 math modes read back after setting them"),
+        "preset": (S, "smoke | paper"),
+        "size": (I, "cubic input size (voxels per side)"),
+        "batch": (I, "volumes per micro-step"),
+        "mask_channels": (I, "label channels (conditioning)"),
+        "parameters": (I, "model parameters"),
+        "forward_flops": (F, "FLOPs of one forward micro-step (2 per multiply-add)"),
+        "flops_per_step": (F, "FLOPs of one training micro-step (forward + backward)"),
+        "warmup_steps": (I, "untimed warm-up micro-steps"),
+        "timed_steps": (I, "timed micro-steps"),
+        "warmup_s": (F, "wall time of all warm-up steps (compilation, cuDNN autotuning)"),
+        "first_step_s": (F, "wall time of the first step alone"),
+        "train_median_ms": (F, "median micro-step time (forward + backward + Adam)"),
+        "train_p10_ms": (F, "10th percentile micro-step time"),
+        "train_p90_ms": (F, "90th percentile micro-step time"),
+        "train_mean_ms": (F, "mean micro-step time"),
+        "train_std_ms": (F, "standard deviation of the micro-step time"),
+        "dispatch_median_ms": (F, "median host time to issue one micro-step"),
+        "achieved_tflops": (F, "flops_per_step / median time"),
+        "voxels_per_s": (F, "training throughput in input voxels per second"),
+        "samples_per_s": (F, "training throughput in volumes per second"),
+        "peak_mem_bytes": (I, "peak allocated device memory in training (-1 on a CPU)"),
+        "peak_reserved_bytes": (I, "peak reserved device memory in training (-1 on a CPU)"),
+        "epoch_size": (I, "training pairs in one epoch"),
+        "epoch_s": (F, "time of one epoch: epoch_size volumes at the median micro-step time"),
+        "gpu_hours_100k": (F, "projected device hours for the reference's 100k steps x 2 micro-steps"),
+        "mean_power_w": (F, "mean board power over the timed steps (NVML; NaN if unavailable)"),
+        "energy_per_step_j": (F, "energy per micro-step (NVML energy counter; NaN if unavailable)"),
+        "energy_100k_kwh": (F, "projected energy for 100k steps x 2 micro-steps"),
+        "sample_steps": (I, "denoising steps in one sample (T)"),
+        "sample_step_median_ms": (F, "median time of one denoising step"),
+        "sample_total_s": (F, "time of one full sample"),
+        "sample_peak_mem_bytes": (I, "peak allocated device memory while sampling (-1 on a CPU)"),
+        "profilers": (S, "JSON: profiler -> status and message"),
+        "start_time": (S, "UTC start, ISO 8601"),
+        "duration_s": (F, "wall time of the whole measurement"),
+    },
+    "steps": {
+        "run_id": (S, "run"),
+        "phase": (S, "train | sample"),
+        "step": (I, "step index within the phase, from 0, warm-up included"),
+        "timed": (B, "false for warm-up steps"),
+        "time_ms": (F, "device time of the step (CUDA events; host clock on a CPU)"),
+        "dispatch_ms": (F, "host time to issue the step"),
+        "loss": (F, "training loss of the step (NaN for sampling)"),
+        "peak_mem_bytes": (I, "peak allocated memory of the phase (-1 on a CPU)"),
+    },
+    "kernels": {
+        "run_id": (S, "run"),
+        "kernel": (S, "full kernel name (operator name on a CPU)"),
+        "short_name": (S, "readable label"),
+        "category": (S, "convolution | gemm | attention | elementwise | normalization | reduction | layout | fused | memcpy | optimizer | other"),
+        "pass": (S, "forward | backward | optimizer | graph | other"),
+        "calls": (I, "launches over the profiled steps"),
+        "total_us": (F, "device time over the profiled steps"),
+        "steps": (I, "profiled steps"),
+        "share": (F, "fraction of all profiled kernel time"),
+        "tensor_cores": (B, "kernel name says it runs on tensor cores"),
+        "device_type": (S, "cuda | cpu"),
+    },
+    "ncu": {
+        "run_id": (S, "run"),
+        "kernel": (S, "full kernel name"),
+        "kernel_id": (I, "Nsight Compute result id"),
+        "kind": (S, "metric | rule"),
+        "section": (S, "Nsight Compute section"),
+        "metric": (S, "metric name, or rule name"),
+        "value": (F, "numeric value; a rule's estimated speedup in %"),
+        "unit": (S, "unit"),
+        "text": (S, "raw value, or the rule's description"),
+        "speedup_type": (S, "local | global for rules"),
+    },
+    "quality": {
+        "run_id": (S, "run"),
+        "step": (I, "optimizer step of the fixed-seed run, from 1"),
+        "loss": (F, "loss under this configuration"),
+        "baseline_loss": (F, "loss under strict FP32 from the same weights, data, timesteps and noise"),
+        "rel_err": (F, "relative L2 error of one fixed forward pass against strict FP32"),
+    },
+}
+
+
+class SchemaError(ValueError):
+    """A table does not match its documented schema (one line)."""
+
+
+def arrow_schema(table: str) -> pa.Schema:
+    if table not in TABLES:
+        raise SchemaError(f"unknown table {table!r}; known: {', '.join(TABLES)}")
+    return pa.schema([pa.field(name, typ) for name, (typ, _) in TABLES[table].items()])
+
+
+def validate(df: pd.DataFrame, table: str) -> pa.Table:
+    """Exactly the documented columns, each convertible to its type without loss."""
+    schema = arrow_schema(table)
+    missing = [n for n in schema.names if n not in df.columns]
+    extra = [c for c in df.columns if c not in schema.names]
+    if missing or extra:
+        raise SchemaError(f"{table} table: missing columns {missing}, unexpected columns {extra}")
+    try:
+        return pa.Table.from_pandas(df[schema.names], schema=schema, preserve_index=False, safe=True)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as e:
+        raise SchemaError(f"{table} table: {str(e).splitlines()[0]}") from None
+
+
+def write_table(df: pd.DataFrame, path: str | os.PathLike, table: str) -> Path:
+    """Validate, then write parquet atomically."""
+    arrow = validate(df, table)
+    return atomic_write(path, lambda f: pq.write_table(arrow, f))
+
+
+def read_table(path: str | os.PathLike, table: str | None = None) -> pd.DataFrame:
+    """Read a table and check it against its schema (the table name defaults to the file stem)."""
+    path = Path(path)
+    table = table or path.name.removesuffix(".parquet")
+    if not path.is_file():
+        raise FileNotFoundError(f"missing data file {path}")
+    arrow = pq.read_table(path)
+    want = arrow_schema(table)
+    if not arrow.schema.remove_metadata().equals(want):
+        raise SchemaError(f"{path}: schema differs from schema.TABLES[{table!r}]: {arrow.schema.names}")
+    return arrow.to_pandas()
+
+
+def empty(table: str) -> pd.DataFrame:
+    return arrow_schema(table).empty_table().to_pandas()
+
+
+def markdown() -> str:
+    """The schemas as Markdown tables (for the book's methodology page)."""
+    parts = []
+    for table, cols in TABLES.items():
+        parts.append(f"**{table}.parquet**\n\n| column | type | meaning |\n|---|---|---|")
+        parts += [f"| `{n}` | {t} | {d} |" for n, (t, d) in cols.items()]
+        parts.append("")
+    return "\n".join(parts)

@@ -1,0 +1,89 @@
+"""Run the producer notebook once per configuration on this machine's device, through papermill.
+
+Each configuration is measured into a staging folder that replaces `data/<gpu-slug>/<config>/` in
+one rename once the notebook has ended, so a killed sweep leaves either the old result or the new
+one, never a mixture. A configuration whose folder already holds `run.parquet` is skipped unless
+`force`; a failing one (out of memory, compile error) is recorded with its status and the sweep
+goes on.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from .configs import Config, parse_config_list
+from .env import device_name, gpu_slug, pick_device
+from .data import open_dataset
+from .measure import get_preset, write_failed_run
+from .schema import read_table
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOK = ROOT / "notebooks" / "produce.ipynb"
+
+
+def _publish(stage: Path, final: Path) -> None:
+    old = final.with_name(f".{final.name}.old-{os.getpid()}")
+    if final.exists():
+        os.replace(final, old)
+    os.replace(stage, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.PathLike = "data",
+          device: str | None = None, gpu_label: str | None = None, force: bool = False,
+          params: dict | None = None, notebook: Path = NOTEBOOK, timeout_s: int | None = None) -> list[dict]:
+    """Measure each configuration; returns one {config, status, seconds, folder} per configuration."""
+    import papermill as pm  # imported here: the package itself does not need the Jupyter stack
+
+    # Everything that can be checked is checked before any configuration runs.
+    configs = parse_config_list(configs) if isinstance(configs, str) else configs
+    size = (params or {}).get("size") or get_preset(preset).size
+    open_dataset((params or {}).get("data", "mni"), size=size)
+    dev = pick_device(device)
+    out = Path(out)
+    slug = gpu_slug(gpu_label or device_name(dev))
+    root = out / slug
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".*.stage-*"):  # left by a killed sweep
+        shutil.rmtree(stale, ignore_errors=True)
+    params = dict(params or {}) | {"preset": preset, "out": str(out), "gpu_label": gpu_label, "device": device}
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    results = []
+    for config in tqdm(configs, desc=f"sweep {slug}"):
+        final = root / config.name
+        if (final / "run.parquet").exists() and not force:
+            results.append({"config": config.name, "status": "done before", "seconds": 0.0, "folder": str(final)})
+            continue
+        stage = root / f".{config.name}.stage-{os.getpid()}"
+        shutil.rmtree(stage, ignore_errors=True)
+        stage.mkdir(parents=True)
+        t0 = time.perf_counter()
+        try:
+            old_env = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            pm.execute_notebook(str(notebook), str(stage / "produce.ipynb"), parameters=params | {
+                "config": config.name, "stage": str(stage)}, kernel_name="python3", progress_bar=False,
+                cwd=str(ROOT), execution_timeout=timeout_s)
+        except Exception as e:  # noqa: BLE001 - one configuration's failure must not stop the sweep
+            if not (stage / "run.parquet").exists():
+                why = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+                write_failed_run(config, preset, stage, device=dev, gpu_label=gpu_label,
+                                 message=f"{type(e).__name__}: {why}")
+        finally:
+            for k, v in old_env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        _publish(stage, final)
+        status = read_table(final / "run.parquet").loc[0, "status"]
+        results.append({"config": config.name, "status": status, "seconds": time.perf_counter() - t0,
+                        "folder": str(final)})
+        print(f"{config.name}: {status} in {results[-1]['seconds']:.0f} s -> {final}", file=sys.stderr)
+    return results

@@ -1,0 +1,273 @@
+"""medddpm.ncu on real Nsight Compute output captured on an H200 (no GPU or ncu needed)."""
+
+import gzip
+import io
+import json
+import math
+import re
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from medddpm import ncu
+
+FIX = Path(__file__).parent / "fixtures"
+DETAILS = {name: FIX / f"h200/ncu-{name}-size32-details.csv.gz" for name in ("opt1", "bf16-cl")}
+ROWS = {"opt1": 1228, "bf16-cl": 1234}
+PAIRS = json.loads((FIX / "ncu/kernel-names-h200.json").read_text())["pairs"]
+
+
+@pytest.fixture(scope="module", params=list(DETAILS))
+def details(request) -> tuple[str, pd.DataFrame]:
+    return request.param, ncu.parse_details_csv(DETAILS[request.param])
+
+
+def expected_dtypes() -> dict:
+    return {c: pd.Series([], dtype=t).dtype for c, t in ncu.COLUMNS.items()}
+
+
+# ------------------------------------------------------------------------------------------ parsing
+
+def test_parse_shape_and_dtypes(details):
+    name, df = details
+    assert len(df) == ROWS[name]
+    assert list(df.columns) == list(ncu.COLUMNS)
+    assert df.dtypes.to_dict() == expected_dtypes()
+    assert df["kernel_id"].nunique() == 12 and sorted(df["kernel_id"].unique()) == list(range(12))
+    assert set(df["kind"]) == {"metric", "rule"}
+
+
+def test_thousands_separators_and_na(details):
+    _, df = details
+    freq = df[(df["section"] == "GPU Speed Of Light Throughput") & (df["metric"] == "SM Frequency")]
+    assert len(freq) == 12 and freq["unit"].eq("hz").all()
+    assert freq["value"].between(1.8e9, 2.1e9).all()  # "1,946,234,809.03"-style strings
+    row = freq[freq["text"].str.contains(",")].iloc[0]
+    assert row["value"] == float(row["text"].replace(",", ""))
+    na = df[df["text"] == "n/a"]
+    assert len(na) > 0 and na["value"].isna().all()
+    text = df[(df["kind"] == "metric") & (df["text"] == "PolicySpread")]  # a non-numeric metric value
+    assert len(text) > 0 and text["value"].isna().all()
+
+
+def test_exact_value_opt1():
+    df = ncu.parse_details_csv(DETAILS["opt1"])
+    first = df[(df["kernel_id"] == 0) & (df["metric"] == "SM Frequency")].iloc[0]
+    assert first["text"] == "1,946,234,809.03" and first["value"] == pytest.approx(1946234809.03)
+
+
+def test_rules(details):
+    _, df = details
+    rules = df[df["kind"] == "rule"]
+    assert len(rules) > 100
+    assert set(rules["speedup_type"]) == {"local", "global", ""}
+    assert rules["unit"].eq("%").all() and rules["text"].str.len().gt(0).all()
+    with_speedup = rules[rules["value"].notna()]
+    assert len(with_speedup) > 50 and with_speedup["value"].between(0, 100).all()
+    assert (rules["speedup_type"] == "").eq(rules["value"].isna()).all()
+    assert df.loc[df["kind"] == "metric", "speedup_type"].eq("").all()
+    assert {"CPIStall", "AchievedOccupancy", "LaunchConfiguration"} <= set(rules["metric"])
+
+
+def test_section_names_are_display_names(details):
+    # metric rows say "Compute Workload Analysis", rule rows the section file's "ComputeWorkloadAnalysis"
+    _, df = details
+    assert not set(df["section"]) & (set(ncu.SECTION_NAMES) - set(ncu.SECTION_NAMES.values()))
+    cwa = df[df["section"] == "Compute Workload Analysis"]
+    assert set(cwa["kind"]) == {"metric", "rule"}
+    assert "HighPipeUtilization" in set(cwa["metric"])
+
+
+def test_parse_buffer_with_preamble():
+    raw = gzip.decompress(DETAILS["opt1"].read_bytes())
+    noisy = b"==PROF== Connected to process 1\n==WARNING== something\n" + raw
+    from_buffer = ncu.parse_details_csv(io.BytesIO(gzip.compress(noisy)))
+    pd.testing.assert_frame_equal(from_buffer, ncu.parse_details_csv(DETAILS["opt1"]))
+    assert ncu.parse_details_csv(io.StringIO("==ERROR== no report\n")).dtypes.to_dict() == expected_dtypes()
+
+
+# ------------------------------------------------------------------------------------------ summary
+
+def test_kernel_summary(details):
+    _, df = details
+    s = ncu.kernel_summary(df)
+    assert len(s) == 12 and s["kernel_id"].is_unique and s["kernel_id"].dtype == "int64"
+    for col in ["duration_ns", "sm_throughput_pct", "memory_throughput_pct", "dram_throughput_pct", "l1_hit_pct",
+                "l2_hit_pct", "achieved_occupancy_pct", "tensor_pipe_pct", "ipc", "warp_cycles_per_inst",
+                "registers_per_thread", "inst_fp32", "stall_long_scoreboard", "flop_fp32"]:
+        assert col in s.columns and s[col].dtype == "float64", col
+    for col in [c for c in s.columns if c.endswith("_pct")]:
+        values = s[col].dropna()
+        assert values.between(0, 100).all(), col
+    for col in ["duration_ns", "sm_throughput_pct", "l2_hit_pct", "achieved_occupancy_pct", "tensor_pipe_pct",
+                "ipc", "warp_cycles_per_inst", "registers_per_thread"]:
+        assert s[col].notna().all(), col
+    assert s["duration_ns"].between(1e3, 1e5).all() and s["ipc"].gt(0).all()
+    assert (s["registers_per_thread"] % 1 == 0).all()
+    assert s["inst_fp32"].isna().all()  # not requested in these captures
+
+
+def test_kernel_summary_from_raw_metric_names():
+    # a capture with --metrics only: values come from "Command line profiler metrics" by raw name
+    raw = {"gpu__time_duration.sum": 5000.0, "sm__warps_active.avg.pct_of_peak_sustained_active": 40.0,
+           "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active": 12.0,
+           "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active": 30.0,
+           ncu._inst_metric("fp32"): 100.0, ncu._stall_metric("long_scoreboard"): 7.5,
+           ncu._inst_metric("fadd"): 10.0, ncu._inst_metric("fmul"): 20.0, ncu._inst_metric("ffma"): 30.0}
+    df = pd.DataFrame({"kernel": "k", "kernel_id": 3, "kind": "metric", "section": "Command line profiler metrics",
+                       "metric": list(raw), "value": list(raw.values()), "unit": "", "text": "", "speedup_type": ""})
+    s = ncu.kernel_summary(df.astype(ncu.COLUMNS)).iloc[0]
+    assert s["duration_ns"] == 5000 and s["achieved_occupancy_pct"] == 40 and s["tensor_pipe_pct"] == 30
+    assert s["inst_fp32"] == 100 and s["stall_long_scoreboard"] == 7.5 and s["flop_fp32"] == 10 + 20 + 60
+    assert math.isnan(s["l2_hit_pct"])
+    assert ncu.kernel_summary(ncu.empty_table()).empty
+
+
+# ---------------------------------------------------------------------------------------- selection
+
+def kernels_frame(rows: list[tuple[str, float, str]]) -> pd.DataFrame:
+    df = pd.DataFrame(rows, columns=["kernel", "total_us", "category"])
+    return df.assign(share=df["total_us"] / df["total_us"].sum())
+
+
+def test_select_kernels_coverage():
+    k = kernels_frame([("a", 50, "convolution"), ("b", 30, "gemm"), ("c", 15, "elementwise"), ("d", 5, "other"),
+                       ("Memcpy HtoD (Pageable -> Device)", 1000, "memcpy")])
+    assert ncu.select_kernels(k, coverage=0.8) == ["a", "b"]  # exactly 80%: the boundary counts
+    assert ncu.select_kernels(k, coverage=0.81) == ["a", "b", "c"]
+    assert ncu.select_kernels(k, coverage=0.5) == ["a"]
+    assert ncu.select_kernels(k, coverage=1.0) == ["a", "b", "c", "d"]
+    assert ncu.covered(k, ["a", "b"]) == pytest.approx(0.8)
+
+
+def test_select_kernels_sums_passes():
+    # "c" appears in forward and backward: 25 + 25 outranks "a" (40)
+    k = kernels_frame([("a", 40, "convolution"), ("c", 25, "elementwise"), ("c", 25, "elementwise"),
+                       ("b", 10, "gemm")])
+    assert ncu.select_kernels(k, coverage=0.5) == ["c"]
+    assert ncu.select_kernels(k, coverage=0.9) == ["c", "a"]
+    assert ncu.select_kernels(kernels_frame([("m", 5, "memcpy")]), coverage=0.8) == []
+
+
+# ------------------------------------------------------------------------------------------ command
+
+SPECIAL = [
+    "void at::native::(anonymous namespace)::foo_kernel<float, (c10::ScalarType)5>(float const*, int*)",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, std::array<char*, 3ul> >"
+    "(int, at::native::CUDAFunctor_add<float>, std::array<char*, 3ul>)",
+    "triton_per_fused_native_group_norm_silu_0",
+    "weird.kernel$name+with?specials|[x]*^{2}",
+]
+OTHERS = [
+    "void at::native::(anonymous namespace)::foo_kernel_v2<float, (c10::ScalarType)5>(float const*, int*)",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_sub<float>, std::array<char*, 3ul> >"
+    "(int, at::native::CUDAFunctor_sub<float>, std::array<char*, 3ul>)",
+    "triton_per_fused_native_group_norm_silu_1",
+    "weirdXkernel$name",
+]
+
+
+def test_ncu_command(tmp_path):
+    report = tmp_path / "r.ncu-rep"
+    cmd = ncu.ncu_command(kernels=SPECIAL, config="opt1", preset="paper", size=64, report=report,
+                          metrics=["a__b.sum", "c__d.ratio"], python="/usr/bin/python3")
+    joined = " ".join(cmd)
+    assert cmd[0] == "ncu" and "--clock-control none" in joined
+    assert "--nvtx --nvtx-include medddpm_step/" in joined
+    assert "--set" not in cmd and "full" not in cmd
+    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--section"] == list(ncu.SECTIONS)
+    assert cmd[cmd.index("--metrics") + 1] == "a__b.sum,c__d.ratio"
+    assert cmd[cmd.index("--kernel-name-base") + 1] == "demangled"
+    assert cmd[cmd.index("-o") + 1:cmd.index("-o") + 3] == [str(report), "-f"]
+    assert cmd[-9:] == ["/usr/bin/python3", "-m", "medddpm.capture", "--config", "opt1", "--preset", "paper",
+                        "--size", "64"]
+    # a layer repeated with the same launch configuration is profiled once
+    assert "--filter-mode per-launch-config --launch-count 1" in joined
+    regex = re.compile(cmd[cmd.index("--kernel-name") + 1].removeprefix("regex:"))
+    assert all(regex.search(n) for n in SPECIAL)
+    assert not any(regex.search(n) for n in OTHERS)
+    assert "--metrics" not in ncu.ncu_command(kernels=SPECIAL, config="c", preset="smoke", report=report, metrics=[])
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: ncu.skeleton(p["profiler"])[0])
+def test_regex_matches_ncu_demangling_h200(pair):
+    # the profiler's name selects the same kernel under ncu's demangler (both names from the H200)
+    assert re.search(ncu.kernel_regex([pair["profiler"]]), pair["ncu"])
+    assert ncu.match_kernel(pair["ncu"], [p["profiler"] for p in PAIRS]) == [pair["profiler"]]
+
+
+def test_cudnn_family():
+    profiled = "sm90_xmma_fprop_implicit_gemm_f32f32_tf32f32_f32_nhwckrsc_nhwc_tilesize64x64x32_warpgroupsize1x1x1_" \
+               "g1_execute_segment_k_off_kernel__5x_cudnn"
+    under_ncu = "sm80_xmma_fprop_implicit_gemm_tf32f32_tf32f32_f32_nhwckrsc_nchw_tilesize128x128x16_stage4_" \
+                "warpsize2x2x1_g1_tensor16x8x8_execute_kernel__5x_cudnn"
+    regex = re.compile(ncu.kernel_regex([profiled]))
+    assert regex.search(under_ncu) and not regex.search(under_ncu.replace("fprop", "wgrad"))
+
+
+def test_metric_availability():
+    available = ncu.parse_metric_list(gzip.decompress((FIX / "ncu/query-metrics-h200.csv.gz").read_bytes()).decode())
+    assert len(available) > 3000 and "dram__bytes" in available
+    assert not any(n.startswith("FBSP") or "." in n for n in available)
+    table = ncu.parse_metric_list((FIX / "ncu/query-metrics-h200-head.txt").read_text())
+    assert table == {"gpu__time_duration", "sm__pipe_tensor_cycles_active",
+                     "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active"}
+    kept, dropped = ncu.split_available(ncu.EXTRA_METRICS, available)
+    assert dropped == [] and kept == ncu.EXTRA_METRICS  # every requested metric exists on the H200
+    kept, dropped = ncu.split_available(["dram__bytes.sum.per_second", "nope__x.sum"], available)
+    assert kept == ["dram__bytes.sum.per_second"] and dropped == ["nope__x.sum"]
+    assert ncu.split_available(["nope__x.sum"], set()) == (["nope__x.sum"], [])  # unknown list: keep all
+
+
+# ------------------------------------------------------------------------------------------- runner
+
+def test_run_ncu_skipped_without_ncu(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    k = kernels_frame([("a", 80, "convolution"), ("b", 20, "gemm")])
+    df, status = ncu.run_ncu(kernels_df=k, config="opt1", preset="smoke", out_dir=tmp_path)
+    assert df.empty and df.dtypes.to_dict() == expected_dtypes()
+    assert status["status"] == "skipped" and "PATH" in status["message"]
+    assert status["selected_kernels"] == 1 and status["coverage"] == pytest.approx(0.8)
+    assert status["dropped_metrics"] == [] and status["report"].endswith(".ncu-rep")
+
+
+@pytest.mark.parametrize("script,timeout,expect", [("echo boom >&2; exit 3", 30, "exited 3: boom"),
+                                                    ("/bin/sleep 30", 1, "timed out")])
+def test_run_ncu_failure_is_recorded(monkeypatch, tmp_path, script, timeout, expect):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "ncu"
+    fake.write_text(f"#!/bin/sh\ncase \"$1\" in --query-metrics) exit 1;; esac\n{script}\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    monkeypatch.setattr(ncu, "_cuda_available", lambda: True)
+    df, status = ncu.run_ncu(kernels_df=kernels_frame([("a", 1, "gemm")]), config="opt1", preset="smoke",
+                             out_dir=tmp_path / "out", timeout_s=timeout)
+    assert df.empty and status["status"] == "error" and expect in status["message"]
+
+
+# --------------------------------------------------------------------------------------- priorities
+
+def test_priorities():
+    df = ncu.parse_details_csv(DETAILS["opt1"])
+    names = df.groupby("kernel_id")["kernel"].first()
+    kineto_add = PAIRS[2]["profiler"]  # profiler spelling of the add kernel (id 6 in this capture)
+    assert re.search(ncu.kernel_regex([kineto_add]), names[6])
+    k = pd.DataFrame({"kernel": [kineto_add, names[3], names[3], "Memcpy HtoD"], "total_us": [10.0, 20, 10, 5],
+                      "category": ["elementwise", "elementwise", "elementwise", "memcpy"],
+                      "share": [0.2, 0.4, 0.2, 0.2]})
+    p = ncu.priorities(k, df)
+    assert list(p.columns) == ["kernel", "profiler_kernel", "rule", "section", "speedup_type", "share",
+                               "speedup_pct", "priority"]
+    assert p["speedup_type"].eq("global").all()
+    matched = p[p["share"].notna()]
+    assert set(matched["profiler_kernel"]) == {kineto_add, names[3]}
+    assert matched.loc[matched["profiler_kernel"] == names[3], "share"].sub(0.6).abs().lt(1e-12).all()  # both passes
+    assert (matched["priority"] == matched["share"] * matched["speedup_pct"] / 100).all()
+    assert matched["priority"].is_monotonic_decreasing and p["priority"].isna().sum() == len(p) - len(matched)
+    add = matched[(matched["profiler_kernel"] == kineto_add) & (matched["rule"] == "LaunchConfiguration")]
+    launch = df[(df["kernel_id"] == 6) & (df["metric"] == "LaunchConfiguration")]["value"]
+    assert add["speedup_pct"].iloc[0] == pytest.approx(launch.max())
+    # ids 3 and 5 are one kernel launched twice: their speedups are averaged, weighted by duration
+    assert len(ncu.priorities(k, df, include_local=True)) > len(p)

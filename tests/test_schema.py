@@ -1,0 +1,58 @@
+import pandas as pd
+import pytest
+
+from medddpm import schema
+
+
+def _steps(**over):
+    row = dict(run_id="cpu/baseline/x", phase="train", step=0, timed=True, time_ms=1.5, dispatch_ms=0.1, loss=0.8,
+               peak_mem_bytes=-1) | over
+    return pd.DataFrame([row])
+
+
+def test_round_trip_keeps_types(tmp_path):
+    path = schema.write_table(_steps(), tmp_path / "steps.parquet", "steps")
+    back = schema.read_table(path)
+    assert back.dtypes["step"] == "int64" and back.dtypes["timed"] == "bool" and back.loc[0, "loss"] == 0.8
+    assert not list(tmp_path.glob(".*tmp")), "atomic write leaves no temporary file"
+
+
+@pytest.mark.parametrize("df, message", [
+    (_steps().drop(columns=["loss"]), "missing columns \\['loss'\\]"),
+    (_steps().assign(extra=1), "unexpected columns \\['extra'\\]"),
+    (_steps(step="three"), "steps table"),
+    (_steps(timed="yes"), "steps table"),
+])
+def test_bad_tables_are_refused_on_write(df, message, tmp_path):
+    with pytest.raises(schema.SchemaError, match=message):
+        schema.write_table(df, tmp_path / "steps.parquet", "steps")
+    assert not (tmp_path / "steps.parquet").exists()
+
+
+def test_read_checks_the_schema_and_names_the_file(tmp_path):
+    bad = tmp_path / "steps.parquet"
+    _steps().drop(columns=["loss"]).to_parquet(bad)
+    with pytest.raises(schema.SchemaError, match="steps.parquet"):
+        schema.read_table(bad)
+    with pytest.raises(FileNotFoundError, match="missing data file"):
+        schema.read_table(tmp_path / "kernels.parquet")
+    with pytest.raises(schema.SchemaError, match="unknown table"):
+        schema.arrow_schema("nope")
+
+
+def test_every_table_has_documented_columns_and_the_issue_minimum():
+    minimum = {
+        "run": {"run_id", "status", "message", "gpu_name", "gpu_count", "driver", "cuda", "cudnn", "torch", "python",
+                "git_commit", "container", "size", "batch", "parameters", "flops_per_step", "start_time",
+                "precision", "channels_last", "compile", "cuda_graphs", "fused_adam", "attention"},
+        "steps": {"phase", "step", "timed", "time_ms", "loss", "peak_mem_bytes"},
+        "kernels": {"kernel", "category", "pass", "calls", "total_us"},
+        "ncu": {"kernel", "metric", "value", "unit"},
+        "quality": {"step", "loss", "baseline_loss", "rel_err"},
+    }
+    for table, cols in minimum.items():
+        assert cols <= set(schema.TABLES[table]), table
+        assert all(desc for _, desc in schema.TABLES[table].values())
+    assert "| `time_ms` |" in schema.markdown()
+    empty = schema.empty("quality")
+    assert empty.empty and list(empty.columns) == list(schema.TABLES["quality"])

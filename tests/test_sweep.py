@@ -1,0 +1,100 @@
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from medddpm.schema import TABLES, read_table
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def sweep(*args, **kw):
+    env = kw.pop("env", os.environ) | {"PYTHONPATH": str(ROOT), "MEDDDPM_CACHE": str(kw.pop("cache"))}
+    return subprocess.Popen([sys.executable, "-m", "medddpm", "sweep", *args], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, **kw)
+
+
+def test_smoke_sweep_writes_every_table_for_the_paper_configurations(tmp_path):
+    p = sweep("--preset", "smoke", "--configs", "paper", "--out", str(tmp_path / "data"), "--device", "cpu",
+              cache=tmp_path / "cache")
+    out, _ = p.communicate(timeout=900)
+    assert p.returncode == 0, out[-3000:]
+    for name in ("baseline", "opt1", "opt2", "opt12"):
+        folder = tmp_path / "data" / "cpu" / name
+        run = read_table(folder / "run.parquet")
+        assert run.loc[0, "status"] == "ok", run.loc[0, "message"]
+        assert run.loc[0, "gpu_slug"] == "cpu" and run.loc[0, "config"] == name
+        steps = read_table(folder / "steps.parquet")
+        assert (steps.query("phase == 'train'")["timed"].sum(), (~steps.query("phase == 'train'")["timed"]).sum()) == (3, 1)
+        assert (steps["phase"] == "sample").sum() == 250
+        kernels = read_table(folder / "kernels.parquet")
+        assert abs(kernels["share"].sum() - 1) < 1e-6 and "convolution" in set(kernels["category"])
+        quality = read_table(folder / "quality.parquet")
+        assert len(quality) == 3 and quality["rel_err"].notna().all()
+        assert (folder / "produce.ipynb").exists(), "the executed notebook is stored next to its data"
+        assert not (folder / "ncu.parquet").exists(), "no GPU, no counters"
+        assert set(TABLES) - {"ncu"} <= {f.stem for f in folder.glob("*.parquet")}
+    opt1 = read_table(tmp_path / "data" / "cpu" / "opt1" / "run.parquet")
+    assert "precision" in opt1.loc[0, "not_applicable"] and opt1.loc[0, "precision_used"] == "fp32"
+
+
+def test_a_killed_sweep_resumes_without_duplicated_or_lost_rows(tmp_path):
+    args = ("--preset", "smoke", "--configs", "baseline,opt2", "--out", str(tmp_path / "data"), "--device", "cpu",
+            "--profilers", "", "--steps", "2")
+    first = tmp_path / "data" / "cpu" / "baseline" / "run.parquet"
+    p = sweep(*args, cache=tmp_path / "cache")
+    deadline = time.time() + 600
+    while not first.exists() and time.time() < deadline and p.poll() is None:
+        time.sleep(0.2)
+    os.killpg(p.pid, signal.SIGKILL)  # the sweep and its notebook kernel, mid-way through opt2
+    p.wait()
+    assert first.exists() and not (tmp_path / "data" / "cpu" / "opt2" / "run.parquet").exists()
+    run_id = read_table(first).loc[0, "run_id"]
+
+    p = sweep(*args, cache=tmp_path / "cache")
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out[-3000:]
+    assert "done before" in out
+    assert read_table(first).loc[0, "run_id"] == run_id, "a finished configuration is not measured again"
+    for name in ("baseline", "opt2"):
+        steps = read_table(tmp_path / "data" / "cpu" / name / "steps.parquet")
+        train = steps.query("phase == 'train'")
+        assert list(train["step"]) == [0, 1, 2] and train["step"].is_unique
+    assert not list((tmp_path / "data" / "cpu").glob(".*")), "no staging folders left behind"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--configs", "baseline,turbo"], "unknown configuration 'turbo'"),
+    (["--preset", "huge"], "invalid choice: 'huge'"),
+    (["--steps", "-1"], "expected a positive integer, got -1"),
+    (["--steps", "1.5"], "expected a positive integer, got '1.5'"),
+])
+def test_bad_sweep_parameters_fail_before_any_work(args, message, tmp_path):
+    p = sweep(*args, "--out", str(tmp_path / "data"), cache=tmp_path / "cache")
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 2 and message in out
+    assert not (tmp_path / "data").exists()
+
+
+def test_a_wrong_data_path_fails_before_any_configuration_runs(tmp_path):
+    p = sweep("--preset", "smoke", "--configs", "baseline", "--out", str(tmp_path / "data"), "--device", "cpu",
+              "--data", str(tmp_path / "missing"), cache=tmp_path / "cache")
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 2 and str(tmp_path / "missing") in out.strip().splitlines()[-1]
+    assert not (tmp_path / "data" / "cpu" / "baseline").exists()
+
+
+def test_a_failing_configuration_is_recorded_and_the_sweep_goes_on(tmp_path):
+    # A real compile error: Inductor finds no C++ compiler for the CPU kernels of `compile`.
+    env = os.environ | {"CXX": "/nonexistent/g++", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    p = sweep("--preset", "smoke", "--configs", "compile,baseline", "--out", str(tmp_path / "data"), "--device",
+              "cpu", "--profilers", "", "--steps", "1", cache=tmp_path / "cache", env=env)
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out[-3000:]
+    failed = read_table(tmp_path / "data" / "cpu" / "compile" / "run.parquet")
+    assert failed.loc[0, "status"] == "error" and "compiler" in failed.loc[0, "message"].lower()
+    assert read_table(tmp_path / "data" / "cpu" / "baseline" / "run.parquet").loc[0, "status"] == "ok"
