@@ -135,6 +135,8 @@ def cmd_bench(args) -> None:
     configs = parse_config_list(args.configs)
     device = pick_device(args.device)
     spec = _spec(args, args.mask_channels)
+    if args.reference and not (Path(args.reference) / "diffusion_model" / "unet.py").is_file():
+        raise FileNotFoundError(f"{args.reference}: not a clone of mobaidoctor/med-ddpm (no diffusion_model/unet.py)")
     results = {"environment": environment(device), "spec": spec.__dict__ | {"mult": list(spec.mult)}, "runs": []}
     jobs = [lambda c=c: bench_train(spec, c, device=device, warmup=args.warmup, steps=args.steps, seed=args.seed)
             for c in configs]

@@ -130,19 +130,25 @@ class Measurement:
     # --------------------------------------------------------------------------------- plumbing
 
     @contextlib.contextmanager
-    def phase(self, name: str):
-        """Run a phase unless an earlier one failed; record out-of-memory and errors, don't raise."""
+    def phase(self, name: str, *, critical: bool = True):
+        """Run a phase unless an earlier one failed; record out-of-memory and errors, don't raise.
+
+        A critical phase's failure becomes the run's status; a profiler's (critical=False) is recorded
+        in `profilers` and leaves the timings standing."""
         if self.status != "ok":
             self.profiler_status.setdefault(name, {"status": "skipped", "message": f"after {self.status}"})
             yield False
             return
         try:
             yield True
-        except torch.OutOfMemoryError as e:
-            self.status, self.message = "oom", f"{name}: {str(e).splitlines()[0]}"
         except Exception as e:  # noqa: BLE001 - recorded in run.parquet, the sweep goes on
-            self.status, self.message = "error", f"{name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            status = "oom" if isinstance(e, torch.OutOfMemoryError) else "error"
+            message = f"{name}: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
             traceback.print_exc()
+            if critical:
+                self.status, self.message = status, message
+            else:
+                self.profiler_status[name] = {"status": status, "message": message}
         finally:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -266,7 +272,7 @@ class Measurement:
             return None
         from .kernels import profile_kernels
 
-        with self.phase("torch") as go:
+        with self.phase("torch", critical=False) as go:
             if not go:
                 return None
             engine = self._engine()
@@ -284,7 +290,7 @@ class Measurement:
             return None
         from .ncu import run_ncu
 
-        with self.phase("ncu") as go:
+        with self.phase("ncu", critical=False) as go:
             if not go:
                 return None
             if "kernels" not in self.tables:

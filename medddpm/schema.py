@@ -66,8 +66,9 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "achieved_tflops": (F, "flops_per_step / median time"),
         "voxels_per_s": (F, "training throughput in input voxels per second"),
         "samples_per_s": (F, "training throughput in volumes per second"),
-        "peak_mem_bytes": (I, "peak allocated device memory in training (-1 on a CPU)"),
-        "peak_reserved_bytes": (I, "peak reserved device memory in training (-1 on a CPU)"),
+        "peak_mem_bytes": (I, "peak allocated device memory over the timed steps (-1 on a CPU); a CUDA graph's "
+                              "private pool is not counted here, see peak_reserved_bytes"),
+        "peak_reserved_bytes": (I, "peak memory reserved by the caching allocator, warm-up included (-1 on a CPU)"),
         "epoch_size": (I, "training pairs in one epoch"),
         "epoch_s": (F, "time of one epoch: epoch_size volumes at the median micro-step time"),
         "gpu_hours_100k": (F, "projected device hours for the reference's 100k steps x 2 micro-steps"),

@@ -55,6 +55,7 @@ def test_train_then_sample_on_embedded_data(tmp_path, monkeypatch, capsys):
     (["train", "--data", "/nonexistent/folder", "--out", "x"], "/nonexistent/folder"),
     (["bench", "--configs", "baseline,nope"], "unknown configuration 'nope'"),
     (["sample", "--checkpoint", "/nonexistent/ckpt.pt", "--out", "x"], "no checkpoint"),
+    (["bench", "--reference", "/nonexistent/med-ddpm"], "not a clone of mobaidoctor/med-ddpm"),
 ])
 def test_bad_input_fails_with_one_clear_line(args, message, tmp_path):
     out = run(*args, cwd=tmp_path)
