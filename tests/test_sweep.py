@@ -21,7 +21,7 @@ def sweep(*args, **kw):
 def test_smoke_sweep_writes_every_table_for_the_paper_configurations(tmp_path):
     p = sweep("--preset", "smoke", "--configs", "paper", "--out", str(tmp_path / "data"), "--device", "cpu",
               cache=tmp_path / "cache")
-    out, _ = p.communicate(timeout=900)
+    out, _ = p.communicate(timeout=1800)
     assert p.returncode == 0, out[-3000:]
     for name in ("baseline", "opt1", "opt2", "opt12"):
         folder = tmp_path / "data" / "cpu" / name

@@ -1,0 +1,686 @@
+"""What the book's pages read: every run under ``data/``, validated, and the summaries each page draws.
+
+A *run* is a folder ``data/<gpu-slug>/<config>/`` holding ``run.parquet`` (written last by the
+producer, so its presence marks a finished measurement). Folders that hold no parquet at all (such
+as ``data/nvidia-h200/reference/`` with raw ``bench`` timings, or a sweep's hidden staging folders)
+are not runs and are listed by `scan` as such. A folder with some parquet but no ``run.parquet`` is
+an incomplete run: reading it raises a one-line `DataError` naming the folder, which fails the book
+build on purpose (a page must never silently drop a measurement).
+
+Nothing here names a GPU: every summary is grouped by the ``gpu_slug`` found in the data, so a
+GPU added under ``data/`` appears on every page without an edit. Pages call the ``check_*``
+functions to assert that their numbers are sane, and `claims` turns each published claim of
+Ryoo et al. (2026) into a verdict computed from the measurements.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from . import schema
+from .configs import CONFIGS, PAPER  # noqa: F401 - PAPER for the pages
+
+REPO = Path(__file__).resolve().parent.parent
+TABLES = tuple(schema.TABLES)  # run, steps, kernels, ncu, quality
+REFERENCE_STEPS, REFERENCE_ACCUM = 100_000, 2  # the reference's optimizer steps, micro-steps per step
+
+# Peak throughputs (FLOP/s) that set a floor for one micro-step: 16.6 TFLOP / peak. Inputs, not results:
+# each with its source. A GPU missing here simply has no floor drawn.
+PEAKS: dict[str, dict[str, tuple[float, str]]] = {
+    "nvidia-h200": {
+        "bf16": (790e12, "dense bf16 matmul measured on this machine type (data/nvidia-h200/NOTES.md)"),
+        "fp32": (67e12, "FP32 without tensor cores, NVIDIA H200 SXM datasheet"),
+    },
+}
+
+# FP32 (non-tensor-core) peaks from NVIDIA's datasheets, for counting what training costs elsewhere.
+DATASHEET_FP32 = {"V100 SXM2": 15.7e12, "A100 SXM": 19.5e12, "H100 SXM": 67e12}
+
+# Thresholds of the claim verdicts (see `claims`).
+SPEEDUP_MIN = 1.10  # a change "cuts" (or "slows") step time when the median ratio passes 10%
+CONV_DOMINANT = 0.50  # "dominated by convolution": more than half of the baseline's kernel time
+SHIFT_MIN = 0.05  # a shift of kernel-time share counts from 5 percentage points
+TENSOR_NEAR = 2.0  # "near baseline" tensor-pipe use: within 2 percentage points
+QUALITY_REL_ERR = 1e-2  # forward-pass relative L2 error tolerated against strict FP32
+QUALITY_LOSS = 0.02  # mean relative loss difference tolerated against strict FP32
+
+HOLDS, FAILS, NA = "holds", "does not hold", "not measurable here"
+
+
+class DataError(RuntimeError):
+    """The data tree is missing or malformed (one line naming the folder or file)."""
+
+
+def data_root() -> Path:
+    return Path(os.environ.get("MEDDDPM_DATA", REPO / "data"))
+
+
+def config_order(names=()) -> list[str]:
+    """CONFIGS order first, then any other configuration names found in the data, sorted."""
+    extra = sorted({str(n) for n in names} - set(CONFIGS))
+    return list(CONFIGS) + extra
+
+
+def _sort(df: pd.DataFrame, *cols: str) -> pd.DataFrame:
+    """Rows by GPU, then configuration in CONFIGS order."""
+    if df.empty or "config" not in df:
+        return df.reset_index(drop=True)
+    rank = {c: i for i, c in enumerate(config_order(df["config"].unique()))}
+    keys = [c for c in ("gpu_slug", *cols) if c in df]
+    return (df.assign(_rank=df["config"].map(rank)).sort_values([keys[0], "_rank", *keys[1:]] if keys else ["_rank"])
+            .drop(columns="_rank").reset_index(drop=True))
+
+
+# ------------------------------------------------------------------------------------------ loading
+
+
+@dataclass(frozen=True)
+class Scan:
+    runs: list[Path]  # data/<slug>/<config>/ folders with run.parquet
+    not_runs: list[Path]  # folders without any parquet (raw notes, bench JSON), not read as runs
+
+
+def scan(root: str | os.PathLike | None = None) -> Scan:
+    """Find the runs under the data tree; raise on a missing tree or an incomplete run."""
+    root = Path(root) if root is not None else data_root()
+    if not root.is_dir():
+        raise DataError(f"no data tree at {root} (set MEDDDPM_DATA or run `python -m medddpm sweep`)")
+    runs, not_runs = [], []
+    for gpu in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        for folder in sorted(p for p in gpu.iterdir() if p.is_dir() and not p.name.startswith(".")):
+            if (folder / "run.parquet").is_file():
+                runs.append(folder)
+            elif any(folder.glob("*.parquet")):
+                raise DataError(f"incomplete run {folder}: parquet files but no run.parquet "
+                                "(re-run the sweep for it, or remove the folder)")
+            else:
+                not_runs.append(folder)
+    return Scan(runs, not_runs)
+
+
+def _read(path: Path, table: str) -> pd.DataFrame:
+    try:
+        return schema.read_table(path, table)
+    except (schema.SchemaError, OSError, ValueError) as e:
+        raise DataError(f"{path}: {str(e).splitlines()[0]}") from None
+
+
+def runs(root: str | os.PathLike | None = None) -> pd.DataFrame:
+    """The run table of every run (one row each), with its folder relative to the data root."""
+    root = Path(root) if root is not None else data_root()
+    frames = []
+    for folder in scan(root).runs:
+        df = _read(folder / "run.parquet", "run")
+        if len(df) != 1:
+            raise DataError(f"{folder / 'run.parquet'}: {len(df)} rows, expected 1")
+        slug, config = df.loc[0, "gpu_slug"], df.loc[0, "config"]
+        if (slug, config) != (folder.parent.name, folder.name):
+            raise DataError(f"{folder}: run.parquet says {slug}/{config}, the folder says "
+                            f"{folder.parent.name}/{folder.name}")
+        frames.append(df.assign(folder=str(folder.relative_to(root))))
+    if not frames:
+        return schema.empty("run").assign(folder=pd.Series(dtype="str"))
+    out = pd.concat(frames, ignore_index=True)
+    dup = out["run_id"][out["run_id"].duplicated()]
+    if len(dup):
+        raise DataError(f"run_id {dup.iloc[0]} appears in more than one folder")
+    return _sort(out)
+
+
+def load(table: str, root: str | os.PathLike | None = None) -> pd.DataFrame:
+    """Every ``data/*/*/<table>.parquet`` of the runs, validated, with ``gpu_slug`` and ``config``."""
+    if table not in schema.TABLES:
+        raise DataError(f"unknown table {table!r}; known: {', '.join(schema.TABLES)}")
+    root = Path(root) if root is not None else data_root()
+    run = runs(root)
+    if table == "run":
+        return run
+    frames = []
+    for folder in run["folder"]:
+        path = root / folder / f"{table}.parquet"
+        if not path.is_file():
+            continue  # a phase that did not run (a CPU has no ncu table; a failed run has few tables)
+        df = _read(path, table)
+        if not df.empty and not df["run_id"].isin(run["run_id"]).all():
+            raise DataError(f"{path}: run_id {df['run_id'].iloc[0]} is not the run of its folder")
+        frames.append(df)
+    df = pd.concat(frames, ignore_index=True) if frames else schema.empty(table)
+    keys = run[["run_id", "gpu_slug", "config"]]
+    return df.merge(keys, on="run_id", how="left", validate="many_to_one")
+
+
+@dataclass
+class Data:
+    """All tables of all runs (what `claims` and the page summaries take)."""
+
+    run: pd.DataFrame
+    steps: pd.DataFrame
+    kernels: pd.DataFrame
+    ncu: pd.DataFrame
+    quality: pd.DataFrame
+    bench: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=BENCH_COLUMNS))
+
+    @property
+    def ok(self) -> pd.DataFrame:
+        return self.run[self.run["status"] == "ok"]
+
+
+def load_all(root: str | os.PathLike | None = None) -> Data:
+    return Data(**{t: load(t, root) for t in TABLES}, bench=bench_runs(root))
+
+
+BENCH_COLUMNS = ["gpu_slug", "source", "config", "implementation", "median_ms", "p10_ms", "p90_ms", "steps",
+                 "peak_mem_gib", "fp32_math", "torch", "cudnn", "time_utc", "size", "mask_channels", "base_channels"]
+
+
+def bench_runs(root: str | os.PathLike | None = None) -> pd.DataFrame:
+    """Raw `python -m medddpm bench` timings (JSON) kept in folders that are not runs.
+
+    These come before the measurement pipeline (no kernels, counters or quality): the book shows them
+    apart and uses them for timing claims only where a GPU has no sweep yet."""
+    cols = BENCH_COLUMNS
+    root = Path(root) if root is not None else data_root()
+    rows = []
+    for folder in scan(root).not_runs:
+        for path in sorted(folder.glob("*.json")):
+            try:
+                doc = json.loads(path.read_text())
+            except (OSError, ValueError) as e:
+                raise DataError(f"{path}: not readable JSON ({e})") from None
+            if not isinstance(doc, dict) or "runs" not in doc:
+                continue
+            env, spec = doc.get("environment", {}), doc.get("spec", {})
+            bad = [k for r in doc["runs"] for k in ("config", "median_ms", "p10_ms", "p90_ms", "step_ms",
+                                                      "peak_mem_bytes") if k not in r]
+            if bad:
+                raise DataError(f"{path}: a bench run lacks {sorted(set(bad))}")
+            for r in doc["runs"]:
+                name = r["config"]
+                ref = name.startswith("reference-")
+                rows.append({
+                    "gpu_slug": folder.parent.name, "source": str(path.relative_to(root)),
+                    "config": {"reference-fp32": "baseline", "reference-tf32": "opt1"}.get(name, name),
+                    "implementation": "reference (mobaidoctor/med-ddpm)" if ref else "ours",
+                    "median_ms": r["median_ms"], "p10_ms": r["p10_ms"], "p90_ms": r["p90_ms"],
+                    "steps": len(r["step_ms"]), "peak_mem_gib": r["peak_mem_bytes"] / 2**30,
+                    "fp32_math": r.get("backend_flags", {}).get("cudnn_conv_fp32_precision", ""),
+                    "torch": env.get("torch", ""), "cudnn": str(env.get("cudnn", "")),
+                    "time_utc": env.get("time_utc", ""), "size": spec.get("size"),
+                    "mask_channels": spec.get("mask_channels"), "base_channels": spec.get("base_channels"),
+                })
+    return _sort(pd.DataFrame(rows, columns=cols), "implementation", "source")
+
+
+# ------------------------------------------------------------------------------------- summaries
+
+
+def device_label(run: pd.DataFrame) -> pd.Series:
+    """'nvidia-h200 (paper, 128³)': the GPU with the preset and size its numbers belong to."""
+    return run["gpu_slug"] + " (" + run["preset"] + ", " + run["size"].astype(str) + "³)"
+
+
+def step_summary(run: pd.DataFrame) -> pd.DataFrame:
+    """One row per finished run: step time with spread, speedup vs baseline on the same GPU, cost."""
+    ok = run[run["status"] == "ok"].copy()
+    base = ok[ok["config"] == "baseline"].set_index("gpu_slug")["train_median_ms"]
+    ok["speedup"] = ok["gpu_slug"].map(base) / ok["train_median_ms"]
+    ok["device"] = device_label(ok)
+    ok["peak_mem_gib"] = ok["peak_mem_bytes"].where(ok["peak_mem_bytes"] >= 0) / 2**30
+    ok["peak_reserved_gib"] = ok["peak_reserved_bytes"].where(ok["peak_reserved_bytes"] >= 0) / 2**30
+    cols = ["gpu_slug", "device", "config", "preset", "size", "precision_used", "train_median_ms", "train_p10_ms",
+            "train_p90_ms", "speedup", "achieved_tflops", "dispatch_median_ms", "epoch_s", "gpu_hours_100k",
+            "energy_per_step_j", "energy_100k_kwh", "mean_power_w", "sample_step_median_ms", "sample_total_s",
+            "peak_mem_gib", "peak_reserved_gib", "warmup_s", "first_step_s", "flops_per_step"]
+    return _sort(ok[cols])
+
+
+def speedups(run: pd.DataFrame) -> pd.DataFrame:
+    """Speedup of each configuration over the baseline of the same GPU (GPUs with a baseline only)."""
+    s = step_summary(run)
+    return s[s["speedup"].notna()][["gpu_slug", "device", "config", "train_median_ms", "speedup"]].reset_index(drop=True)
+
+
+def category_shares(kernels: pd.DataFrame) -> pd.DataFrame:
+    """Share of profiled kernel time per (GPU, configuration, kernel category); sums to 1 per run."""
+    if kernels.empty:
+        return pd.DataFrame(columns=["gpu_slug", "config", "category", "share", "us_per_step"])
+    k = kernels.assign(us_per_step=kernels["total_us"] / kernels["steps"].clip(lower=1))
+    g = k.groupby(["gpu_slug", "config", "category"], as_index=False)[["total_us", "us_per_step"]].sum()
+    g["share"] = g["total_us"] / g.groupby(["gpu_slug", "config"])["total_us"].transform("sum")
+    return _sort(g.drop(columns="total_us"), "category")
+
+
+def pass_split(kernels: pd.DataFrame) -> pd.DataFrame:
+    """Share of profiled kernel time per pass (forward / backward / optimizer / graph / other)."""
+    if kernels.empty:
+        return pd.DataFrame(columns=["gpu_slug", "config", "pass", "share", "us_per_step"])
+    k = kernels.assign(us_per_step=kernels["total_us"] / kernels["steps"].clip(lower=1))
+    g = k.groupby(["gpu_slug", "config", "pass"], as_index=False)[["total_us", "us_per_step"]].sum()
+    g["share"] = g["total_us"] / g.groupby(["gpu_slug", "config"])["total_us"].transform("sum")
+    return _sort(g.drop(columns="total_us"), "pass")
+
+
+def top_kernels(kernels: pd.DataFrame, n: int = 12) -> pd.DataFrame:
+    """The n largest kernels of each run (passes added up), with what a tooltip needs."""
+    cols = ["gpu_slug", "config", "rank", "short_name", "kernel", "category", "passes", "calls_per_step",
+            "us_per_step", "share", "tensor_cores"]
+    if kernels.empty:
+        return pd.DataFrame(columns=cols)
+    k = kernels.assign(us=kernels["total_us"] / kernels["steps"].clip(lower=1),
+                       cps=kernels["calls"] / kernels["steps"].clip(lower=1))
+    g = (k.groupby(["gpu_slug", "config", "kernel"], as_index=False)
+         .agg(short_name=("short_name", "first"), category=("category", "first"),
+              passes=("pass", lambda s: ", ".join(sorted(set(s)))), calls_per_step=("cps", "sum"),
+              us_per_step=("us", "sum"), share=("share", "sum"), tensor_cores=("tensor_cores", "any")))
+    g = g.sort_values(["gpu_slug", "config", "us_per_step"], ascending=[True, True, False])
+    g["rank"] = g.groupby(["gpu_slug", "config"]).cumcount() + 1
+    g = g[g["rank"] <= n].copy()
+    g["kernel"] = g["kernel"].str.slice(0, 240)  # tooltips; the full names stay in kernels.parquet
+    return _sort(g[cols], "rank")
+
+
+def step_curves(steps: pd.DataFrame, phase: str = "train") -> pd.DataFrame:
+    """Per-step times of one phase (small: tens of rows a run), for spread charts."""
+    s = steps[steps["phase"] == phase]
+    return _sort(s[["gpu_slug", "config", "step", "timed", "time_ms"]], "step")
+
+
+# ----------------------------------------------------------------------------------- ncu summaries
+
+_WEIGHTED = ("tensor_pipe_pct", "sm_throughput_pct", "memory_throughput_pct", "dram_throughput_pct", "l1_hit_pct",
+             "l2_hit_pct", "achieved_occupancy_pct")
+
+
+def ncu_kernels(ncu_df: pd.DataFrame) -> pd.DataFrame:
+    """`medddpm.ncu.kernel_summary` for every run, with gpu_slug and config."""
+    from . import ncu
+
+    if ncu_df.empty:
+        return pd.DataFrame(columns=["gpu_slug", "config", "kernel_id", "kernel", "duration_ns", *_WEIGHTED])
+    parts = []
+    for (run_id, slug, config), g in ncu_df.groupby(["run_id", "gpu_slug", "config"]):
+        parts.append(ncu.kernel_summary(g.drop(columns=["gpu_slug", "config"])).assign(
+            run_id=run_id, gpu_slug=slug, config=config))
+    return _sort(pd.concat(parts, ignore_index=True), "kernel_id")
+
+
+def ncu_by_run(ncu_df: pd.DataFrame) -> pd.DataFrame:
+    """Per run, over the kernels ncu profiled: duration-weighted utilizations, hit rates and stalls, and
+    summed instruction counts by class. The profiled kernels make up most of a step (the top of the
+    torch.profiler ranking), so weighting each launch by its duration approximates the step."""
+    from . import ncu
+
+    k = ncu_kernels(ncu_df)
+    if k.empty:
+        return pd.DataFrame(columns=["gpu_slug", "config"])
+    stalls = [f"stall_{r}" for r in ncu.STALL_REASONS]
+    insts = [f"inst_{c}" for c in ncu.INST_CLASSES]
+    rows = []
+    for (slug, config), g in k.groupby(["gpu_slug", "config"]):
+        w = g["duration_ns"].fillna(0)
+        row = {"gpu_slug": slug, "config": config, "kernels": len(g), "profiled_ms": w.sum() / 1e6}
+        for c in (*_WEIGHTED, *stalls):
+            v = g[c]
+            m = v.notna() & (w > 0)
+            row[c] = float(np.average(v[m], weights=w[m])) if m.any() else math.nan
+        for c in insts:
+            row[c] = g[c].sum(min_count=1)
+        row["inst_total"] = g[insts].sum(axis=1, min_count=1).sum(min_count=1)
+        rows.append(row)
+    return _sort(pd.DataFrame(rows))
+
+
+def roofline_points(ncu_df: pd.DataFrame) -> pd.DataFrame:
+    """Per profiled kernel: arithmetic intensity (FLOP per DRAM byte) and achieved FLOP/s.
+
+    FLOPs come from ncu's FP32/FP16/FP64 thread-instruction counts (an FMA is two), which do not see
+    tensor-core (HMMA/GMMA) math: tensor-core kernels are drawn with what the SASS counters see."""
+    k = ncu_kernels(ncu_df)
+    if k.empty or "flop_fp32" not in k:
+        return pd.DataFrame(columns=["gpu_slug", "config", "kernel", "flops", "bytes", "intensity", "flops_per_s"])
+    k = k.copy()
+    k["flops"] = k[["flop_fp32", "flop_fp16", "flop_fp64"]].sum(axis=1, min_count=1)
+    k["bytes"] = k["dram_bytes_per_s"] * k["duration_ns"] / 1e9
+    k["intensity"] = k["flops"] / k["bytes"]
+    k["flops_per_s"] = k["flops"] / (k["duration_ns"] / 1e9)
+    k = k[np.isfinite(k["intensity"]) & (k["intensity"] > 0) & (k["flops_per_s"] > 0)]
+    k["kernel"] = k["kernel"].str.slice(0, 160)
+    return k[["gpu_slug", "config", "kernel", "duration_ns", "flops", "bytes", "intensity", "flops_per_s",
+              "tensor_pipe_pct"]].reset_index(drop=True)
+
+
+def ncu_priorities(data: Data, n: int = 10) -> pd.DataFrame:
+    """`medddpm.ncu.priorities` per run (share of step x a rule's estimated global speedup), top n each."""
+    from . import ncu
+
+    if data.ncu.empty:
+        return pd.DataFrame(columns=["gpu_slug", "config", "kernel", "rule", "section", "share", "speedup_pct",
+                                     "priority"])
+    parts = []
+    for (run_id, slug, config), g in data.ncu.groupby(["run_id", "gpu_slug", "config"]):
+        k = data.kernels[data.kernels["run_id"] == run_id]
+        p = ncu.priorities(k, g.drop(columns=["gpu_slug", "config"])).head(n)
+        parts.append(p.assign(gpu_slug=slug, config=config))
+    out = pd.concat(parts, ignore_index=True)
+    out["kernel"] = out["kernel"].str.slice(0, 160)
+    return _sort(out, "priority")
+
+
+# -------------------------------------------------------------------------------------- checks
+
+
+def check_speedups(df: pd.DataFrame) -> None:
+    s = df["speedup"]
+    bad = df[~(np.isfinite(s) & (s > 0))]
+    assert bad.empty, f"speedups must be positive and finite: {bad[['gpu_slug', 'config', 'speedup']].to_dict('records')}"
+
+
+def check_strict_baseline(data: Data) -> None:
+    """The FP32 baseline ran no TF32 tensor-core kernel and read back strict FP32 math modes."""
+    k = data.kernels
+    tc = k[(k["config"] == "baseline") & (k["device_type"] == "cuda") & k["tensor_cores"]]
+    assert tc.empty, f"baseline ran tensor-core kernels: {tc['short_name'].unique()[:5].tolist()}"
+    for _, r in data.run[(data.run["config"] == "baseline") & (data.run["status"] == "ok")].iterrows():
+        flags = json.loads(r["backend_flags"] or "{}")
+        assert all(v == "ieee" for v in flags.values()), f"{r['run_id']}: baseline math modes {flags}"
+
+
+def check_shares(kernels: pd.DataFrame) -> None:
+    if kernels.empty:
+        return
+    tot = kernels.groupby("run_id")["share"].sum()
+    assert np.allclose(tot, 1.0, atol=1e-3), f"kernel shares do not sum to 1: {tot[~np.isclose(tot, 1, atol=1e-3)]}"
+
+
+def check_medians(data: Data) -> None:
+    """run.parquet's median equals the median of the timed training steps in steps.parquet."""
+    s = data.steps[(data.steps["phase"] == "train") & data.steps["timed"]]
+    med = s.groupby("run_id")["time_ms"].median()
+    r = data.ok.set_index("run_id")["train_median_ms"]
+    both = r.index.intersection(med.index)
+    assert np.allclose(r[both], med[both], rtol=1e-6), "run medians differ from the step table"
+
+
+# -------------------------------------------------------------------------------------- claims
+
+
+@dataclass(frozen=True)
+class Claim:
+    id: str
+    short: str  # a chart label
+    text: str  # as published (DESIGN.md section 1)
+    method: str  # how the verdict is computed
+
+
+CLAIMS = [
+    Claim("conv-dominates", "Convolutions dominate",
+          "Training is dominated by cuDNN convolution / implicit-GEMM kernels.",
+          f"Baseline share of profiled kernel time in the convolution category > {CONV_DOMINANT:.0%} (kernels.parquet)."),
+    Claim("inefficiency-sources", "Memory and scheduling inefficiencies",
+          "Inefficiencies come from memory access, layout conversion, warp scheduling, "
+          "cache residency and low tensor-core use.",
+          "Baseline ncu rule priorities (share x estimated global speedup): memory, warp-state, scheduler, occupancy "
+          "and launch sections hold more than half of the total (ncu.parquet)."),
+    Claim("tf32-time", "TF32 cuts step time (up to 5x)",
+          "TF32 cuts SM cycles (up to 5x).",
+          f"Baseline / opt1 median step time >= {SPEEDUP_MIN} where TF32 really ran (precision_used tf32); from the "
+          "sweep, else from bench timings (run.parquet, reference JSON)."),
+    Claim("tf32-instructions", "TF32 cuts instructions (up to 100x)",
+          "TF32 cuts dynamic instructions (up to 100x).",
+          "Executed thread instructions summed over the profiled kernels, baseline / opt1 > 1 (ncu.parquet)."),
+    Claim("tf32-tensor", "TF32 raises tensor-core use 1.45-9.98x",
+          "TF32 raises tensor-core utilization 1.45x-9.98x (A100).",
+          "Duration-weighted tensor-pipe utilization, opt1 / baseline >= 1.45 (ncu.parquet)."),
+    Claim("tf32-memory", "TF32: L1 hit falls, DRAM use rises",
+          "Under TF32 the L1 hit rate falls and DRAM bandwidth use rises.",
+          "Duration-weighted L1 hit rate lower and DRAM throughput higher in opt1 than in baseline (ncu.parquet)."),
+    Claim("tf32-stalls", "TF32: long-scoreboard stalls rise",
+          "Under TF32 long-scoreboard stalls rise (H100).",
+          "Duration-weighted long-scoreboard stall cycles per instruction higher in opt1 than baseline (ncu.parquet)."),
+    Claim("cl-shift", "Channels-last: element-wise + layout kernels",
+          "Channels-last shifts the workload to small element-wise and layout-conversion kernels.",
+          f"Share of element-wise + layout kernel time, opt2 minus baseline > {SHIFT_MIN:.0%} points (kernels.parquet)."),
+    Claim("cl-tensor", "Channels-last: tensor cores near baseline",
+          "Under channels-last tensor-core use stays near baseline (~1.5%).",
+          f"Duration-weighted tensor-pipe utilization of opt2 within {TENSOR_NEAR} points of baseline (ncu.parquet)."),
+    Claim("cl-sm", "Channels-last: SM throughput drops",
+          "Under channels-last SM throughput drops (~50%).",
+          "Duration-weighted SM throughput, opt2 / baseline <= 0.9 (ncu.parquet)."),
+    Claim("cl-cache", "Channels-last: L2 hit rises, DRAM falls",
+          "Under channels-last the L2 hit rate rises (~85%) and DRAM use collapses.",
+          "Duration-weighted L2 hit rate higher and DRAM throughput lower in opt2 than baseline (ncu.parquet)."),
+    Claim("opt12-partial", "OPT12 partly restores tensor cores",
+          "Combined (OPT12) only partly restores tensor-core use.",
+          "Duration-weighted tensor-pipe utilization: opt2 < opt12 < opt1 (ncu.parquet)."),
+    Claim("fusion-needed", "Fusion is needed",
+          "Further kernel fusion is needed.",
+          f"Fusing the same model with torch.compile: sdpa / compile median step time >= {SPEEDUP_MIN} "
+          "(run.parquet, else bench timings)."),
+    Claim("tf32-quality", "TF32 keeps quality",
+          "TF32 does not degrade synthesis quality.",
+          f"opt1 against strict FP32 from the same weights: forward relative error <= {QUALITY_REL_ERR:g} and mean "
+          f"relative loss difference <= {QUALITY_LOSS:.0%}, where TF32 really ran (quality.parquet)."),
+]
+
+
+def _median_pair(data: Data, slug: str, a: str, b: str) -> tuple[float, float, str] | None:
+    """Median step times of configs a and b on one GPU: the sweep's, else the bench JSON's."""
+    ok = data.ok[data.ok["gpu_slug"] == slug].set_index("config")
+    if a in ok.index and b in ok.index:
+        return ok.loc[a, "train_median_ms"], ok.loc[b, "train_median_ms"], "sweep"
+    bench = data.bench
+    if not bench.empty:
+        bb = bench[(bench["gpu_slug"] == slug) & (bench["implementation"] == "ours")]
+        med = bb.groupby("config")["median_ms"].median()
+        if a in med.index and b in med.index:
+            return med[a], med[b], "bench JSON"
+    return None
+
+
+def _precision_used(data: Data, slug: str, config: str) -> str | None:
+    r = data.run[(data.run["gpu_slug"] == slug) & (data.run["config"] == config)]
+    if len(r):
+        return r["precision_used"].iloc[0] or None
+    b = data.bench[(data.bench["gpu_slug"] == slug) & (data.bench["config"] == config)] if not data.bench.empty else []
+    if len(b):
+        return {"tf32": "tf32", "ieee": "fp32"}.get(b["fp32_math"].iloc[0])
+    return None
+
+
+def _verdict(ok: bool) -> str:
+    return HOLDS if ok else FAILS
+
+
+def _claim_row(claim: Claim, slug: str, data: Data, counters: pd.DataFrame, shares: pd.DataFrame,
+               prio: pd.DataFrame) -> tuple[str, str]:
+    """(verdict, evidence) of one claim on one GPU."""
+    is_cuda = (data.run.loc[data.run["gpu_slug"] == slug, "gpu_name"] != "cpu").all()
+    cnt = counters[counters["gpu_slug"] == slug].set_index("config") if not counters.empty else pd.DataFrame()
+    sh = shares[shares["gpu_slug"] == slug] if not shares.empty else shares
+
+    def counter(config: str, col: str) -> float | None:
+        if config in cnt.index and col in cnt and pd.notna(cnt.loc[config, col]):
+            return float(cnt.loc[config, col])
+        return None
+
+    no_sweep = not (data.run["gpu_slug"] == slug).any()
+    NO_SWEEP = "no sweep on this device yet, bench timings only (`python -m medddpm sweep --preset paper`)"
+
+    def need_ncu(*configs: str) -> str:
+        if no_sweep:
+            return NO_SWEEP
+        why = "no ncu counters on a CPU" if not is_cuda else "no ncu.parquet for " + ", ".join(configs)
+        return why + " (needs `python -m medddpm sweep --preset paper` on a GPU)"
+
+    def cat_share(config: str, cats: tuple[str, ...]) -> float | None:
+        s = sh[sh["config"] == config]
+        return float(s[s["category"].isin(cats)]["share"].sum()) if len(s) else None
+
+    def tf32_ran() -> bool:
+        return _precision_used(data, slug, "opt1") == "tf32"
+
+    cid = claim.id
+    if cid == "conv-dominates":
+        s = cat_share("baseline", ("convolution",))
+        if s is None:
+            return NA, NO_SWEEP if no_sweep else "no baseline kernel profile"
+        return _verdict(s > CONV_DOMINANT), f"convolution kernels take {s:.0%} of baseline kernel time"
+    if cid == "inefficiency-sources":
+        p = prio[(prio["gpu_slug"] == slug) & (prio["config"] == "baseline")] if not prio.empty else prio
+        if p.empty or p["priority"].notna().sum() == 0:
+            return NA, need_ncu("baseline")
+        sec = p.groupby("section")["priority"].sum()
+        mem = sec[sec.index.str.contains("Memory|Warp|Scheduler|Occupancy|Launch", regex=True)].sum()
+        frac = mem / sec.sum() if sec.sum() > 0 else math.nan
+        return _verdict(frac > 0.5), f"memory and scheduling rules hold {frac:.0%} of the estimated recoverable time"
+    if cid in ("tf32-time", "fusion-needed"):
+        a, b = ("baseline", "opt1") if cid == "tf32-time" else ("sdpa", "compile")
+        if cid == "tf32-time" and not tf32_ran():
+            return NA, "TF32 did not run here (not applicable on a CPU)" if not is_cuda else "opt1 did not run TF32"
+        pair = _median_pair(data, slug, a, b)
+        if pair is None:
+            return NA, f"needs {a} and {b} timings"
+        ta, tb, src = pair
+        return _verdict(ta / tb >= SPEEDUP_MIN), f"{b} is {ta / tb:.2f}x faster than {a} ({ta:.4g} vs {tb:.4g} ms, {src})"
+    if cid == "tf32-instructions":
+        x, y = counter("baseline", "inst_total"), counter("opt1", "inst_total")
+        if x is None or y is None or y <= 0:
+            return NA, need_ncu("baseline", "opt1")
+        return _verdict(x / y > 1), f"baseline executes {x / y:.1f}x the instructions of opt1"
+    if cid == "tf32-tensor":
+        x, y = counter("baseline", "tensor_pipe_pct"), counter("opt1", "tensor_pipe_pct")
+        if x is None or y is None:
+            return NA, need_ncu("baseline", "opt1")
+        ratio = y / x if x > 0 else math.inf
+        return _verdict(ratio >= 1.45), f"tensor pipe {x:.2f}% -> {y:.2f}% ({ratio:.2f}x)"
+    if cid == "tf32-memory":
+        l1 = counter("baseline", "l1_hit_pct"), counter("opt1", "l1_hit_pct")
+        dr = counter("baseline", "dram_throughput_pct"), counter("opt1", "dram_throughput_pct")
+        if None in l1 or None in dr:
+            return NA, need_ncu("baseline", "opt1")
+        return (_verdict(l1[1] < l1[0] and dr[1] > dr[0]),
+                f"L1 hit {l1[0]:.1f}% -> {l1[1]:.1f}%, DRAM throughput {dr[0]:.1f}% -> {dr[1]:.1f}% of peak")
+    if cid == "tf32-stalls":
+        x, y = counter("baseline", "stall_long_scoreboard"), counter("opt1", "stall_long_scoreboard")
+        if x is None or y is None:
+            return NA, need_ncu("baseline", "opt1")
+        return _verdict(y > x), f"long-scoreboard stall {x:.2f} -> {y:.2f} cycles per issued instruction"
+    if cid == "cl-shift":
+        x, y = cat_share("baseline", ("elementwise", "layout")), cat_share("opt2", ("elementwise", "layout"))
+        if x is None or y is None:
+            return NA, NO_SWEEP if no_sweep else "needs baseline and opt2 kernel profiles"
+        return _verdict(y - x > SHIFT_MIN), f"element-wise + layout share {x:.0%} -> {y:.0%}"
+    if cid == "cl-tensor":
+        x, y = counter("baseline", "tensor_pipe_pct"), counter("opt2", "tensor_pipe_pct")
+        if x is None or y is None:
+            return NA, need_ncu("baseline", "opt2")
+        return _verdict(abs(y - x) <= TENSOR_NEAR), f"tensor pipe {x:.2f}% (baseline) vs {y:.2f}% (opt2)"
+    if cid == "cl-sm":
+        x, y = counter("baseline", "sm_throughput_pct"), counter("opt2", "sm_throughput_pct")
+        if x is None or y is None or x <= 0:
+            return NA, need_ncu("baseline", "opt2")
+        return _verdict(y / x <= 0.9), f"SM throughput {x:.1f}% -> {y:.1f}% of peak ({y / x:.2f}x)"
+    if cid == "cl-cache":
+        l2 = counter("baseline", "l2_hit_pct"), counter("opt2", "l2_hit_pct")
+        dr = counter("baseline", "dram_throughput_pct"), counter("opt2", "dram_throughput_pct")
+        if None in l2 or None in dr:
+            return NA, need_ncu("baseline", "opt2")
+        return (_verdict(l2[1] > l2[0] and dr[1] < dr[0]),
+                f"L2 hit {l2[0]:.1f}% -> {l2[1]:.1f}%, DRAM throughput {dr[0]:.1f}% -> {dr[1]:.1f}% of peak")
+    if cid == "opt12-partial":
+        t = [counter(c, "tensor_pipe_pct") for c in ("opt2", "opt12", "opt1")]
+        if None in t:
+            return NA, need_ncu("opt1", "opt2", "opt12")
+        return _verdict(t[0] < t[1] < t[2]), f"tensor pipe opt2 {t[0]:.2f}%, opt12 {t[1]:.2f}%, opt1 {t[2]:.2f}%"
+    if cid == "tf32-quality":
+        if not tf32_ran():
+            return NA, "TF32 did not run here (not applicable on a CPU)" if not is_cuda else "opt1 did not run TF32"
+        q = data.quality[(data.quality["gpu_slug"] == slug) & (data.quality["config"] == "opt1")]
+        if q.empty:
+            return NA, NO_SWEEP if no_sweep else "no quality table for opt1"
+        rel = float(q["rel_err"].iloc[0])
+        dloss = float((q["loss"] - q["baseline_loss"]).abs().mean() / q["baseline_loss"].abs().mean())
+        return (_verdict(rel <= QUALITY_REL_ERR and dloss <= QUALITY_LOSS),
+                f"forward relative error {rel:.1e}, mean loss difference {dloss:.2%}")
+    raise KeyError(cid)
+
+
+def claims(data: Data) -> pd.DataFrame:
+    """Every published claim against every GPU in the data, with a verdict computed from it.
+
+    Columns: claim_id, claim, gpu_slug, verdict (holds / does not hold / not measurable here),
+    evidence (the numbers behind it), method (how it is computed)."""
+    slugs = sorted(set(data.run["gpu_slug"]) | (set(data.bench["gpu_slug"]) if not data.bench.empty else set()))
+    counters = ncu_by_run(data.ncu)
+    shares = category_shares(data.kernels)
+    prio = ncu_priorities(data)
+    rows = []
+    for claim in CLAIMS:
+        for slug in slugs:
+            verdict, evidence = _claim_row(claim, slug, data, counters, shares, prio)
+            rows.append({"claim_id": claim.id, "claim": claim.text, "gpu_slug": slug, "verdict": verdict,
+                         "evidence": evidence, "method": claim.method})
+    return pd.DataFrame(rows, columns=["claim_id", "claim", "gpu_slug", "verdict", "evidence", "method"])
+
+
+# ------------------------------------------------------------------------------------ quality
+
+
+def quality_summary(data: Data) -> pd.DataFrame:
+    """Per run: forward relative error and mean relative loss difference against strict FP32."""
+    q = data.quality
+    if q.empty:
+        return pd.DataFrame(columns=["gpu_slug", "config", "rel_err", "loss_diff", "precision_used"])
+    g = q.groupby(["gpu_slug", "config"], as_index=False).apply(
+        lambda d: pd.Series({"rel_err": d["rel_err"].iloc[0],
+                             "loss_diff": (d["loss"] - d["baseline_loss"]).abs().mean() / d["baseline_loss"].abs().mean()}),
+        include_groups=False)
+    pu = data.run.set_index(["gpu_slug", "config"])["precision_used"]
+    g["precision_used"] = [pu.get((s, c), "") for s, c in zip(g["gpu_slug"], g["config"])]
+    return _sort(g)
+
+
+# ------------------------------------------------------------------------------------ floors
+
+
+def floors(run: pd.DataFrame, bench: pd.DataFrame | None = None, bench_flops: float | None = None) -> pd.DataFrame:
+    """Per GPU and precision with a known peak: the shortest possible micro-step (FLOPs per step / peak)
+    beside the fastest configuration that ran in that precision. GPUs with no sweep use their bench
+    timings when `bench_flops` (the FLOPs of the bench's micro-step) is given."""
+    s = step_summary(run)[["gpu_slug", "config", "precision_used", "train_median_ms", "flops_per_step"]]
+    s = s.assign(timing_source="sweep")
+    if bench is not None and not bench.empty and bench_flops:
+        ours = bench[(bench["implementation"] == "ours") & ~bench["gpu_slug"].isin(s["gpu_slug"])
+                     & bench["config"].isin(list(CONFIGS))]
+        b = ours.groupby(["gpu_slug", "config"], as_index=False)["median_ms"].median()
+        b = b.assign(precision_used=b["config"].map(lambda c: CONFIGS[c].precision), flops_per_step=bench_flops,
+                     timing_source="bench JSON").rename(columns={"median_ms": "train_median_ms"})
+        s = pd.concat([s, b], ignore_index=True)
+    rows = []
+    for slug, g in s.groupby("gpu_slug"):
+        for precision, (peak, peak_source) in PEAKS.get(slug, {}).items():
+            same = g[g["precision_used"] == precision]
+            if same.empty:
+                continue
+            best = same.loc[same["train_median_ms"].idxmin()]
+            floor_ms = best["flops_per_step"] / peak * 1e3
+            rows.append({"gpu_slug": slug, "precision": precision, "peak_tflops": peak / 1e12, "source": peak_source,
+                         "floor_ms": floor_ms, "best_config": best["config"], "best_ms": best["train_median_ms"],
+                         "fraction_of_peak": floor_ms / best["train_median_ms"], "timing_source": best["timing_source"]})
+    return pd.DataFrame(rows, columns=["gpu_slug", "precision", "peak_tflops", "source", "floor_ms", "best_config",
+                                       "best_ms", "fraction_of_peak", "timing_source"])
+
+
+def best_by_gpu(summary: pd.DataFrame) -> pd.DataFrame:
+    """The fastest configuration of each GPU, with its speedup over that GPU's baseline."""
+    if summary.empty:
+        return summary
+    idx = summary.groupby("gpu_slug")["train_median_ms"].idxmin()
+    return summary.loc[idx].reset_index(drop=True)

@@ -1,0 +1,307 @@
+"""The book: a strict offline build, every page opened in headless Chromium with no network, and a
+second GPU's data folder showing up in the comparison charts with no page edited.
+
+Needs Debian `chromium` (/usr/bin/chromium; scripts/test.sh installs it) and the `playwright` Python
+package (never `playwright install`). Skipped only when both are missing.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import json
+import os
+import re
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+BUILD_LIMIT_S = 90
+FAKE_SLUG, FAKE_NAME = "fake-gpu-x", "Fake GPU X"
+
+try:
+    import playwright.sync_api  # noqa: F401
+    HAVE_PLAYWRIGHT = True
+except ImportError:
+    HAVE_PLAYWRIGHT = False
+HAVE_CHROMIUM = os.access(CHROMIUM, os.X_OK)
+
+pytestmark = pytest.mark.skipif(
+    not HAVE_PLAYWRIGHT and not HAVE_CHROMIUM,
+    reason="book test needs Debian chromium (/usr/bin/chromium) and the playwright package: neither is installed "
+           "(scripts/test.sh installs both)",
+)
+
+
+def toc_pages() -> list[str]:
+    """Document names from _toc.yml (jb-book: root, chapters or parts of chapters, nested sections)."""
+    toc = yaml.safe_load((REPO / "_toc.yml").read_text())
+    names = [toc["root"]]
+
+    def walk(entries):
+        for e in entries or []:
+            if "file" in e:
+                names.append(e["file"])
+            walk(e.get("sections"))
+
+    walk(toc.get("chapters"))
+    for part in toc.get("parts", []):
+        walk(part.get("chapters"))
+    return [re.sub(r"\.(md|ipynb)$", "", n) for n in names]
+
+
+def run_book_sh(out: Path, data: Path | None = None) -> tuple[subprocess.CompletedProcess, str, float]:
+    """scripts/book.sh (set-up skipped: the test run has done it) into `out`."""
+    env = dict(os.environ, BOOK_SKIP_SETUP="1", BOOK_OUT=str(out), MEDDDPM_DATA=str(data or REPO / "data"))
+    t0 = time.monotonic()
+    proc = subprocess.run(["bash", str(REPO / "scripts/book.sh")], cwd=REPO, env=env, capture_output=True, text=True)
+    return proc, proc.stdout + proc.stderr, time.monotonic() - t0
+
+
+def build_book(out: Path, data: Path | None = None) -> Path:
+    """A build that must succeed within the time limit; returns the html folder."""
+    proc, log, took = run_book_sh(out, data)
+    if proc.returncode != 0:
+        # The cause (the failing page and its cell error) first, then the end of the log.
+        at = min((i for i in (log.find("CellExecutionError"), log.find(": WARNING:"), log.find(": ERROR:"),
+                                  log.find("Sphinx parallel build error")) if i >= 0),
+                 default=len(log))
+        raise AssertionError(f"book build failed (rc {proc.returncode}):\n{log[max(0, at - 800):at + 4000]}\n"
+                             f"[...]\n{log[-1500:]}")
+    print(f"book built in {took:.1f} s ({out})")
+    assert took < BUILD_LIMIT_S, f"book build took {took:.0f} s (limit {BUILD_LIMIT_S} s)"
+    html = out / "_build" / "html"
+    for page in toc_pages():
+        assert (html / f"{page}.html").is_file(), f"{page}.html missing from the build"
+    return html
+
+
+@pytest.fixture(scope="session")
+def built_book(tmp_path_factory) -> Path:
+    return build_book(tmp_path_factory.mktemp("book"))
+
+
+class _Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="session")
+def book_url(built_book):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(built_book)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+# In the page: is every Altair chart embedded and drawn? (an <svg> with mark items, or a non-blank <canvas>)
+CHARTS_STATE = """() => {
+  const out = [];
+  for (const div of document.querySelectorAll('div[id^="altair-viz-"]')) {
+    const err = div.querySelector('.error');
+    const svg = div.querySelector('svg.marks');
+    const canvas = div.querySelector('canvas.marks');
+    let drawn = false;
+    if (svg) drawn = svg.querySelectorAll('.role-mark path, .role-mark rect, .role-mark line, .role-mark text, .role-mark circle').length > 0;
+    if (canvas && canvas.width > 0 && canvas.height > 0) {
+      const px = canvas.getContext('2d').getImageData(0, 0, canvas.width, canvas.height).data;
+      for (let i = 3; i < px.length; i += 4 * 7) { if (px[i] !== 0) { drawn = true; break; } }
+    }
+    out.push({id: div.id, embedded: div.classList.contains('vega-embed'), drawn,
+              kind: svg ? 'svg' : (canvas ? 'canvas' : 'none'), error: err ? err.textContent : null});
+  }
+  return out;
+}"""
+
+SNAPSHOT = """(id) => {
+  const div = document.getElementById(id);
+  const svg = div.querySelector('svg.marks');
+  if (svg) return svg.outerHTML;
+  const canvas = div.querySelector('canvas.marks');
+  return canvas ? canvas.toDataURL() : '';
+}"""
+
+
+def _wait_changed(page, chart_id: str, before: str, what: str) -> None:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        page.wait_for_timeout(100)
+        if page.evaluate(SNAPSHOT, chart_id) != before:
+            return
+    raise AssertionError(f"{page.url}: {what} on chart #{chart_id} did not change what is drawn")
+
+
+def _exercise_chart(page, chart_id: str, kinds: dict[str, int]) -> None:
+    """Change every bound dropdown/radio, and click one legend entry; each must change the drawing."""
+    root = page.locator(f"#{chart_id}")
+    for i, select in enumerate(root.locator(".vega-bind select").all()):
+        options = select.locator("option").evaluate_all("os => os.map(o => o.value)")
+        current = select.input_value()
+        others = [o for o in options if o != current]
+        if not others:
+            continue
+        before = page.evaluate(SNAPSHOT, chart_id)
+        select.select_option(others[-1])
+        _wait_changed(page, chart_id, before, f"dropdown {i} -> {others[-1]!r}")
+        kinds["dropdown"] += 1
+    radios = root.locator('.vega-bind input[type="radio"]')
+    if radios.count() > 1:
+        target = next((r for r in radios.all() if not r.is_checked()), None)
+        if target is not None:
+            before = page.evaluate(SNAPSHOT, chart_id)
+            target.check()
+            _wait_changed(page, chart_id, before, "radio button")
+            kinds["radio"] += 1
+    legend_items = root.locator("svg.marks .role-legend .role-legend-symbol path")
+    if legend_items.count() == 0 and root.locator("canvas.marks").count():
+        return  # a canvas legend cannot be located; the pages use vega-embed's SVG renderer (its default)
+    # Only charts whose legend is bound to a selection react to a click; Vega-Lite names those params.
+    spec_has_legend_binding = page.evaluate(
+        """(id) => { const s = document.getElementById(id).nextElementSibling;
+                     return !!s && /"bind":\\s*"legend"/.test(s.textContent); }""", chart_id)
+    # A one-entry legend (one GPU so far) selects everything or nothing: no visible change to expect.
+    if legend_items.count() > 1 and spec_has_legend_binding:
+        before = page.evaluate(SNAPSHOT, chart_id)
+        legend_items.nth(1).click(force=True)
+        _wait_changed(page, chart_id, before, "legend click")
+        kinds["legend"] += 1
+
+
+def test_book_in_browser(book_url):
+    assert HAVE_PLAYWRIGHT, "the playwright Python package is missing (pip install -r requirements.txt)"
+    assert HAVE_CHROMIUM, f"{CHROMIUM} is missing (apt-get install chromium; scripts/test.sh does it)"
+    from playwright.sync_api import sync_playwright
+
+    host = urlsplit(book_url).netloc
+    outside: list[str] = []
+    problems: list[str] = []
+    kinds = {"dropdown": 0, "radio": 0, "legend": 0}
+    charts_total = 0
+
+    def route(r):
+        u = urlsplit(r.request.url)
+        if u.scheme in ("http", "https", "ws", "wss") and u.netloc == host:
+            r.continue_()
+        else:
+            outside.append(r.request.url)
+            r.abort()
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            context = browser.new_context(viewport={"width": 1280, "height": 900}, service_workers="block")
+            context.route("**/*", route)
+            for name in toc_pages():
+                page = context.new_page()
+                page.on("pageerror", lambda e, n=name: problems.append(f"{n}: page error: {e}"))
+                page.on("console", lambda m, n=name: problems.append(f"{n}: console {m.type}: {m.text}")
+                        if m.type == "error" else None)
+                page.on("websocket", lambda ws, n=name: outside.append(f"{n}: websocket {ws.url}"))
+                page.goto(f"{book_url}/{name}.html", wait_until="load")
+                n_charts = page.locator('div[id^="altair-viz-"]').count()
+                if n_charts:
+                    try:
+                        page.wait_for_function(f"() => ({CHARTS_STATE})().every(c => c.drawn || c.error)", timeout=20000)
+                    except Exception:
+                        pass
+                    for c in page.evaluate(CHARTS_STATE):
+                        if c["error"] or not c["drawn"]:
+                            problems.append(f"{name}: chart #{c['id']} not drawn ({c['kind']}): {c['error']}")
+                    for c in page.evaluate(CHARTS_STATE):
+                        if c["drawn"]:
+                            try:
+                                _exercise_chart(page, c["id"], kinds)
+                            except AssertionError as e:
+                                problems.append(f"{name}: {e}")
+                charts_total += n_charts
+                page.wait_for_timeout(200)
+                page.close()
+        finally:
+            browser.close()
+    print(f"{len(toc_pages())} pages, {charts_total} charts, interactions exercised: {kinds}")
+    assert not outside, "requests outside the book (aborted):\n" + "\n".join(outside)
+    assert not problems, "\n".join(problems)
+    assert charts_total > 0, "no Altair chart in the book"
+    assert kinds["dropdown"] + kinds["radio"] > 0, "no chart with a bound dropdown/radio was exercised"
+    assert kinds["legend"] > 0, "no chart with a legend bound to a selection was exercised"
+
+
+# --- a second GPU appears with no page edited ------------------------------------------------------
+
+def _add_fake_gpu(data: Path) -> str:
+    """Copy the first GPU folder with parquet files to `fake-gpu-x`, renamed in every table."""
+    from medddpm.schema import read_table, write_table
+
+    sources = sorted(p for p in data.iterdir() if p.is_dir() and not p.name.startswith(".") and any(p.glob("*/run.parquet")))
+    assert sources, f"no <gpu>/<config>/run.parquet under {data}"
+    src = sources[0]
+    dst = data / FAKE_SLUG
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".*"))
+    for path in dst.glob("*/*.parquet"):
+        df = read_table(path)
+        if "run_id" in df:
+            df["run_id"] = df["run_id"].str.replace(f"{src.name}/", f"{FAKE_SLUG}/", n=1, regex=False)
+        if "gpu_slug" in df:
+            df["gpu_slug"] = FAKE_SLUG
+        if "gpu_name" in df:
+            df["gpu_name"] = FAKE_NAME
+        write_table(df, path, path.stem)
+    return src.name
+
+
+def _chart_specs(html: str) -> list[dict]:
+    """The Vega-Lite specs embedded by Altair's HTML output on a page: `})({spec}, {embed options});`."""
+    decoder, specs = json.JSONDecoder(), []
+    for m in re.finditer(r'<div id="altair-viz-[^"]+"></div>\s*<script[^>]*>(.*?)</script>', html, flags=re.S):
+        script = m.group(1)
+        start = script.rfind("})({")
+        assert start > 0, "an Altair chart script without its spec"
+        spec, _ = decoder.raw_decode(script, start + 3)
+        specs.append(spec)
+    return specs
+
+
+def test_second_gpu_appears_without_edits(tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(REPO / "data", data, ignore=shutil.ignore_patterns(".*"))
+    src = _add_fake_gpu(data)
+    html = build_book(tmp_path / "book", data=data)
+    with_src, with_both = [], []
+    for name in toc_pages():
+        text = "\n".join(json.dumps(spec) for spec in _chart_specs((html / f"{name}.html").read_text(encoding="utf-8")))
+        if re.search(rf'"(gpu_slug|gpu|gpu_name|run_id)":\s*"{re.escape(src)}\b', text) or f'"{src}/' in text:
+            with_src.append(name)
+            if FAKE_SLUG in text or FAKE_NAME in text:
+                with_both.append(name)
+    print(f"pages charting {src!r}: {with_src}; with {FAKE_SLUG!r} too: {with_both}")
+    assert with_src, f"no chart shows data of {src!r}"
+    missing = sorted(set(with_src) - set(with_both))
+    assert not missing, f"pages whose charts show {src!r} but not the added {FAKE_SLUG!r}: {missing}"
+    appendix = (html / "book" / "appendix.html")
+    if appendix.is_file():
+        assert f"{FAKE_SLUG} / " in appendix.read_text(encoding="utf-8"), "appendix lacks the added GPU's producer notebooks"
+
+
+def test_missing_data_fails_the_build_naming_the_page(tmp_path):
+    """A run folder whose run.parquet is gone (a missing data file) fails the build, naming the page."""
+    data = tmp_path / "data"
+    shutil.copytree(REPO / "data", data, ignore=shutil.ignore_patterns(".*"))
+    victim = sorted(data.glob("*/*/run.parquet"))[0]
+    victim.unlink()
+    proc, log, took = run_book_sh(tmp_path / "book", data)
+    assert proc.returncode != 0, f"the build passed without {victim}"
+    assert re.search(r"book: FAILED: .*book/[\w-]+\.md", log), f"the failure does not name a page:\n{log[-3000:]}"
+    assert str(victim.parent) in log, f"the failure does not name the folder {victim.parent}:\n{log[-3000:]}"
+    print(f"failed as expected in {took:.1f} s")

@@ -1,0 +1,312 @@
+"""The book's data layer and charts on CPU, fast: the real data/cpu tables plus a synthetic second GPU.
+
+The synthetic GPU is a copy of the CPU's frames with another gpu_slug, CUDA kernel rows, TF32 that
+really ran, and hand-made Nsight Compute rows, so that every chart and every claim has a GPU path.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import altair as alt
+import numpy as np
+import pandas as pd
+import pytest
+
+from medddpm import bookdata as bd
+from medddpm import charts, schema
+from medddpm.configs import CONFIGS
+
+REAL = Path(__file__).resolve().parent.parent / "data"
+GPU = "nvidia-test-gpu"
+
+
+@pytest.fixture(scope="module")
+def real() -> bd.Data:
+    if not (REAL / "cpu" / "baseline" / "run.parquet").is_file():
+        pytest.skip("no data/cpu/baseline run yet")
+    return bd.load_all(REAL)
+
+
+def _ncu_rows(run_id: str, names: list[str], config: str) -> pd.DataFrame:
+    """Hand-made ncu rows: one launch per kernel, the headline metrics by raw name, one global rule."""
+    from medddpm import ncu
+
+    tc = {"baseline": 0.0, "opt1": 30.0, "opt2": 0.5, "opt12": 12.0}.get(config, 20.0)
+    rows = []
+    for i, name in enumerate(names):
+        metrics = {
+            "gpu__time_duration.sum": 1e6 / (i + 1),
+            "sm__throughput.avg.pct_of_peak_sustained_elapsed": 60.0 if config != "opt2" else 25.0,
+            "dram__throughput.avg.pct_of_peak_sustained_elapsed": {"baseline": 20.0, "opt1": 45.0, "opt2": 5.0}.get(config, 30.0),
+            "dram__bytes.sum.per_second": 2e12,
+            "l1tex__t_sector_hit_rate.pct": {"baseline": 60.0, "opt1": 40.0}.get(config, 50.0),
+            "lts__t_sector_hit_rate.pct": {"baseline": 60.0, "opt2": 85.0}.get(config, 70.0),
+            ncu.TENSOR_PIPE_METRICS[0]: tc,
+            "smsp__sass_thread_inst_executed_op_fp32_pred_on.sum": 1e9 if config == "baseline" else 1e8,
+            "smsp__sass_thread_inst_executed_op_ffma_pred_on.sum": 4e8,
+            "smsp__sass_thread_inst_executed_op_fadd_pred_on.sum": 1e8,
+            "smsp__sass_thread_inst_executed_op_fmul_pred_on.sum": 1e8,
+            "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio": 2.0 if config == "opt1" else 1.0,
+        }
+        for metric, value in metrics.items():
+            rows.append({"kernel": name, "kernel_id": i, "kind": "metric", "section": "Raw", "metric": metric,
+                         "value": value, "unit": "", "text": str(value), "speedup_type": ""})
+        rows.append({"kernel": name, "kernel_id": i, "kind": "rule", "section": "Memory Workload Analysis",
+                     "metric": "MemoryCacheAccessPattern", "value": 30.0, "unit": "%", "text": "uncoalesced",
+                     "speedup_type": "global"})
+    return pd.DataFrame(rows).assign(run_id=run_id)
+
+
+def with_gpu(data: bd.Data, slug: str = GPU, tf32_speedup: float = 4.0) -> bd.Data:
+    """The real data plus a synthetic GPU with every configuration (copied from the CPU baseline)."""
+    base_run = data.run[(data.run["gpu_slug"] == "cpu") & (data.run["config"] == "baseline")].iloc[0]
+    base_id = base_run["run_id"]
+    runs, kern, qual, steps, ncu_ = [], [], [], [], []
+    for i, name in enumerate(CONFIGS):
+        rid = f"{slug}/{name}/20260101T000000Z"
+        r = base_run.copy()
+        factor = {"baseline": 1.0, "opt1": 1 / tf32_speedup, "opt2": 1.2, "opt12": 0.4}.get(name, 0.2)
+        r[["run_id", "gpu_name", "gpu_slug", "config", "folder"]] = [rid, "NVIDIA Test GPU", slug, name, f"{slug}/{name}"]
+        r["precision_used"] = CONFIGS[name].precision
+        r["backend_flags"] = json.dumps({"cudnn_conv_fp32_precision": "ieee" if name in ("baseline", "opt2") else "tf32"})
+        for c in ("train_median_ms", "train_p10_ms", "train_p90_ms", "gpu_hours_100k", "epoch_s"):
+            r[c] = base_run[c] * factor
+        r["energy_100k_kwh"] = r["gpu_hours_100k"] * 0.7
+        r["peak_mem_bytes"] = 2**34
+        runs.append(r)
+        k = data.kernels[data.kernels["run_id"] == base_id].copy()
+        k["run_id"], k["gpu_slug"], k["config"], k["device_type"] = rid, slug, name, "cuda"
+        k["tensor_cores"] = name != "baseline" and name != "opt2"
+        if name in ("opt2", "opt12"):  # channels-last: more layout time
+            k.loc[k["category"] == "layout", "total_us"] *= 50
+            k["share"] = k["total_us"] / k["total_us"].sum()
+        kern.append(k)
+        q = data.quality[data.quality["run_id"] == base_id].copy()
+        q["run_id"], q["gpu_slug"], q["config"] = rid, slug, name
+        q["loss"] = q["baseline_loss"] * (1 + 1e-3 * i)
+        q["rel_err"] = 0.0 if name == "baseline" else 1e-3 * (i + 1)
+        qual.append(q)
+        s = data.steps[data.steps["run_id"] == base_id].copy()
+        s["run_id"], s["gpu_slug"], s["config"] = rid, slug, name
+        s.loc[s["phase"] == "train", "time_ms"] *= factor
+        steps.append(s)
+        top = k.sort_values("total_us", ascending=False)["kernel"].drop_duplicates().head(5).tolist()
+        ncu_.append(_ncu_rows(rid, top, name).assign(gpu_slug=slug, config=name))
+    return bd.Data(run=pd.concat([data.run, pd.DataFrame(runs)], ignore_index=True),
+                   steps=pd.concat([data.steps, *steps], ignore_index=True),
+                   kernels=pd.concat([data.kernels, *kern], ignore_index=True),
+                   ncu=pd.concat([data.ncu, *ncu_], ignore_index=True),
+                   quality=pd.concat([data.quality, *qual], ignore_index=True), bench=data.bench)
+
+
+@pytest.fixture(scope="module")
+def two(real) -> bd.Data:
+    return with_gpu(real)
+
+
+def all_charts(data: bd.Data) -> dict[str, alt.TopLevelMixin]:
+    summary = bd.step_summary(data.run)
+    counters = bd.ncu_by_run(data.ncu)
+    return {
+        "step_time": charts.step_time(summary, bd.floors(data.run)),
+        "speedup": charts.speedup(summary),
+        "cost": charts.cost(summary),
+        "bench": charts.bench(data.bench),
+        "category_shares": charts.category_shares(bd.category_shares(data.kernels)),
+        "top_kernels": charts.top_kernels(bd.top_kernels(data.kernels)),
+        "pass_split": charts.pass_split(bd.pass_split(data.kernels)),
+        "tensor_pipe": charts.tensor_pipe(counters),
+        "instruction_mix": charts.instruction_mix(counters),
+        "memory": charts.memory(counters),
+        "stalls": charts.stalls(counters),
+        "priorities": charts.priorities(bd.ncu_priorities(data)),
+        "roofline": charts.roofline(bd.roofline_points(data.ncu)),
+        "dispatch": charts.dispatch(summary),
+        "loss_curves": charts.loss_curves(data.quality),
+        "loss_difference": charts.loss_difference(data.quality),
+        "rel_err": charts.rel_err(bd.quality_summary(data), bd.QUALITY_REL_ERR),
+        "claims": charts.claims_grid(bd.claims(data)),
+    }
+
+
+NCU_CHARTS = {"tensor_pipe", "instruction_mix", "memory", "stalls", "priorities", "roofline"}
+
+
+def _datasets(spec: dict) -> list[dict]:
+    rows = [r for values in spec.get("datasets", {}).values() for r in values]
+    return rows + list(spec.get("data", {}).get("values", []))
+
+
+def _params(spec) -> list[dict]:
+    out = list(spec.get("params", []))
+    for layer in spec.get("layer", []):
+        out += _params(layer)
+    return out
+
+
+def _scales(spec, channel: str) -> list[dict]:
+    found = []
+    if isinstance(spec, dict):
+        enc = spec.get("encoding", {}).get(channel)
+        if isinstance(enc, dict) and "scale" in enc and enc.get("field") == "config":
+            found.append(enc["scale"])
+        for v in spec.values():
+            found += _scales(v, channel)
+    elif isinstance(spec, list):
+        for v in spec:
+            found += _scales(v, channel)
+    return found
+
+
+def test_charts_validate_and_hold_every_gpu(two):
+    setups = charts.setup()
+    assert setups is None
+    for name, chart in all_charts(two).items():
+        spec = chart.to_dict()  # validates against the Vega-Lite schema
+        assert spec["$schema"].startswith("https://vega.github.io/schema/vega-lite/v6"), name
+        rows = _datasets(spec)
+        if name == "bench":
+            continue  # bench JSON exists for the H200 only, by construction
+        want = {GPU} if name in NCU_CHARTS else {"cpu", GPU}  # a CPU has no hardware counters
+        slugs = {r.get("gpu_slug") for r in rows}
+        assert want <= slugs, f"{name}: GPUs in chart data {slugs}"
+        gpu_params = [p for p in _params(spec) if p.get("name") == "gpu"]
+        for p in gpu_params:  # the dropdown offers every GPU of the data, a GPU first
+            assert set(p["bind"]["options"]) == want and p["value"] == GPU, name
+        assert len(json.dumps(spec)) < 400_000, f"{name}: chart too heavy"
+
+
+def test_config_colour_is_fixed_and_covers_every_config(two):
+    scale = charts.config_color().to_dict()
+    assert scale["domain"][:len(CONFIGS)] == list(CONFIGS)
+    assert len(set(scale["range"])) == len(scale["domain"])
+    for name, chart in all_charts(two).items():
+        for s in _scales(chart.to_dict(), "color"):
+            assert set(CONFIGS) <= set(s["domain"]), name
+            assert s["range"][:len(CONFIGS)] == scale["range"][:len(CONFIGS)], name
+    extra = charts.config_color(["baseline", "mine"]).to_dict()
+    assert extra["domain"][-1] == "mine" and extra["range"][:len(CONFIGS)] == scale["range"][:len(CONFIGS)]
+
+
+def test_charts_without_ncu_say_so(real):
+    data = bd.Data(run=real.run, steps=real.steps, kernels=real.kernels, ncu=real.ncu.iloc[0:0], quality=real.quality)
+    for build in (charts.tensor_pipe, charts.memory, charts.stalls, charts.instruction_mix):
+        spec = build(bd.ncu_by_run(data.ncu)).to_dict()
+        assert "no Nsight Compute" in json.dumps(spec)
+
+
+def _verdicts(table: pd.DataFrame, slug: str) -> dict[str, str]:
+    return table[table["gpu_slug"] == slug].set_index("claim_id")["verdict"].to_dict()
+
+
+def test_claims_on_cpu_only(real):
+    table = bd.claims(bd.Data(run=real.run, steps=real.steps, kernels=real.kernels, ncu=real.ncu,
+                              quality=real.quality))
+    v = _verdicts(table, "cpu")
+    assert set(v) == {c.id for c in bd.CLAIMS}
+    assert v["tf32-time"] == bd.NA and v["tf32-quality"] == bd.NA
+    for cid in ("tf32-tensor", "tf32-instructions", "cl-tensor", "cl-sm", "cl-cache", "opt12-partial",
+                "inefficiency-sources"):
+        assert v[cid] == bd.NA, cid
+    assert v["conv-dominates"] in (bd.HOLDS, bd.FAILS)  # measurable on a CPU too (aten operators)
+    assert "cpu" in table.loc[table["claim_id"] == "tf32-tensor", "evidence"].iloc[0].lower()
+
+
+def test_claims_on_a_gpu_follow_the_data(real):
+    v = _verdicts(bd.claims(with_gpu(real, tf32_speedup=4.0)), GPU)
+    assert v["tf32-time"] == bd.HOLDS
+    assert v["tf32-quality"] == bd.HOLDS  # rel_err 2e-3, loss 0.1% off
+    assert v["tf32-tensor"] == bd.HOLDS and v["tf32-memory"] == bd.HOLDS and v["tf32-stalls"] == bd.HOLDS
+    assert v["tf32-instructions"] == bd.HOLDS
+    assert v["cl-shift"] in (bd.HOLDS, bd.FAILS)
+    assert v["cl-tensor"] == bd.HOLDS and v["cl-sm"] == bd.HOLDS and v["cl-cache"] == bd.HOLDS
+    assert v["opt12-partial"] == bd.HOLDS and v["fusion-needed"] == bd.FAILS  # compile == sdpa here
+    assert v["inefficiency-sources"] == bd.HOLDS
+    v = _verdicts(bd.claims(with_gpu(real, tf32_speedup=1.02)), GPU)
+    assert v["tf32-time"] == bd.FAILS
+
+
+def test_claims_use_bench_timings_where_no_sweep(real):
+    if real.bench.empty:
+        pytest.skip("no bench JSON in data/")
+    table = bd.claims(real)
+    row = table[(table["gpu_slug"] == "nvidia-h200") & (table["claim_id"] == "tf32-time")].iloc[0]
+    assert row["verdict"] == bd.HOLDS and "bench JSON" in row["evidence"]
+
+
+def test_summaries_and_checks(two):
+    s = bd.step_summary(two.run)
+    bd.check_speedups(bd.speedups(two.run))
+    assert np.isclose(s.loc[(s["gpu_slug"] == GPU) & (s["config"] == "opt1"), "speedup"].iloc[0], 4.0)
+    bd.check_strict_baseline(two)
+    bd.check_shares(two.kernels)
+    bd.check_medians(two)
+    sh = bd.category_shares(two.kernels)
+    assert np.allclose(sh.groupby(["gpu_slug", "config"])["share"].sum(), 1.0)
+    bad = two.kernels.copy()
+    bad.loc[(bad["config"] == "baseline") & (bad["gpu_slug"] == GPU), "tensor_cores"] = True
+    with pytest.raises(AssertionError, match="tensor-core"):
+        bd.check_strict_baseline(bd.Data(two.run, two.steps, bad, two.ncu, two.quality))
+    with pytest.raises(AssertionError, match="positive"):
+        bd.check_speedups(pd.DataFrame({"gpu_slug": ["x"], "config": ["opt1"], "speedup": [np.inf]}))
+
+
+# ------------------------------------------------------------------------------------ loading
+
+
+def _tree(tmp_path: Path, real_root: Path = REAL) -> Path:
+    root = tmp_path / "data"
+    shutil.copytree(real_root / "cpu" / "baseline", root / "cpu" / "baseline")
+    (root / "cpu" / "notes").mkdir()
+    (root / "cpu" / "notes" / "README.md").write_text("not a run")
+    return root
+
+
+def test_load_adds_keys_and_ignores_non_runs(real, tmp_path, monkeypatch):
+    root = _tree(tmp_path)
+    monkeypatch.setenv("MEDDDPM_DATA", str(root))
+    assert bd.data_root() == root
+    k = bd.load("kernels")
+    assert {"gpu_slug", "config"} <= set(k.columns) and set(k["config"]) == {"baseline"}
+    assert bd.load("ncu").empty and "gpu_slug" in bd.load("ncu")
+    assert [p.name for p in bd.scan().not_runs] == ["notes"]
+
+
+def test_load_errors_name_the_folder(real, tmp_path):
+    with pytest.raises(bd.DataError, match="no data tree"):
+        bd.load("run", tmp_path / "nowhere")
+    root = _tree(tmp_path)
+    half = root / "cpu" / "opt1"
+    half.mkdir()
+    shutil.copy(root / "cpu" / "baseline" / "steps.parquet", half / "steps.parquet")
+    with pytest.raises(bd.DataError, match=r"incomplete run .*cpu/opt1"):
+        bd.load("steps", root)
+    shutil.rmtree(half)
+    shutil.copytree(root / "cpu" / "baseline", root / "cpu" / "moved")
+    with pytest.raises(bd.DataError, match="folder says cpu/moved"):
+        bd.runs(root)
+    shutil.rmtree(root / "cpu" / "moved")
+    schema.write_table(pd.DataFrame({"x": [1]}).pipe(lambda d: schema.empty("quality")), root / "cpu" / "baseline" /
+                       "quality.parquet", "quality")
+    assert bd.load("quality", root).empty
+    pd.DataFrame({"run_id": ["x"]}).to_parquet(root / "cpu" / "baseline" / "quality.parquet")
+    with pytest.raises(bd.DataError, match="quality.parquet"):
+        bd.load("quality", root)
+
+
+def test_bench_json_is_read_from_non_run_folders(real, tmp_path):
+    root = _tree(tmp_path)
+    good = {"environment": {"torch": "x"}, "spec": {"size": 128, "mask_channels": 3, "base_channels": 64},
+            "runs": [{"config": "opt1", "median_ms": 2.0, "p10_ms": 1.9, "p90_ms": 2.1, "step_ms": [2.0] * 5,
+                      "peak_mem_bytes": 2**30}]}
+    (root / "cpu" / "notes" / "bench.json").write_text(json.dumps(good))
+    (root / "cpu" / "notes" / "package.json").write_text(json.dumps({"name": "not a bench file"}))
+    b = bd.bench_runs(root)
+    assert b[["gpu_slug", "config", "median_ms"]].values.tolist() == [["cpu", "opt1", 2.0]]
+    del good["runs"][0]["median_ms"]
+    (root / "cpu" / "notes" / "bench.json").write_text(json.dumps(good))
+    with pytest.raises(bd.DataError, match=r"bench.json: a bench run lacks \['median_ms'\]"):
+        bd.bench_runs(root)
