@@ -247,24 +247,24 @@ def speedups(run: pd.DataFrame) -> pd.DataFrame:
     return s[s["speedup"].notna()][["gpu_slug", "device", "config", "train_median_ms", "speedup"]].reset_index(drop=True)
 
 
-def category_shares(kernels: pd.DataFrame) -> pd.DataFrame:
-    """Share of profiled kernel time per (GPU, configuration, kernel category); sums to 1 per run."""
+def _shares_by(kernels: pd.DataFrame, field: str) -> pd.DataFrame:
+    """Share of profiled kernel time per (GPU, configuration, `field`); sums to 1 per run."""
     if kernels.empty:
-        return pd.DataFrame(columns=["gpu_slug", "config", "category", "share", "us_per_step"])
+        return pd.DataFrame(columns=["gpu_slug", "config", field, "share", "us_per_step"])
     k = kernels.assign(us_per_step=kernels["total_us"] / kernels["steps"].clip(lower=1))
-    g = k.groupby(["gpu_slug", "config", "category"], as_index=False)[["total_us", "us_per_step"]].sum()
+    g = k.groupby(["gpu_slug", "config", field], as_index=False)[["total_us", "us_per_step"]].sum()
     g["share"] = g["total_us"] / g.groupby(["gpu_slug", "config"])["total_us"].transform("sum")
-    return _sort(g.drop(columns="total_us"), "category")
+    return _sort(g.drop(columns="total_us"), field)
+
+
+def category_shares(kernels: pd.DataFrame) -> pd.DataFrame:
+    """Share of profiled kernel time per kernel category (convolution, element-wise, layout, ...)."""
+    return _shares_by(kernels, "category")
 
 
 def pass_split(kernels: pd.DataFrame) -> pd.DataFrame:
     """Share of profiled kernel time per pass (forward / backward / optimizer / graph / other)."""
-    if kernels.empty:
-        return pd.DataFrame(columns=["gpu_slug", "config", "pass", "share", "us_per_step"])
-    k = kernels.assign(us_per_step=kernels["total_us"] / kernels["steps"].clip(lower=1))
-    g = k.groupby(["gpu_slug", "config", "pass"], as_index=False)[["total_us", "us_per_step"]].sum()
-    g["share"] = g["total_us"] / g.groupby(["gpu_slug", "config"])["total_us"].transform("sum")
-    return _sort(g.drop(columns="total_us"), "pass")
+    return _shares_by(kernels, "pass")
 
 
 def top_kernels(kernels: pd.DataFrame, n: int = 12) -> pd.DataFrame:

@@ -324,25 +324,31 @@ def tensor_pipe(counters: pd.DataFrame) -> alt.Chart:
     ).add_params(pick).properties(width="container", height=alt.Step(22), title="Tensor-core utilization")
 
 
-def instruction_mix(counters: pd.DataFrame) -> alt.Chart:
-    """Executed thread instructions by class per configuration (stacked); GPU dropdown, legend highlight."""
-    cls = [c for c in counters.columns if c.startswith("inst_") and c != "inst_total"]
-    if counters.empty or not cls:
+def _stacked_counters(counters: pd.DataFrame, *, prefix: str, field: str, value: str, what: str, x_title: str,
+                      title: str) -> alt.Chart:
+    """Counter columns `<prefix><name>` stacked per configuration; GPU dropdown, legend highlight."""
+    cols = [c for c in counters.columns if c.startswith(prefix) and c != f"{prefix}total"]
+    if counters.empty or not cols:
         return _empty("no Nsight Compute counters in the data")
-    df = counters.melt(id_vars=["gpu_slug", "config"], value_vars=cls, var_name="class", value_name="instructions")
-    df = _light(df.dropna().assign(**{"class": lambda d: d["class"].str.removeprefix("inst_")}))
+    df = counters.melt(id_vars=["gpu_slug", "config"], value_vars=cols, var_name=field, value_name=value)
+    df = _light(df.dropna().assign(**{field: lambda d: d[field].str.removeprefix(prefix)}))
     if df.empty:
-        return _empty("no instruction counts in the data")
+        return _empty(f"no {what} in the data")
     gpu = _gpu_param(df)
-    pick = alt.selection_point(fields=["class"], bind="legend")
+    pick = alt.selection_point(fields=[field], bind="legend")
     return alt.Chart(df).transform_filter(alt.datum.gpu_slug == gpu).mark_bar().encode(
         y=alt.Y("config:N", sort=_configs_in(df), title=None),
-        x=alt.X("instructions:Q", title="thread instructions executed over the profiled kernels"),
-        color=alt.Color("class:N", scale=alt.Scale(scheme="tableau20"), title="class (click)"),
+        x=alt.X(f"{value}:Q", title=x_title),
+        color=alt.Color(f"{field}:N", scale=alt.Scale(scheme="tableau20"), title=f"{field} (click)"),
         opacity=alt.condition(pick, alt.value(1.0), alt.value(0.2)),
-        tooltip=["config:N", "class:N", alt.Tooltip("instructions:Q", format=".3s")],
-    ).add_params(gpu, pick).properties(width="container", height=_height(df, df["class"].nunique()),
-                                       title="Instruction mix")
+        tooltip=["config:N", f"{field}:N", alt.Tooltip(f"{value}:Q", format=".3s" if prefix == "inst_" else ".3g")],
+    ).add_params(gpu, pick).properties(width="container", height=_height(df, df[field].nunique()), title=title)
+
+
+def instruction_mix(counters: pd.DataFrame) -> alt.Chart:
+    """Executed thread instructions by class per configuration (stacked); GPU dropdown, legend highlight."""
+    return _stacked_counters(counters, prefix="inst_", field="class", value="instructions", what="instruction counts",
+                             x_title="thread instructions executed over the profiled kernels", title="Instruction mix")
 
 
 MEMORY_METRICS = {"l1_hit_pct": "L1 hit %", "l2_hit_pct": "L2 hit %", "dram_throughput_pct": "DRAM throughput %",
@@ -368,23 +374,8 @@ def memory(counters: pd.DataFrame) -> alt.Chart:
 
 def stalls(counters: pd.DataFrame) -> alt.Chart:
     """Warp stall reasons (cycles per issued instruction), stacked; GPU dropdown, legend highlight."""
-    cols = [c for c in counters.columns if c.startswith("stall_")]
-    if counters.empty or not cols:
-        return _empty("no Nsight Compute counters in the data")
-    df = counters.melt(id_vars=["gpu_slug", "config"], value_vars=cols, var_name="reason", value_name="cycles")
-    df = _light(df.dropna().assign(reason=lambda d: d["reason"].str.removeprefix("stall_")))
-    if df.empty:
-        return _empty("no stall counters in the data")
-    gpu = _gpu_param(df)
-    pick = alt.selection_point(fields=["reason"], bind="legend")
-    return alt.Chart(df).transform_filter(alt.datum.gpu_slug == gpu).mark_bar().encode(
-        y=alt.Y("config:N", sort=_configs_in(df), title=None),
-        x=alt.X("cycles:Q", title="stall cycles per issued instruction (duration-weighted)"),
-        color=alt.Color("reason:N", scale=alt.Scale(scheme="tableau20"), title="reason (click)"),
-        opacity=alt.condition(pick, alt.value(1.0), alt.value(0.2)),
-        tooltip=["config:N", "reason:N", alt.Tooltip("cycles:Q", format=".3g")],
-    ).add_params(gpu, pick).properties(width="container", height=_height(df, df["reason"].nunique()),
-                                       title="Why warps wait")
+    return _stacked_counters(counters, prefix="stall_", field="reason", value="cycles", what="stall counters",
+                             x_title="stall cycles per issued instruction (duration-weighted)", title="Why warps wait")
 
 
 def priorities(prio: pd.DataFrame) -> alt.Chart:
