@@ -163,8 +163,31 @@ def cmd_sweep(args) -> None:
     configs = parse_config_list(args.configs)  # every name checked before any work
     params = {k: getattr(args, k) for k in ("steps", "warmup", "size", "data") if getattr(args, k) is not None}
     params["profilers"] = args.profilers
-    results = sweep(configs, preset=args.preset, out=args.out, device=args.device, gpu_label=args.gpu_label,
-                    force=args.force, params=params)
+    if args.backend == "slurm":
+        from .cluster import SlurmOptions, print_scripts, submit_slurm
+
+        opts = SlurmOptions(partition=args.partition, time_min=args.time_min, cpus_per_task=args.cpus_per_task,
+                            mem_gb=args.mem_gb or None, account=args.account, qos=args.qos,
+                            constraint=args.constraint, python=args.python, folder=args.slurm_folder,
+                            gpu_types=[t.strip() for t in (args.gpu_type or "").split(",") if t.strip()] or [None])
+        jobs = submit_slurm(configs, preset=args.preset, out=args.out, opts=opts, params=params, force=args.force,
+                            device=args.device, gpu_label=args.gpu_label, dry_run=args.dry_run)
+        if args.dry_run:
+            print_scripts(jobs)
+        else:
+            for job in jobs:
+                print(f"submitted {job.job_id}  logs: {job.paths.stdout}")
+        return
+    if args.dry_run:
+        raise ValueError("--dry-run prints sbatch scripts: it goes with --backend slurm")
+    if args.backend == "local":
+        from .cluster import run_local
+
+        results = run_local(configs, preset=args.preset, out=args.out, params=params, force=args.force,
+                            gpu_label=args.gpu_label)
+    else:
+        results = sweep(configs, preset=args.preset, out=args.out, device=args.device, gpu_label=args.gpu_label,
+                        force=args.force, params=params)
     for r in results:
         print(f"{r['config']:<12}{r['status']:<14}{r['seconds']:>8.0f} s  {r['folder']}")
 
@@ -231,6 +254,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=_positive)
     p.add_argument("--data", help="'mni' or a folder with mask/ and image/")
     p.add_argument("--profilers", default="torch,ncu", help="comma-separated: torch, ncu ('' for none)")
+    g = p.add_argument_group("backends", "where the configurations run (default: one after another, here)")
+    g.add_argument("--backend", choices=["here", "local", "slurm"], default="here",
+                   help="here; local: one configuration per visible GPU at once; slurm: one job per "
+                        "(GPU type, configuration), through submitit")
+    g.add_argument("--dry-run", action="store_true", help="slurm: print the sbatch scripts, submit nothing")
+    g.add_argument("--partition", help="slurm partition")
+    g.add_argument("--gpu-type", help="slurm GPU type(s) for --gres=gpu:TYPE:1, comma-separated "
+                                      "(one job per type and configuration; default: any GPU)")
+    g.add_argument("--time-min", type=_positive, default=120, help="slurm time limit per job, minutes")
+    g.add_argument("--cpus-per-task", type=_positive, default=8)
+    g.add_argument("--mem-gb", type=int, default=64, help="slurm memory per job (0: the partition's default)")
+    g.add_argument("--account")
+    g.add_argument("--qos")
+    g.add_argument("--constraint")
+    g.add_argument("--python", help="how a job starts Python, e.g. 'apptainer exec --nv medddpm.sif python' "
+                                    "(default: this interpreter)")
+    g.add_argument("--slurm-folder", default="runs/slurm", help="submitit's job files and logs")
     p.set_defaults(func=cmd_sweep)
 
     args = parser.parse_args(argv)

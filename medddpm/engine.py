@@ -49,7 +49,7 @@ class EMA:
 
 class Engine:
     def __init__(self, spec: ModelSpec, config: Config | str, *, device: torch.device | str = "cpu",
-                 lr: float = 1e-5, timesteps: int = 250, seed: int = 0, ema: bool = True):
+                 lr: float = 1e-5, timesteps: int = 250, seed: int = 0, ema: bool = True, ddp: bool = False):
         config = get_config(config)
         self.spec, self.config = spec, config
         self.run: Resolved = resolve(config, device)
@@ -68,6 +68,30 @@ class Engine:
         self.step_count = 0
         self._graph: torch.cuda.CUDAGraph | None = None
         self._static: tuple[list[tuple[torch.Tensor, ...]], torch.Tensor] | None = None
+        self.ddp: torch.nn.parallel.DistributedDataParallel | None = None
+        if ddp:
+            self.wrap_ddp()
+
+    def wrap_ddp(self) -> torch.nn.parallel.DistributedDataParallel:
+        """Data parallelism over the initialised process group (`medddpm.distributed.init_from_env`).
+
+        The forward pass goes through DistributedDataParallel, which averages gradients over the ranks;
+        the optimizer, the EMA and the checkpoints keep working on the underlying `self.model` (so
+        state-dict keys carry no `module.` prefix). Weights are broadcast from rank 0 here."""
+        import torch.distributed as dist
+
+        if self.ddp is not None:
+            return self.ddp
+        if self.run.cuda_graphs:
+            raise ValueError(f"configuration {self.config.name!r}: CUDA graphs are not supported with DDP; turn cuda_graphs off")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("DDP needs an initialised process group: launch with torchrun, call distributed.init_from_env()")
+        device_ids = [self.device.index if self.device.index is not None else torch.cuda.current_device()] \
+            if self.device.type == "cuda" else None
+        self.ddp = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=device_ids)
+        # torch.compile on the DDP module: Dynamo's DDPOptimizer splits graphs at bucket boundaries.
+        self.denoiser = torch.compile(self.ddp) if self.run.compile else self.ddp
+        return self.ddp
 
     # ------------------------------------------------------------------------------------ helpers
 
@@ -95,11 +119,14 @@ class Engine:
     def _step(self, batches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
         # Named ranges let the profiler attribute each kernel to its pass (kernels.py).
         total = None
-        for x0, cond, *fixed in batches:  # fixed: optional (t, noise), for runs that must match
-            with record_function("forward"):
-                loss = self.loss(x0, cond, **dict(zip(("t", "noise"), fixed))) / len(batches)
-            with record_function("backward"):
-                loss.backward()
+        for i, (x0, cond, *fixed) in enumerate(batches):  # fixed: optional (t, noise), for runs that must match
+            # Under DDP, gradients are all-reduced only after the last micro-batch's backward.
+            sync = self.ddp is None or i == len(batches) - 1
+            with contextlib.nullcontext() if sync else self.ddp.no_sync():
+                with record_function("forward"):
+                    loss = self.loss(x0, cond, **dict(zip(("t", "noise"), fixed))) / len(batches)
+                with record_function("backward"):
+                    loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
         with record_function("optimizer"):
             self.opt.step()

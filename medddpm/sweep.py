@@ -10,7 +10,9 @@ goes on.
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import socket
 import sys
 import time
 from pathlib import Path
@@ -25,6 +27,24 @@ from .schema import read_table
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "produce.ipynb"
+
+
+_HOST = re.sub(r"[^A-Za-z0-9.]+", "_", socket.gethostname()) or "host"
+
+
+def _stage_is_stale(stage: Path) -> bool:
+    """A staging folder of a dead sweep on this host; another host's (shared file system) is left alone."""
+    host, _, pid = stage.name.rpartition("-")
+    host = host.split(".stage-", 1)[1] if ".stage-" in host else _HOST  # '.cfg.stage-PID': older, this host
+    if host != _HOST or not pid.isdigit():
+        return host == _HOST
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return int(pid) == os.getpid()
 
 
 def _publish(stage: Path, final: Path) -> None:
@@ -50,8 +70,9 @@ def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.P
     slug = gpu_slug(gpu_label or device_name(dev))
     root = out / slug
     root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".*.stage-*"):  # left by a killed sweep
-        shutil.rmtree(stale, ignore_errors=True)
+    for stale in root.glob(".*.stage-*"):  # left by a killed sweep (not by one running alongside: cluster jobs)
+        if _stage_is_stale(stale):
+            shutil.rmtree(stale, ignore_errors=True)
     params = dict(params or {}) | {"preset": preset, "out": str(out), "gpu_label": gpu_label, "device": device}
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     results = []
@@ -60,7 +81,7 @@ def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.P
         if (final / "run.parquet").exists() and not force:
             results.append({"config": config.name, "status": "done before", "seconds": 0.0, "folder": str(final)})
             continue
-        stage = root / f".{config.name}.stage-{os.getpid()}"
+        stage = root / f".{config.name}.stage-{_HOST}-{os.getpid()}"
         shutil.rmtree(stage, ignore_errors=True)
         stage.mkdir(parents=True)
         t0 = time.perf_counter()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -16,6 +17,7 @@ from .storage import atomic_write
 
 CHECKPOINT = "checkpoint.pt"
 LOSS_LOG = "loss.jsonl"
+RANK_LOG = "ranks.jsonl"  # under DDP: one line per rank and step, {"step", "rank", "time_ms"}
 
 
 def batch_indices(n_items: int, step: int, micro: int, *, seed: int) -> int:
@@ -32,55 +34,132 @@ def save_checkpoint(engine: Engine, path: Path, *, extra: dict) -> None:
 
 def train(spec: ModelSpec, config: Config | str, dataset, *, out_dir: str | os.PathLike, steps: int,
           device: torch.device | str = "cpu", grad_accum: int = 2, lr: float = 1e-5, seed: int = 0,
-          save_every: int = 500, log_every: int = 10, progress: bool = True) -> Engine:
+          save_every: int = 500, log_every: int = 10, progress: bool = True, ddp: bool = False) -> Engine:
     """Train for `steps` optimizer steps (each of `grad_accum` micro-batches of one volume).
 
     If `out_dir` holds a checkpoint, training resumes from it. The loss of every step goes to
     `loss.jsonl`; losses are fetched from the device every `log_every` steps, not every step.
+
+    `ddp=True` (inside an initialised process group, see `medddpm.distributed`): data parallelism.
+    Each rank takes its own `grad_accum` micro-batches (global batch = world size x grad_accum,
+    the same items a single process with world size x grad_accum micro-batches reads), gradients
+    are averaged over the ranks, and only rank 0 writes the checkpoint, `loss.jsonl` (loss averaged
+    over ranks) and `ranks.jsonl` (every rank's step times).
     """
     for name, value in (("steps", steps), ("grad_accum", grad_accum), ("save_every", save_every), ("log_every", log_every)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if getattr(dataset, "mask_channels", spec.mask_channels) != spec.mask_channels:
         raise ValueError(f"data has {dataset.mask_channels} label channels but the model expects {spec.mask_channels}")
+    rank, world = 0, 1
+    if ddp:
+        import torch.distributed as dist
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+    main = rank == 0
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    engine = Engine(spec, config, device=device, lr=lr, seed=seed)
+    engine = Engine(spec, config, device=device, lr=lr, seed=seed, ddp=ddp)
     ckpt = out / CHECKPOINT
     if ckpt.exists():
         state = torch.load(ckpt, map_location=engine.device, weights_only=False)
         if state["config"] != engine.config.flags or state["spec"] != spec.__dict__:
             raise ValueError(f"{ckpt} was written by another model or configuration; use a new --out")
+        if state.get("world_size", 1) != world:
+            raise ValueError(f"{ckpt} was written by {state.get('world_size', 1)} ranks, not {world}; use a new --out")
         engine.load_state_dict(state)
     start = engine.step_count
-    log_path = out / LOSS_LOG
-    _truncate_log(log_path, start)
+    log_path, rank_path = out / LOSS_LOG, out / RANK_LOG
+    if main:
+        _truncate_log(log_path, start)
+        if ddp:
+            _truncate_log(rank_path, start)
+    extra = {"seed": seed, "grad_accum": grad_accum, "lr": lr} | ({"world_size": world} if ddp else {})
 
     pending: list[tuple[int, torch.Tensor]] = []
+    timer = _StepTimer(engine.device) if ddp else None
 
     def flush():
-        if pending:
+        if not pending:
+            return
+        if ddp:  # one collective per flush: every rank's losses and step times, gathered everywhere
+            local = torch.cat([torch.stack([loss for _, loss in pending]).float(),
+                               torch.tensor(timer.read(), device=engine.device, dtype=torch.float32)])
+            gathered = [torch.empty_like(local) for _ in range(world)]
+            dist.all_gather(gathered, local)
+            table = torch.stack(gathered).cpu()  # (world, 2 * pending)
+            values = table[:, :len(pending)].double().mean(0).tolist()
+            times = table[:, len(pending):].tolist()
+        else:
             values = torch.stack([loss for _, loss in pending]).tolist()  # one host sync per flush
+        if main:
             with open(log_path, "a") as f:
                 for (s, _), v in zip(pending, values):
                     f.write(json.dumps({"step": s, "loss": v}) + "\n")
+            if ddp:
+                with open(rank_path, "a") as f:
+                    for i, (s, _) in enumerate(pending):
+                        for r in range(world):
+                            f.write(json.dumps({"step": s, "rank": r, "world_size": world, "time_ms": times[r][i]}) + "\n")
             bar.set_postfix(loss=f"{values[-1]:.4f}")
-            pending.clear()
+        pending.clear()
 
-    bar = tqdm(range(start, steps), initial=start, total=steps, desc=f"train {engine.config.name}", disable=not progress)
+    bar = tqdm(range(start, steps), initial=start, total=steps, desc=f"train {engine.config.name}",
+               disable=not (progress and main))
     for step in bar:
         batches = []
         for micro in range(grad_accum):
-            image, cond = dataset[batch_indices(len(dataset), step, micro, seed=seed)]
+            image, cond = dataset[batch_indices(len(dataset), step, rank * grad_accum + micro, seed=seed)]
             batches.append((engine.prepare(image[None]), engine.prepare(cond[None])))
+        if ddp:
+            # Each rank draws its own timesteps and noise; reseeding per step keeps resume exact.
+            torch.manual_seed(seed * 1_000_003 + step * 1009 + rank * 7919 + 1)
+            timer.start()
         pending.append((step + 1, engine.step(batches)))
+        if ddp:
+            timer.stop()
         if (step + 1) % log_every == 0:
             flush()
         if (step + 1) % save_every == 0 or step + 1 == steps:
             flush()
-            save_checkpoint(engine, ckpt, extra={"seed": seed, "grad_accum": grad_accum, "lr": lr})
+            if main:
+                save_checkpoint(engine, ckpt, extra=extra)
     flush()
     return engine
+
+
+class _StepTimer:
+    """Per-step wall time of this rank: CUDA events on a GPU (no host sync until `read`), else the clock."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def start(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append([event])
+        else:
+            self.marks.append([time.perf_counter()])
+
+    def stop(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks[-1].append(event)
+        else:
+            self.marks[-1].append(time.perf_counter())
+
+    def read(self) -> list[float]:
+        """Milliseconds of the steps since the last read, oldest first."""
+        if self.cuda:
+            self.marks[-1][1].synchronize() if self.marks else None
+            times = [a.elapsed_time(b) for a, b in self.marks]
+        else:
+            times = [(b - a) * 1e3 for a, b in self.marks]
+        self.marks.clear()
+        return times
 
 
 def _truncate_log(path: Path, step: int) -> None:

@@ -1,0 +1,96 @@
+"""Data-parallel training over several GPUs (or CPU processes) with torch.distributed.
+
+Launch one process per GPU with torchrun; every rank reads its own shard of the micro-batches,
+DistributedDataParallel averages the gradients, and rank 0 alone writes the checkpoint and logs:
+
+    torchrun --nproc-per-node 4 -m medddpm.distributed --steps 10 --out runs/ddp --size 64
+
+Backend: NCCL when CUDA is available (one GPU per local rank), else gloo on the CPU. The global
+batch is world size x --grad-accum micro-batches of one volume. Besides `loss.jsonl` (averaged over
+ranks), OUT/ranks.jsonl holds every rank's step times: {"step", "rank", "world_size", "time_ms"}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def init_from_env(backend: str | None = None, *, timeout_s: float = 600) -> tuple[int, int, int, torch.device]:
+    """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT).
+
+    Returns (rank, world_size, local_rank, device). Without torchrun's variables this is a
+    world of one (rank 0), which still needs MASTER_ADDR/MASTER_PORT for the rendezvous."""
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        if local >= torch.cuda.device_count():
+            raise RuntimeError(f"local rank {local} but only {torch.cuda.device_count()} CUDA devices visible")
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+        backend = backend or "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = backend or "gloo"
+    if not dist.is_initialized():
+        kw = {"device_id": device} if device.type == "cuda" and backend == "nccl" else {}
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=dt.timedelta(seconds=timeout_s), **kw)
+    return rank, world, local, device
+
+
+def is_main() -> bool:
+    """True on rank 0, and in a process that is not part of a process group."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def cleanup() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .__main__ import _add_config_args, _add_model_args, _config_from, _positive, _spec
+    from .data import open_dataset
+    from .train import train
+
+    p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m medddpm.distributed",
+                                description="data-parallel Med-DDPM training (resumes from OUT/checkpoint.pt)")
+    _add_model_args(p, mask_default=None)
+    _add_config_args(p)
+    p.add_argument("--data", default="mni", help="'mni' (embedded templates) or a folder with mask/ and image/")
+    p.add_argument("--pairs", type=_positive, default=8, help="number of embedded training pairs (with --data mni)")
+    p.add_argument("--steps", type=_positive, default=100, help="optimizer steps")
+    p.add_argument("--grad-accum", type=_positive, default=1, help="micro-batches per rank and step")
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-every", type=_positive, default=500)
+    p.add_argument("--log-every", type=_positive, default=10)
+    p.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl with CUDA, else gloo")
+    p.add_argument("--out", required=True, help="folder for checkpoint.pt, loss.jsonl and ranks.jsonl")
+    args = p.parse_args(argv)
+
+    config = _config_from(args)  # bad arguments fail here, before the rendezvous
+    data = open_dataset(args.data, size=args.size, n=args.pairs, seed=args.seed)
+    spec = _spec(args, args.mask_channels or data.mask_channels)
+    rank, world, _, device = init_from_env(args.backend)
+    try:
+        engine = train(spec, config, data, out_dir=args.out, steps=args.steps, device=device,
+                       grad_accum=args.grad_accum, lr=args.lr, seed=args.seed, save_every=args.save_every,
+                       log_every=args.log_every, ddp=True)
+        if rank == 0:
+            print(f"trained {engine.step_count} steps on {world} ranks ({dist.get_backend()}); "
+                  f"checkpoint in {Path(args.out) / 'checkpoint.pt'}", file=sys.stderr)
+    finally:
+        cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
