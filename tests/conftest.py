@@ -22,3 +22,17 @@ def random_batch(spec: ModelSpec, *, batch: int = 1, seed: int = 0):
     labels = torch.randint(0, spec.mask_channels + 1, (batch, s, s, s), generator=g)
     cond = torch.stack([(labels == k + 1).float() * 2 - 1 for k in range(spec.mask_channels)], dim=1)
     return image, cond
+
+
+class Pairs(torch.utils.data.Dataset):
+    """A tiny in-memory data set of random (image, label one-hot) pairs."""
+
+    def __init__(self, spec, n=4):
+        self.items = [tuple(t[0] for t in random_batch(spec, seed=i)) for i in range(n)]
+        self.mask_channels = spec.mask_channels
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]

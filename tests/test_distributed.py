@@ -11,7 +11,7 @@ from medddpm.engine import Engine
 from medddpm.model import ModelSpec
 from medddpm.train import read_loss_log, train
 
-from conftest import random_batch
+from conftest import Pairs, random_batch
 
 WORLD, ACCUM, STEPS, LR = 2, 2, 3, 1e-3
 SPEC = dict(size=16, mask_channels=3, base_channels=32, channel_mult=(1, 2), attention_ds=(2,))
@@ -22,18 +22,6 @@ def _micro(spec, step, micro):
     x0, cond = random_batch(spec, seed=step * 100 + micro)
     g = torch.Generator().manual_seed(10_000 + step * 100 + micro)
     return x0, cond, torch.randint(0, 250, (1,), generator=g), torch.randn(x0.shape, generator=g)
-
-
-class Pairs(torch.utils.data.Dataset):
-    def __init__(self, spec, n=4):
-        self.items = [tuple(t[0] for t in random_batch(spec, seed=i)) for i in range(n)]
-        self.mask_channels = spec.mask_channels
-
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, i):
-        return self.items[i]
 
 
 def _record_grads(engine):

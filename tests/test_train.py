@@ -7,19 +7,7 @@ from medddpm import train as train_mod
 from medddpm.sampling import generate, load_checkpoint, write_nifti
 from medddpm.train import read_loss_log, train
 
-from conftest import random_batch
-
-
-class Pairs(torch.utils.data.Dataset):
-    def __init__(self, spec, n=4):
-        self.items = [tuple(t[0] for t in random_batch(spec, seed=i)) for i in range(n)]
-        self.mask_channels = spec.mask_channels
-
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, i):
-        return self.items[i]
+from conftest import Pairs
 
 
 def _weights(engine):
