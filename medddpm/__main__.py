@@ -161,7 +161,7 @@ def cmd_sweep(args) -> None:
     from .sweep import sweep
 
     configs = parse_config_list(args.configs)  # every name checked before any work
-    params = {k: getattr(args, k) for k in ("steps", "warmup", "size", "data") if getattr(args, k) is not None}
+    params = {k: getattr(args, k) for k in ("steps", "warmup", "size", "data", "ncu_timeout") if getattr(args, k) is not None}
     params["profilers"] = args.profilers
     if args.backend == "slurm":
         from .cluster import SlurmOptions, print_scripts, submit_slurm
@@ -254,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=_positive)
     p.add_argument("--data", help="'mni' or a folder with mask/ and image/")
     p.add_argument("--profilers", default="torch,ncu", help="comma-separated: torch, ncu ('' for none)")
+    p.add_argument("--ncu-timeout", type=_positive, help="seconds Nsight Compute may take per configuration "
+                                                          "(default 420; on timeout it is recorded, the run goes on)")
     g = p.add_argument_group("backends", "where the configurations run (default: one after another, here)")
     g.add_argument("--backend", choices=["here", "local", "slurm"], default="here",
                    help="here; local: one configuration per visible GPU at once; slurm: one job per "

@@ -85,9 +85,19 @@ def get_config(name: str | Config) -> Config:
         return name
     if not isinstance(name, str):
         raise ConfigError(f"configuration name must be a str, got {type(name).__name__}")
-    if name not in CONFIGS:
-        raise ConfigError(f"unknown configuration {name!r}; known: {', '.join(CONFIGS)}")
-    return CONFIGS[name]
+    base, *changes = name.split("+")
+    if base not in CONFIGS:
+        raise ConfigError(f"unknown configuration {base!r}; known: {', '.join(CONFIGS)}")
+    if not changes:
+        return CONFIGS[base]
+    # 'best+channels_last=false+attention=math': a named configuration with switches changed
+    flags = {}
+    for change in changes:
+        key, eq, value = change.partition("=")
+        if not eq or not key:
+            raise ConfigError(f"bad switch {change!r} in {name!r}; expected FLAG=VALUE")
+        flags[key] = {"true": True, "false": False}.get(value.lower(), value)
+    return CONFIGS[base].with_flags(name=name, **flags)
 
 
 def parse_config_list(spec: str) -> list[Config]:

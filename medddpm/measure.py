@@ -13,6 +13,7 @@ import dataclasses
 import datetime as dt
 import json
 import math
+import re
 import statistics
 import time
 import traceback
@@ -30,8 +31,10 @@ from .engine import Engine
 from .env import environment, gpu_slug, pick_device
 from .flops import count
 from .model import ModelSpec
+from .storage import atomic_write
 
 NCU_REPORTS = Path(__file__).resolve().parent.parent / "runs" / "ncu"
+QUALITY_CACHE = Path(__file__).resolve().parent.parent / "runs" / "quality"
 REFERENCE_STEPS = 100_000  # optimizer steps of the reference's training run
 REFERENCE_ACCUM = 2  # micro-steps per optimizer step
 
@@ -89,7 +92,8 @@ class Measurement:
     def __init__(self, config: str | Config, preset: str = "smoke", *, device: str | None = None,
                  gpu_label: str | None = None, size: int | None = None, data: str = "mni", pairs: int = 16, batch: int = 1,
                  steps: int | None = None, warmup: int | None = None, out: str = "data",
-                 stage: str | None = None, seed: int = 0, profilers: tuple[str, ...] = ("torch", "ncu")):
+                 stage: str | None = None, seed: int = 0, profilers: tuple[str, ...] = ("torch", "ncu"),
+                 ncu_timeout: int = 420):
         # Every parameter is checked here, before any GPU work.
         self.config = get_config(config)
         self.preset = get_preset(preset)
@@ -102,6 +106,8 @@ class Measurement:
             self.preset = dataclasses.replace(self.preset, size=size)
         if warmup is not None:
             _check("warmup", warmup, int, minimum=0)
+        _check("ncu_timeout", ncu_timeout, int, minimum=1)
+        self.ncu_timeout = ncu_timeout
         unknown = set(profilers) - {"torch", "ncu"}
         if unknown:
             raise ValueError(f"unknown profilers {sorted(unknown)}; known: torch, ncu")
@@ -110,6 +116,7 @@ class Measurement:
         self.warmup = self.preset.warmup if warmup is None else warmup
         self.batch, self.seed, self.profilers = batch, seed, tuple(profilers)
         self.data = open_dataset(data, size=self.preset.size, n=pairs, seed=seed)
+        self.data_id = f"mni{pairs}" if data == "mni" else re.sub(r"[^A-Za-z0-9]+", "_", str(Path(data).resolve()))
         self.spec = self.preset.spec(mask_channels=self.data.mask_channels)
         info = count(self.spec)  # meta device: no memory, no GPU work
         self.summary: dict = {"parameters": info["parameters"], "forward_flops": float(info["forward_flops"]),
@@ -298,46 +305,57 @@ class Measurement:
                 return None
             # The report itself (tens of MB) stays out of the data tree, under runs/ncu/.
             df, status = run_ncu(kernels_df=self.tables["kernels"], config=self.config.name, preset=self.preset.name,
-                                 size=self.preset.size, out_dir=NCU_REPORTS / self.slug / self.config.name)
+                                 size=self.preset.size, out_dir=NCU_REPORTS / self.slug / self.config.name,
+                                 timeout_s=self.ncu_timeout)
             self.profiler_status["ncu"] = status
             if self.device.type != "cuda" and df.empty:
                 return None
             return self._write("ncu", df)
 
     def quality(self) -> pd.DataFrame | None:
-        """Same weights, data, timesteps and noise under this configuration and under strict FP32."""
+        """Same weights, data, timesteps and noise under this configuration and under strict FP32.
+
+        The strict-FP32 side is the same for every configuration of a sweep on one device, so it is
+        computed once and kept under runs/quality/ (a cache, not a result: it is recomputed when absent
+        and for `baseline` itself, whose row then also shows baseline's run-to-run agreement)."""
         with self.phase("quality") as go:
             if not go:
                 return None
-            engines = {"config": self._engine(), "baseline": self._engine(get_config("baseline"))}
-            for e in engines.values():
-                randomize_(e.model, seed=self.seed + 1)
-            x0, cond = self._batch()
-            t = torch.full((self.batch,), self.preset.sample_timesteps // 2, dtype=torch.long)
-            noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(self.seed + 2))
-            out = {}
-            for name, e in engines.items():
-                e.activate()
-                with e.autocast():  # grad enabled: the compiled training graph serves this call too
-                    x_t = e.diffusion.q_sample(*(e.prepare(v) for v in (x0, t, noise)))
-                    pred = e.denoiser(torch.cat([x_t, e.prepare(cond).to(x_t.dtype)], 1), e.prepare(t))
-                out[name] = pred.detach().double()
-            rel_err = float((out["config"] - out["baseline"]).norm() / out["baseline"].norm())
-            losses = {}
-            for name, e in engines.items():
-                e.activate()
-                g = torch.Generator().manual_seed(self.seed + 3)
-                vals = []
-                for step in range(self.preset.quality_steps):
-                    x, c = self._batch(offset=step)
-                    tt = torch.randint(0, e.diffusion.timesteps, (self.batch,), generator=g)
-                    nn_ = torch.randn(x.shape, generator=g)
-                    vals.append(e.step(tuple(e.prepare(v) for v in (x, c, tt, nn_))))
-                losses[name] = torch.stack(vals).float().cpu().tolist()
-            del engines
-            rows = pd.DataFrame({"step": range(1, self.preset.quality_steps + 1), "loss": losses["config"],
-                                 "baseline_loss": losses["baseline"], "rel_err": rel_err})
+            cache = QUALITY_CACHE / (f"{self.slug}-{self.preset.name}{self.spec.size}-b{self.batch}-seed{self.seed}-"
+                                     f"{self.data_id}-q{self.preset.quality_steps}.pt")
+            ref = torch.load(cache) if cache.is_file() and self.config.name != "baseline" else None
+            if ref is None:
+                ref = self._quality_side(get_config("baseline"))
+                atomic_write(cache, lambda f: torch.save(ref, f))
+            mine = self._quality_side(self.config)
+            out, base = mine["out"].double(), ref["out"].double()
+            rel_err = float((out - base).norm() / base.norm())
+            rows = pd.DataFrame({"step": range(1, self.preset.quality_steps + 1), "loss": mine["losses"],
+                                 "baseline_loss": ref["losses"], "rel_err": rel_err})
             return self._write("quality", rows)
+
+    def _quality_side(self, config: Config) -> dict:
+        """One forward pass's output and `quality_steps` training losses, from fixed weights and inputs."""
+        e = self._engine(config)
+        randomize_(e.model, seed=self.seed + 1)
+        e.activate()
+        x0, cond = self._batch()
+        t = torch.full((self.batch,), self.preset.sample_timesteps // 2, dtype=torch.long)
+        noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(self.seed + 2))
+        with e.autocast():  # grad enabled: the compiled training graph serves this call too
+            x_t = e.diffusion.q_sample(*(e.prepare(v) for v in (x0, t, noise)))
+            pred = e.denoiser(torch.cat([x_t, e.prepare(cond).to(x_t.dtype)], 1), e.prepare(t))
+        out = pred.detach().float().cpu()
+        g = torch.Generator().manual_seed(self.seed + 3)
+        vals = []
+        for step in range(self.preset.quality_steps):
+            x, c = self._batch(offset=step)
+            tt = torch.randint(0, e.diffusion.timesteps, (self.batch,), generator=g)
+            nn_ = torch.randn(x.shape, generator=g)
+            vals.append(e.step(tuple(e.prepare(v) for v in (x, c, tt, nn_))))
+        losses = torch.stack(vals).float().cpu().tolist()
+        del e
+        return {"out": out, "losses": losses}
 
     # ----------------------------------------------------------------------------------- finish
 
