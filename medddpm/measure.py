@@ -346,6 +346,9 @@ class Measurement:
             x_t = e.diffusion.q_sample(*(e.prepare(v) for v in (x0, t, noise)))
             pred = e.denoiser(torch.cat([x_t, e.prepare(cond).to(x_t.dtype)], 1), e.prepare(t))
         out = pred.detach().float().cpu()
+        # Free the forward's autograd graph before training: a live one makes the first backward run
+        # on the default stream, which breaks a CUDA-graph capture (cudaErrorStreamCaptureImplicit).
+        del pred, x_t
         g = torch.Generator().manual_seed(self.seed + 3)
         vals = []
         for step in range(self.preset.quality_steps):
