@@ -57,7 +57,8 @@ class Engine:
         self.backend_flags = set_precision_flags(self.run.precision)
         torch.manual_seed(seed)
 
-        model = UNet3D(spec, attention=config.attention, recompute_attention=config.recompute_attention)
+        model = UNet3D(spec, attention=config.attention, recompute_attention=config.recompute_attention,
+                       upsample=config.upsample)
         self.model = model.to(self.device, memory_format=self.run.memory_format)
         self.denoiser = torch.compile(self.model) if self.run.compile else self.model
         self.diffusion = GaussianDiffusion(timesteps=timesteps).to(self.device)
