@@ -44,6 +44,7 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "fused_adam": (B, "fused Adam kernel"),
         "attention": (S, "math | sdpa"),
         "recompute_attention": (B, "attention recomputed in backward"),
+        "upsample": (S, "interpolate | separable (trilinear 2x as per-axis sums)"),
         "not_applicable": (S, "JSON: switches that could not apply on this device, with why"),
         "backend_flags": (S, "JSON: fp32 math modes read back after setting them"),
         "preset": (S, "smoke | paper"),
@@ -127,6 +128,12 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
     },
 }
 
+# Columns added after data was committed, with the value every older table implies: such a table is
+# read with the column filled in (the files themselves stay as measured).
+ADDED: dict[str, dict[str, object]] = {
+    "run": {"upsample": "interpolate"},  # the switch came with commit 48f2ec4; before it, always interpolate
+}
+
 
 class SchemaError(ValueError):
     """A table does not match its documented schema (one line)."""
@@ -165,6 +172,11 @@ def read_table(path: str | os.PathLike, table: str | None = None) -> pd.DataFram
         raise FileNotFoundError(f"missing data file {path}")
     arrow = pq.read_table(path)
     want = arrow_schema(table)
+    for name, value in ADDED.get(table, {}).items():  # tables written before the column existed
+        if name not in arrow.schema.names and name in want.names:
+            arrow = arrow.append_column(name, pa.array([value] * arrow.num_rows, want.field(name).type))
+    if set(arrow.schema.names) == set(want.names):
+        arrow = arrow.select(want.names)
     if not arrow.schema.remove_metadata().equals(want):
         raise SchemaError(f"{path}: schema differs from schema.TABLES[{table!r}]: {arrow.schema.names}")
     return arrow.to_pandas()

@@ -271,3 +271,16 @@ def test_priorities():
     assert add["speedup_pct"].iloc[0] == pytest.approx(launch.max())
     # ids 3 and 5 are one kernel launched twice: their speedups are averaged, weighted by duration
     assert len(ncu.priorities(k, df, include_local=True)) > len(p)
+
+
+def test_profiled_coverage_counts_only_what_ncu_profiled():
+    conv = "sm90_xmma_wgrad_indexed_implicit_gemm_f32f32_tf32f32_f32_nhwckrsc_nhwc_tilesize64x64x32_kernel__5x_cudnn"
+    k = kernels_frame([(conv, 60, "convolution"), ("void at::native::RowwiseMomentsCUDAKernel<float>(long)", 30, "reduction"),
+                       ("void at::native::other_kernel<float>(int)", 10, "elementwise")])
+    only_norm = pd.DataFrame({"kernel": ["void at::<unnamed>::RowwiseMomentsCUDAKernel<float>(long, T1)"]})
+    assert ncu.profiled_coverage(k, only_norm) == pytest.approx(0.3)
+    # a different cuDNN algorithm for the same direction counts (the autotuner's choice moves under ncu)
+    both = pd.DataFrame({"kernel": [only_norm.kernel[0], "cutlass__5x_cudnn::Kernel<cutlass_tensorop_s1688wgrad_optimized>"]})
+    assert ncu.profiled_coverage(k, both) == pytest.approx(0.9)
+    fprop = pd.DataFrame({"kernel": ["cudnn::detail::implicit_convolve_sgemm<float>"]})
+    assert ncu.profiled_coverage(k, fprop) == 0.0  # forward kernels do not stand in for weight gradients

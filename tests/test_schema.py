@@ -1,4 +1,6 @@
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from medddpm import schema
@@ -56,3 +58,32 @@ def test_every_table_has_documented_columns_and_the_issue_minimum():
     assert "| `time_ms` |" in schema.markdown()
     empty = schema.empty("quality")
     assert empty.empty and list(empty.columns) == list(schema.TABLES["quality"])
+
+
+def test_every_configuration_switch_is_a_run_column():
+    from medddpm.configs import CONFIGS
+
+    flags = set(next(iter(CONFIGS.values())).flags)
+    assert flags <= set(schema.TABLES["run"]), f"run table lacks {sorted(flags - set(schema.TABLES['run']))}"
+
+
+def test_a_table_written_before_a_column_was_added_reads_with_its_default(tmp_path):
+    from medddpm.configs import get_config
+    from medddpm.measure import run_row
+
+    env = dict(gpu_count=0, driver="", cuda="", cudnn="", torch="2", python="3", cpu="x", host_threads=2,
+               git_commit="abc", container="")
+    row = run_row(get_config("baseline"), "smoke", env=env, gpu_name="cpu", status="ok", message="")
+    old = pd.DataFrame([row]).drop(columns=["upsample"])
+
+    def write(df):
+        want = schema.arrow_schema("run")
+        typed = pa.schema([f for f in want if f.name in df.columns])
+        pq.write_table(pa.Table.from_pandas(df, schema=typed, preserve_index=False), tmp_path / "run.parquet")
+
+    write(old)
+    back = schema.read_table(tmp_path / "run.parquet")
+    assert back.loc[0, "upsample"] == "interpolate" and list(back.columns) == list(schema.TABLES["run"])
+    write(old.drop(columns=["attention"]))  # not a later addition: refused
+    with pytest.raises(schema.SchemaError, match="run.parquet"):
+        schema.read_table(tmp_path / "run.parquet")
