@@ -13,6 +13,7 @@ Pages call `setup()` first: it is the one place where the renderer is chosen.
 from __future__ import annotations
 
 import math
+import os
 
 import altair as alt
 import numpy as np
@@ -35,9 +36,23 @@ BANDWIDTH = {"nvidia-h200": (4.3e12, "device-to-device copy measured on this mac
 MAX_ROWS = 5000  # pages pass aggregated frames; more than this is a mistake
 
 
+def live_notebook() -> bool:
+    """Whether this kernel belongs to a live notebook: one that a Jupyter server started (it sets
+    JPY_SESSION_NAME) or scripts/lab.sh (MEDDDPM_LAB=1). A book build runs without either."""
+    return os.environ.get("MEDDDPM_LAB") == "1" or bool(os.environ.get("JPY_SESSION_NAME"))
+
+
 def setup() -> None:
-    """Choose the renderer (the one place to change it) and guard against heavy pages."""
-    alt.renderers.enable("default")
+    """Choose the renderer (the one place to change it) and guard against heavy pages.
+
+    The book's static HTML gets Altair's default renderer (its vega scripts are served by the book,
+    book/_ext/medddpm_book.py). A page opened as a notebook in JupyterLab gets the `jupyter` renderer
+    with ``offline=True``: each chart is an `altair.JupyterChart` whose vega comes from vl-convert, so
+    it draws with no network."""
+    if live_notebook():
+        alt.renderers.enable("jupyter", offline=True)
+    else:
+        alt.renderers.enable("default")
     alt.data_transformers.enable("default", max_rows=MAX_ROWS)
 
 

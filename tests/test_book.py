@@ -179,6 +179,22 @@ def _exercise_chart(page, chart_id: str, kinds: dict[str, int]) -> None:
         kinds["legend"] += 1
 
 
+def _check_solutions(page) -> int:
+    """Folded exercise solutions (sphinx-exercise + sphinx-togglebutton): each one's body is hidden when
+    the page loads and shown after a click on its toggle; returns how many were checked."""
+    solutions = page.locator("div.solution")
+    for i in range(solutions.count()):
+        sol = solutions.nth(i)
+        body = sol.locator("section, .cell, p:not(.admonition-title)").first
+        title = sol.locator(".admonition-title").inner_text().strip()
+        assert body.count() == 1, f"solution {i} ({title}) has no body"
+        assert not body.is_visible(), f"solution {i} ({title}) is visible before any click"
+        sol.locator("button.toggle-button").click()
+        body.wait_for(state="visible", timeout=5000)
+        assert sol.locator(".cell").count() > 0, f"solution {i} ({title}) holds no executed code cell"
+    return solutions.count()
+
+
 def test_book_in_browser(book_url):
     assert HAVE_PLAYWRIGHT, "the playwright Python package is missing (pip install -r requirements.txt)"
     assert HAVE_CHROMIUM, f"{CHROMIUM} is missing (apt-get install chromium; scripts/test.sh does it)"
@@ -189,6 +205,7 @@ def test_book_in_browser(book_url):
     problems: list[str] = []
     kinds = {"dropdown": 0, "radio": 0, "legend": 0}
     charts_total = 0
+    solutions = 0
 
     def route(r):
         u = urlsplit(r.request.url)
@@ -226,16 +243,22 @@ def test_book_in_browser(book_url):
                             except AssertionError as e:
                                 problems.append(f"{name}: {e}")
                 charts_total += n_charts
+                try:
+                    solutions += _check_solutions(page)
+                except AssertionError as e:
+                    problems.append(f"{name}: {e}")
                 page.wait_for_timeout(200)
                 page.close()
         finally:
             browser.close()
-    print(f"{len(toc_pages())} pages, {charts_total} charts, interactions exercised: {kinds}")
+    print(f"{len(toc_pages())} pages, {charts_total} charts, interactions exercised: {kinds}, "
+          f"folded solutions opened: {solutions}")
     assert not outside, "requests outside the book (aborted):\n" + "\n".join(outside)
     assert not problems, "\n".join(problems)
     assert charts_total > 0, "no Altair chart in the book"
     assert kinds["dropdown"] + kinds["radio"] > 0, "no chart with a bound dropdown/radio was exercised"
     assert kinds["legend"] > 0, "no chart with a legend bound to a selection was exercised"
+    assert solutions >= 3, f"only {solutions} folded exercise solutions in the book (the workshop has more)"
 
 
 # --- a second GPU appears with no page edited ------------------------------------------------------

@@ -1,0 +1,357 @@
+"""What the workshop's exercises compute (book/workshop.md): each function measures or reads something
+real, small enough for a CPU, and measures the GPU instead where one is present.
+
+- `conv_precision`: one Conv3d forward under each FP32 math mode the device has (strict FP32, TF32 on
+  an NVIDIA GPU, bf16 autocast), its error against a float64 reference and its time.
+- `channels_last_pairs`, `profile_conv_layouts`: where layout-conversion kernels appear, in the
+  committed profiles and in a profile of one convolution made now.
+- `stall_table`: Nsight Compute's warp-stall breakdown per kernel, with its dominant reason and a
+  reading of it.
+- `efficiencies`, `matmul_tflops`, `gpu_hours`: fraction of peak reached by the measured GPUs, a
+  device's dense matmul throughput measured now, and the training cost that follows.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import numpy as np
+import pandas as pd
+import torch
+
+from . import bookdata as bd
+from .configs import Config, set_precision_flags
+
+# Unit roundoff 2^-p of each format (p = stored mantissa bits + 1): inputs rounded to the format are
+# off by at most this, relatively. TF32 keeps FP32's exponent and 10 mantissa bits; bf16 keeps 7.
+UNIT_ROUNDOFF = {"fp32": 2.0 ** -24, "tf32": 2.0 ** -11, "bf16": 2.0 ** -8}
+# Switches that make two runs comparable apart from their memory layout (Config's, less the layout).
+_SWITCHES = tuple(k for k in Config("x").flags if k != "channels_last")
+
+
+def _time_ms(fn, *, device: torch.device, warmup: int, repeats: int) -> list[float]:
+    """Per-call times (ms): CUDA events on a GPU, the host clock on a CPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def _device(device) -> torch.device:
+    return torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+# ----------------------------------------------------------------------------------- precision
+
+
+def precision_modes(device: torch.device | str) -> list[str]:
+    """The FP32 math modes this device has: TF32 only on an NVIDIA GPU."""
+    return ["fp32", "tf32", "bf16"] if torch.device(device).type == "cuda" else ["fp32", "bf16"]
+
+
+def conv_precision(*, channels: int | None = None, size: int | None = None, device=None, repeats: int = 5,
+                   seed: int = 0) -> pd.DataFrame:
+    """One Conv3d(channels, channels, 3) forward on a (1, channels, size^3) input under each math mode
+    of the device: relative L2 error against the same convolution in float64, and median time.
+    Small by default on a CPU (32 channels, 24^3), larger on a GPU (64 channels, 48^3)."""
+    device = _device(device)
+    cuda = device.type == "cuda"
+    channels = channels or (64 if cuda else 32)
+    size = size or (48 if cuda else 24)
+    if channels < 1 or size < 3 or repeats < 1:
+        raise ValueError(f"need channels >= 1, size >= 3, repeats >= 1; got {channels}, {size}, {repeats}")
+    g = torch.Generator().manual_seed(seed)
+    conv = torch.nn.Conv3d(channels, channels, 3, padding=1)
+    with torch.no_grad():
+        for p in conv.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(27 * channels))
+    x = torch.randn(1, channels, size, size, size, generator=g)
+    conv, x = conv.to(device), x.to(device)
+    with torch.no_grad():
+        ref = torch.nn.functional.conv3d(x.double(), conv.weight.double(), conv.bias.double(), padding=1)
+    flops = 2 * 27 * channels * channels * size ** 3
+    saved = None
+    if cuda:
+        saved = (torch.backends.cudnn.conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision,
+                 torch.backends.cudnn.rnn.fp32_precision, torch.backends.cudnn.benchmark)
+    rows = []
+    try:
+        for mode in precision_modes(device):
+            if cuda:
+                set_precision_flags("fp32" if mode == "fp32" else "tf32")
+
+            def run(mode=mode):
+                with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=mode == "bf16"):
+                    return conv(x)
+
+            y = run()
+            err = float((y.double() - ref).norm() / ref.norm())
+            times = _time_ms(run, device=device, warmup=1, repeats=repeats)
+            med = statistics.median(times)
+            rows.append({"mode": mode, "output dtype": str(y.dtype).removeprefix("torch."), "rel_err": err,
+                         "unit_roundoff": UNIT_ROUNDOFF[mode], "median_ms": med, "gflop_per_s": flops / med / 1e6})
+    finally:
+        if saved is not None:
+            (torch.backends.cudnn.conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision,
+             torch.backends.cudnn.rnn.fp32_precision, torch.backends.cudnn.benchmark) = saved
+    out = pd.DataFrame(rows)
+    out.attrs.update(device=str(device), channels=channels, size=size, flops=flops, repeats=repeats)
+    return out
+
+
+PRECISION_CONFIGS = {"baseline": "fp32", "opt1": "tf32", "bf16": "bf16"}  # one configuration per math mode
+
+
+def precision_step_times(data: bd.Data) -> pd.DataFrame:
+    """Median training micro-step time of strict FP32, TF32 and bf16 (the configurations baseline,
+    opt1 and bf16) on every device in the data: the sweep's where it ran, else the bench timings'."""
+    ok = data.ok
+    bench = data.bench[data.bench["implementation"] == "ours"] if not data.bench.empty else data.bench
+    slugs = sorted(set(ok["gpu_slug"]) | set(bench["gpu_slug"] if len(bench) else []))
+    rows = []
+    for slug in slugs:
+        for config, mode in PRECISION_CONFIGS.items():
+            r = ok[(ok["gpu_slug"] == slug) & (ok["config"] == config)]
+            if len(r):
+                r = r.iloc[0]
+                rows.append({"gpu_slug": slug, "config": config, "mode": mode, "ran_as": r["precision_used"],
+                             "size": int(r["size"]), "median_ms": float(r["train_median_ms"]),
+                             "source": f"sweep ({r['folder']})"})
+                continue
+            b = bench[(bench["gpu_slug"] == slug) & (bench["config"] == config)] if len(bench) else bench
+            if len(b):
+                ran = {"ieee": "fp32", "tf32": "tf32"}.get(b["fp32_math"].iloc[0], mode)
+                rows.append({"gpu_slug": slug, "config": config, "mode": mode, "ran_as": ran,
+                             "size": int(b["size"].iloc[0]), "median_ms": float(b["median_ms"].median()),
+                             "source": f"bench ({', '.join(sorted(set(b['source'])))})"})
+    out = pd.DataFrame(rows, columns=["gpu_slug", "config", "mode", "ran_as", "size", "median_ms", "source"])
+    base = out[out["config"] == "baseline"].set_index("gpu_slug")["median_ms"]
+    out["speedup_vs_fp32"] = out["gpu_slug"].map(base) / out["median_ms"]
+    return out
+
+
+# -------------------------------------------------------------------------------------- layout
+
+
+def channels_last_pairs(run: pd.DataFrame) -> pd.DataFrame:
+    """Each finished channels-last run beside the run of the same GPU whose other switches are equal
+    (opt2 with baseline, opt12 with opt1, bf16-cl with bf16, ...), whichever of them the data holds."""
+    ok = run[run["status"] == "ok"]
+    switches = [s for s in _SWITCHES if s in ok.columns]  # older run tables lack newer switches
+    rows = []
+    for _, cl in ok[ok["channels_last"]].iterrows():
+        same = ok[(ok["gpu_slug"] == cl["gpu_slug"]) & ~ok["channels_last"]]
+        for s in switches:
+            same = same[same[s] == cl[s]]
+        for _, other in same.iterrows():
+            rows.append({"gpu_slug": cl["gpu_slug"], "channels_last": cl["config"], "partner": other["config"],
+                         "cl_run_id": cl["run_id"], "partner_run_id": other["run_id"]})
+    return pd.DataFrame(rows, columns=["gpu_slug", "channels_last", "partner", "cl_run_id", "partner_run_id"])
+
+
+def layout_share(kernels: pd.DataFrame) -> pd.DataFrame:
+    """Per run: share of profiled kernel time in the `layout` category and its launches per step."""
+    k = kernels.assign(layout=kernels["category"] == "layout",
+                       cps=kernels["calls"] / kernels["steps"].clip(lower=1))
+    g = k.groupby(["run_id", "gpu_slug", "config"], as_index=False).apply(
+        lambda d: pd.Series({"layout_share": d.loc[d["layout"], "share"].sum(),
+                             "layout_calls_per_step": d.loc[d["layout"], "cps"].sum(),
+                             "device_type": d["device_type"].iloc[0]}), include_groups=False)
+    return bd._sort(g)
+
+
+def profile_conv_layouts(*, channels: int | None = None, size: int | None = None, device=None,
+                         steps: int = 2) -> pd.DataFrame:
+    """torch.profiler rows of one Conv3d forward + backward, once with NCDHW tensors and once with
+    channels-last (NDHWC) ones; `memory_format` says which. Kernels on a GPU, aten operators on a CPU."""
+    from .kernels import profile_kernels
+
+    device = _device(device)
+    cuda = device.type == "cuda"
+    channels = channels or (64 if cuda else 32)
+    size = size or (48 if cuda else 24)
+    parts = []
+    for name, fmt in (("NCDHW", torch.contiguous_format), ("NDHWC (channels-last)", torch.channels_last_3d)):
+        torch.manual_seed(0)
+        conv = torch.nn.Conv3d(channels, channels, 3, padding=1).to(device, memory_format=fmt)
+        x = torch.randn(1, channels, size, size, size, device=device).to(memory_format=fmt).requires_grad_()
+
+        def step(conv=conv, x=x):
+            conv(x).square().mean().backward()
+
+        parts.append(profile_kernels(step, device=device, steps=steps).assign(memory_format=name))
+    out = pd.concat(parts, ignore_index=True)
+    out.attrs.update(device=str(device), channels=channels, size=size)
+    return out
+
+
+# -------------------------------------------------------------------------------------- stalls
+
+# What a warp waiting for each reason is waiting on (Nsight Compute's warp-state documentation).
+STALL_MEANING = {
+    "long_scoreboard": "a global or local memory result (L1TEX: L2 or DRAM)",
+    "short_scoreboard": "a shared-memory or special-function (MIO) result",
+    "barrier": "the other warps of its block at a barrier (__syncthreads)",
+    "membar": "a memory barrier",
+    "mio_throttle": "a full shared-memory / special-function instruction queue",
+    "lg_throttle": "a full local/global memory instruction queue",
+    "math_pipe_throttle": "a busy math pipe",
+    "tex_throttle": "a full texture unit",
+    "not_selected": "nothing: it was eligible, another warp was picked",
+    "selected": "nothing: it issued",
+    "wait": "a fixed-latency dependency",
+    "dispatch_stall": "the dispatcher",
+    "no_instruction": "instruction fetch (an instruction-cache miss or a branch)",
+    "drain": "its memory stores to drain at exit",
+    "sleeping": "a sleep or a yield",
+    "imc_miss": "the immediate-constant cache",
+    "branch_resolving": "a branch target",
+    "misc": "something else",
+    "gmma": "a warpgroup MMA (Hopper tensor cores)",
+}
+BANDWIDTH_BOUND_DRAM = 60.0  # DRAM throughput (% of peak) above which a memory-stalled kernel is bandwidth-bound
+LOW_OCCUPANCY = 40.0  # achieved occupancy (% of the SM's warp slots) below which latency cannot be hidden
+
+
+def reading(dominant: str, dram_pct: float, occupancy_pct: float) -> str:
+    """A first reading of a stall breakdown (a rule of thumb, thresholds above)."""
+    if dominant == "long_scoreboard":
+        if dram_pct >= BANDWIDTH_BOUND_DRAM:
+            return "bandwidth-bound: memory is busy, the kernel waits for it"
+        if occupancy_pct < LOW_OCCUPANCY:
+            return "latency-bound: waits on memory with too few warps in flight to hide it, DRAM mostly idle"
+        return "waits on memory (cache misses) without saturating DRAM"
+    if dominant in ("math_pipe_throttle", "gmma"):
+        return "compute-bound on one pipe"
+    if dominant in ("not_selected", "selected"):
+        return "issue-bound: warps are ready, the scheduler is the limit"
+    if dominant == "barrier":
+        return "synchronization-bound: warps idle at block barriers"
+    return f"waits on {STALL_MEANING.get(dominant, dominant)}"
+
+
+def stall_table(ncu_df: pd.DataFrame, *, top: int = 8) -> pd.DataFrame:
+    """Per run and kernel (by short name, launches weighted by duration), the `top` kernels by profiled
+    time: stall cycles per issued instruction by reason, their sum, the dominant reason and a reading."""
+    from .kernels import categorize, short_name
+
+    k = bd.ncu_kernels(ncu_df)
+    stalls = [c for c in k.columns if c.startswith("stall_")]
+    cols = ["gpu_slug", "config", "kernel", "category", "launches", "profiled_ms", "warp_cycles_per_inst",
+            "stall_sum", "dominant", "dominant_cycles", "dram_throughput_pct", "achieved_occupancy_pct",
+            "sm_throughput_pct", "reading", *stalls]
+    if k.empty or not stalls:
+        return pd.DataFrame(columns=cols)
+    k = k.assign(kernel=k["kernel"].map(short_name), category=k["kernel"].map(categorize))
+    rows = []
+    for (slug, config, name), g in k.groupby(["gpu_slug", "config", "kernel"]):
+        w = g["duration_ns"].fillna(0)
+        if w.sum() <= 0:
+            continue
+
+        def avg(col):
+            v = g[col]
+            m = v.notna() & (w > 0)
+            return float(np.average(v[m], weights=w[m])) if m.any() else math.nan
+
+        row = {"gpu_slug": slug, "config": config, "kernel": name, "category": g["category"].iloc[0],
+               "launches": len(g), "profiled_ms": w.sum() / 1e6,
+               **{c: avg(c) for c in ("warp_cycles_per_inst", "dram_throughput_pct", "achieved_occupancy_pct",
+                                       "sm_throughput_pct", *stalls)}}
+        breakdown = {c.removeprefix("stall_"): row[c] for c in stalls if not math.isnan(row[c])}
+        if not breakdown:
+            continue
+        row["stall_sum"] = sum(breakdown.values())
+        row["dominant"] = max(breakdown, key=breakdown.get)
+        row["dominant_cycles"] = breakdown[row["dominant"]]
+        row["reading"] = reading(row["dominant"], row["dram_throughput_pct"], row["achieved_occupancy_pct"])
+        rows.append(row)
+    out = pd.DataFrame(rows, columns=cols)
+    out = out.sort_values(["gpu_slug", "config", "profiled_ms"], ascending=[True, True, False])
+    return out.groupby(["gpu_slug", "config"]).head(top).reset_index(drop=True)
+
+
+# ---------------------------------------------------------------------------------------- cost
+
+
+def efficiencies(data: bd.Data) -> pd.DataFrame:
+    """Per GPU whose peaks are known (`bookdata.PEAKS`) and precision measured there: achieved TFLOP/s
+    of a training micro-step (strict FP32 = the baseline; bf16 = the bf16 configuration), from the
+    sweep, else from the bench timings, and the fraction of the peak it is."""
+    run = data.ok
+    rows = []
+    for slug, peaks in bd.PEAKS.items():
+        for precision, (peak, source) in peaks.items():
+            config = {"fp32": "baseline", "bf16": "bf16"}.get(precision)
+            r = run[(run["gpu_slug"] == slug) & (run["config"] == config)]
+            if len(r):
+                r = r.iloc[0]
+                achieved, flops, median_ms, src = r["achieved_tflops"] * 1e12, r["flops_per_step"], r["train_median_ms"], \
+                    f"sweep ({r['folder']})"
+            else:
+                b = data.bench[(data.bench["gpu_slug"] == slug) & (data.bench["config"] == config)
+                               & (data.bench["implementation"] == "ours")] if not data.bench.empty else []
+                if not len(b):
+                    continue
+                # bench JSON has no FLOP count: the step's FLOPs are those of the sweep's runs on this GPU
+                # at the same size, else counted on the meta device for the bench's model.
+                median_ms = float(b["median_ms"].median())
+                size = int(b["size"].iloc[0])
+                same = run[(run["gpu_slug"] == slug) & (run["size"] == size)]
+                if len(same):
+                    flops = float(same["flops_per_step"].iloc[0])
+                else:
+                    from .flops import count
+                    from .model import ModelSpec
+
+                    flops = count(ModelSpec(size=size, mask_channels=int(b["mask_channels"].iloc[0]),
+                                            base_channels=int(b["base_channels"].iloc[0])))["train_flops"]
+                achieved, src = flops / (median_ms / 1e3), f"bench ({b['source'].iloc[0]})"
+            rows.append({"gpu_slug": slug, "precision": precision, "config": config, "median_ms": median_ms,
+                         "flops_per_step": flops, "achieved_tflops": achieved / 1e12, "peak_tflops": peak / 1e12,
+                         "efficiency": achieved / peak, "measured_in": src, "peak_source": source})
+    return pd.DataFrame(rows, columns=["gpu_slug", "precision", "config", "median_ms", "flops_per_step",
+                                       "achieved_tflops", "peak_tflops", "efficiency", "measured_in", "peak_source"])
+
+
+def gpu_hours(*, flops_per_step: float, peak_flops: float, efficiency: float,
+              micro_steps: int = bd.REFERENCE_STEPS * bd.REFERENCE_ACCUM) -> float:
+    """Device hours for `micro_steps` training micro-steps at `efficiency` x `peak_flops`."""
+    if not (peak_flops > 0 and 0 < efficiency <= 1 and flops_per_step > 0):
+        raise ValueError(f"need peak > 0, 0 < efficiency <= 1, flops > 0; got {peak_flops}, {efficiency}, "
+                         f"{flops_per_step}")
+    return micro_steps * flops_per_step / (efficiency * peak_flops) / 3600
+
+
+def matmul_tflops(*, device=None, dtype: torch.dtype = torch.float32, n: int | None = None,
+                  repeats: int = 5) -> float:
+    """Dense (n x n) @ (n x n) throughput measured now, TFLOP/s (median of `repeats`). Strict FP32 on a
+    GPU: TF32 is turned off for the measurement and restored after it."""
+    device = _device(device)
+    cuda = device.type == "cuda"
+    n = n or (8192 if cuda else 1024)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    saved = torch.backends.cuda.matmul.fp32_precision if cuda else None
+    try:
+        if cuda:
+            torch.backends.cuda.matmul.fp32_precision = "ieee"
+        times = _time_ms(lambda: a @ b, device=device, warmup=2, repeats=repeats)
+    finally:
+        if saved is not None:
+            torch.backends.cuda.matmul.fp32_precision = saved
+    return 2 * n ** 3 / (statistics.median(times) / 1e3) / 1e12

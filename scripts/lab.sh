@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Open book pages (MyST text notebooks, book/*.md) as notebooks in JupyterLab:
+#   bash scripts/lab.sh book/explorers.md [book/workshop.md ...] [-- jupyter lab arguments]
+# Each page becomes runs/lab/<page>.ipynb (jupytext); a notebook there that is newer than its page
+# (edited in JupyterLab) is kept. JupyterLab then opens the first one, with the package importable
+# and the data tree the book reads.
+#   LAB_SKIP_SETUP=1     skip scripts/setup.sh (the environment is already set up)
+#   LAB_CONVERT_ONLY=1   write the notebooks and print the JupyterLab command, do not start it
+#   MEDDDPM_DATA         data root the pages read (default: data/ of this repository)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+repo=$PWD
+pages=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do pages+=("$1"); shift; done
+[ "${1:-}" = "--" ] && shift
+if [ ${#pages[@]} -eq 0 ]; then
+  echo "usage: bash scripts/lab.sh book/PAGE.md [book/PAGE.md ...] [-- jupyter lab arguments]" >&2
+  exit 2
+fi
+for page in "${pages[@]}"; do
+  case "$page" in
+    *.md) [ -f "$page" ] || { echo "lab: no page $page (pages are book/*.md)" >&2; exit 2; } ;;
+    *) echo "lab: $page is not a MyST page (book/*.md)" >&2; exit 2 ;;
+  esac
+done
+[ "${LAB_SKIP_SETUP:-0}" = 1 ] || bash scripts/setup.sh
+out=runs/lab
+mkdir -p "$out"
+notebooks=()
+for page in "${pages[@]}"; do
+  nb="$out/$(basename "$page" .md).ipynb"
+  if [ -f "$nb" ] && [ "$nb" -nt "$page" ]; then
+    echo "lab: keeping $nb (newer than $page; delete it to start again from the page)"
+  else
+    .venv/bin/jupytext --quiet --to ipynb --output "$nb" "$page"
+    echo "lab: $page -> $nb"
+  fi
+  notebooks+=("$nb")
+done
+data=${MEDDDPM_DATA:-$repo/data}
+# MEDDDPM_LAB=1: charts render as offline JupyterCharts (medddpm.charts.setup), not CDN-loading HTML.
+export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" MEDDDPM_DATA="$(cd "$data" && pwd)" MEDDDPM_LAB=1
+if [ "${LAB_CONVERT_ONLY:-0}" = 1 ]; then
+  echo "PYTHONPATH=$PYTHONPATH MEDDDPM_DATA=$MEDDDPM_DATA MEDDDPM_LAB=1 .venv/bin/jupyter lab ${notebooks[0]} $*"
+  exit 0
+fi
+exec .venv/bin/jupyter lab "${notebooks[0]}" "$@"
