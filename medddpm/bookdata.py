@@ -337,6 +337,23 @@ def ncu_by_run(ncu_df: pd.DataFrame) -> pd.DataFrame:
     return _sort(pd.DataFrame(rows))
 
 
+def ncu_coverage(data: Data) -> pd.DataFrame:
+    """Per run with counters: the share of step time (torch.profiler) of the kernels chosen for ncu,
+    and of those it actually profiled. They differ when a chosen kernel never ran under ncu (cuDNN's
+    autotuner can pick other algorithms there): the counters stand for the second share only."""
+    from . import ncu
+
+    rows = []
+    for run_id, g in data.ncu.groupby("run_id"):
+        k = data.kernels[data.kernels["run_id"] == run_id]
+        if k.empty:
+            continue
+        rows.append({"gpu_slug": g["gpu_slug"].iloc[0], "config": g["config"].iloc[0],
+                     "selected": ncu.covered(k, ncu.select_kernels(k)), "profiled": ncu.profiled_coverage(k, g),
+                     "launches": g["kernel_id"].nunique()})
+    return _sort(pd.DataFrame(rows, columns=["gpu_slug", "config", "selected", "profiled", "launches"]))
+
+
 def roofline_points(ncu_df: pd.DataFrame) -> pd.DataFrame:
     """Per profiled kernel: arithmetic intensity (FLOP per DRAM byte) and achieved FLOP/s.
 
