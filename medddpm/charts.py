@@ -102,7 +102,10 @@ def _gpu_param(df: pd.DataFrame, name: str = "gpu") -> alt.Parameter:
 
 def _config_param(df: pd.DataFrame, name: str = "cfg", skip_baseline: bool = False) -> alt.Parameter:
     options = [c for c in config_order(df["config"].unique()) if c in set(df["config"])]
-    first = [c for c in options if c != "baseline"] if skip_baseline else options
+    # Start on a configuration the default GPU has, or the first drawing is empty (a GPU measured in part).
+    there = (set(df.loc[df["gpu_slug"] == _default_gpu(sorted(df["gpu_slug"].unique())), "config"])
+             if "gpu_slug" in df else set(options))
+    first = [c for c in options if c in there and not (skip_baseline and c == "baseline")]
     return alt.param(name=name, value=(first or options or [""])[0],
                      bind=alt.binding_select(options=options, name="configuration "))
 
@@ -409,7 +412,7 @@ def roofline(points: pd.DataFrame) -> alt.LayerChart:
         x=alt.X("intensity:Q", scale=alt.Scale(type="log"), title="arithmetic intensity (FLOP per DRAM byte)"),
         y=alt.Y("tflops:Q", scale=alt.Scale(type="log"), title="achieved TFLOP/s (SASS FP counts)"),
         color=alt.Color("config:N", scale=config_color(df["config"]), legend=_config_legend(df)),
-        size=alt.Size("duration_us:Q", title="duration (µs)"),
+        size=alt.Size("duration_us:Q", legend=None),  # said in the title: a second legend would not react to clicks
         opacity=alt.condition(pick, alt.value(0.9), alt.value(0.1)),
         tooltip=["kernel:N", "config:N", alt.Tooltip("intensity:Q", format=".3g"),
                  alt.Tooltip("tflops:Q", title="TFLOP/s", format=".3g"),
@@ -428,7 +431,8 @@ def roofline(points: pd.DataFrame) -> alt.LayerChart:
         layers.insert(0, alt.Chart(pd.DataFrame(roofs)).transform_filter(alt.datum.gpu_slug == gpu).mark_line(
             color="#333", strokeDash=[4, 3]).encode(x="intensity:Q", y="tflops:Q", detail="roof:N",
                                                     tooltip=["roof:N"]))
-    return alt.layer(*layers).add_params(gpu).properties(width="container", height=360, title="Roofline")
+    return alt.layer(*layers).add_params(gpu).properties(width="container", height=360,
+                                                 title="Roofline (dot area: kernel duration)")
 
 
 # ----------------------------------------------------------------------------------------- beyond
