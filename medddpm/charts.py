@@ -534,3 +534,33 @@ def claims_grid(table: pd.DataFrame) -> alt.Chart:
         opacity=alt.condition(pick, alt.value(1.0), alt.value(0.2)),
         tooltip=["claim:N", "gpu_slug:N", "verdict:N", "evidence:N", "method:N"],
     ).add_params(pick).properties(width="container", height=alt.Step(24), title="The paper's claims, measured")
+
+
+# ---------------------------------------------------------------------------------------- scaling
+
+
+def scaling(summary: pd.DataFrame) -> alt.LayerChart | alt.Chart:
+    """Global throughput against world size, with the ideal (linear from one rank) dashed; GPU
+    dropdown, legend picks configurations; tooltips give efficiency and the ranks' spread."""
+    if summary.empty:
+        return _empty("no data-parallel scaling runs in the data (python -m medddpm scale)")
+    df = _light(summary)
+    gpu = _gpu_param(df)
+    pick = alt.selection_point(fields=["config"], bind="legend")
+    base = alt.Chart(df).transform_filter(alt.datum.gpu_slug == gpu)
+    x = alt.X("world_size:O", title="ranks (world size)")
+    color = alt.Color("config:N", scale=config_color(df["config"]), legend=_config_legend(df))
+    tip = ["config:N", "backend:N", alt.Tooltip("world_size:O", title="ranks"),
+           alt.Tooltip("samples_per_s:Q", title="samples/s", format=".3g"),
+           alt.Tooltip("efficiency:Q", title="scaling efficiency", format=".0%"),
+           alt.Tooltip("step_ms:Q", title="step ms (slowest rank)", format=".4g"),
+           alt.Tooltip("rank_min_ms:Q", title="fastest rank's median ms", format=".4g"),
+           alt.Tooltip("rank_max_ms:Q", title="slowest rank's median ms", format=".4g")]
+    opacity = alt.condition(pick, alt.value(1.0), alt.value(0.15))
+    measured = base.mark_line(point=True).encode(x=x, y=alt.Y("samples_per_s:Q", title="training samples per second"),
+                                                 color=color, opacity=opacity, tooltip=tip).add_params(pick)
+    ideal = base.mark_line(strokeDash=[4, 3]).encode(x=x, y="ideal_samples_per_s:Q", color=color, opacity=opacity,
+                                                     tooltip=tip)
+    return alt.layer(ideal, measured).add_params(gpu).properties(
+        width="container", height=max(260, 14 * df["config"].nunique() + 40),
+        title="Data-parallel throughput (dashed: linear from one rank)")
