@@ -157,6 +157,14 @@ def cmd_bench(args) -> None:
               f"{(r['warmup_ms'] or [float('nan')])[0] / 1e3:>17.1f}")
 
 
+def cmd_scale(args) -> None:
+    from .scaling import scale
+
+    path = scale(args.config, args.world_sizes, preset=args.preset, out=args.out, device=args.device,
+                 steps=args.steps, warmup=args.warmup)
+    print(f"wrote {path}")
+
+
 def cmd_sweep(args) -> None:
     from .sweep import sweep
 
@@ -274,6 +282,16 @@ def main(argv: list[str] | None = None) -> int:
                                     "(default: this interpreter)")
     g.add_argument("--slurm-folder", default="runs/slurm", help="submitit's job files and logs")
     p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("scale", help="data-parallel scaling: time one configuration on 1, 2, ... ranks (torchrun)")
+    p.add_argument("--config", default="sdpa", help="a configuration without CUDA graphs (DDP cannot capture them)")
+    p.add_argument("--world-sizes", default="1,2", help="comma-separated rank counts, e.g. 1,2,4")
+    p.add_argument("--preset", choices=["smoke", "paper"], default="smoke")
+    p.add_argument("--out", default="data", help="writes OUT/<gpu-slug>/scaling/<config>.parquet")
+    p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda if present (one GPU per rank)")
+    p.add_argument("--steps", type=_positive, help="timed micro-steps per rank (default: the preset's)")
+    p.add_argument("--warmup", type=int, help="untimed warm-up micro-steps (default: the preset's)")
+    p.set_defaults(func=cmd_scale)
 
     args = parser.parse_args(argv)
     try:

@@ -26,9 +26,10 @@ import pandas as pd
 
 from . import schema
 from .configs import CONFIGS, PAPER  # noqa: F401 - PAPER for the pages
+from .scaling import SCALING_DIR
 
 REPO = Path(__file__).resolve().parent.parent
-TABLES = tuple(schema.TABLES)  # run, steps, kernels, ncu, quality
+TABLES = ("run", "steps", "kernels", "ncu", "quality")  # one file each in every run folder
 REFERENCE_STEPS, REFERENCE_ACCUM = 100_000, 2  # the reference's optimizer steps, micro-steps per step
 
 # Peak throughputs (FLOP/s) that set a floor for one micro-step: 16.6 TFLOP / peak. Inputs, not results:
@@ -95,6 +96,8 @@ def scan(root: str | os.PathLike | None = None) -> Scan:
     runs, not_runs = [], []
     for gpu in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
         for folder in sorted(p for p in gpu.iterdir() if p.is_dir() and not p.name.startswith(".")):
+            if folder.name == SCALING_DIR:
+                continue  # data-parallel scaling tables (`scaling`), one per configuration: not a run
             if (folder / "run.parquet").is_file():
                 runs.append(folder)
             elif any(folder.glob("*.parquet")):
@@ -166,6 +169,7 @@ class Data:
     ncu: pd.DataFrame
     quality: pd.DataFrame
     bench: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=BENCH_COLUMNS))
+    scaling: pd.DataFrame = field(default_factory=lambda: schema.empty("scaling"))
 
     @property
     def ok(self) -> pd.DataFrame:
@@ -173,7 +177,41 @@ class Data:
 
 
 def load_all(root: str | os.PathLike | None = None) -> Data:
-    return Data(**{t: load(t, root) for t in TABLES}, bench=bench_runs(root))
+    return Data(**{t: load(t, root) for t in TABLES}, bench=bench_runs(root), scaling=scaling(root))
+
+
+def scaling(root: str | os.PathLike | None = None) -> pd.DataFrame:
+    """Every ``data/<gpu-slug>/scaling/<config>.parquet`` (`python -m medddpm scale`), validated."""
+    root = Path(root) if root is not None else data_root()
+    frames = []
+    for path in sorted(root.glob(f"*/{SCALING_DIR}/*.parquet")):
+        df = _read(path, "scaling")
+        if not df.empty and not ((df["gpu_slug"] == path.parent.parent.name) & (df["config"] == path.stem)).all():
+            raise DataError(f"{path}: rows of another GPU or configuration than its path says")
+        frames.append(df)
+    return pd.concat(frames, ignore_index=True) if frames else schema.empty("scaling")
+
+
+def scaling_summary(df: pd.DataFrame) -> pd.DataFrame:
+    """Per GPU, configuration and world size: the step time (each step as long as its slowest rank,
+    then the median over timed steps), global throughput, and efficiency against world size 1
+    (throughput / (world size x throughput on one rank); NaN without a one-rank run)."""
+    cols = ["gpu_slug", "config", "backend", "world_size", "step_ms", "rank_min_ms", "rank_max_ms",
+            "samples_per_s", "ideal_samples_per_s", "efficiency"]
+    t = df[df["timed"]]
+    if t.empty:
+        return pd.DataFrame(columns=cols)
+    keys = ["gpu_slug", "config", "backend", "world_size"]
+    step = t.groupby([*keys, "step"])["time_ms"].max().groupby(keys).median().rename("step_ms")
+    per_rank = t.groupby([*keys, "rank"])["time_ms"].median().groupby(keys).agg(rank_min_ms="min", rank_max_ms="max")
+    batch = t.groupby(keys)["batch"].first()
+    out = pd.concat([step, per_rank, batch], axis=1).reset_index()
+    out["samples_per_s"] = out["world_size"] * out["batch"] / (out["step_ms"] / 1e3)
+    one = out[out["world_size"] == 1].set_index(["gpu_slug", "config"])["samples_per_s"]
+    base = pd.Series([one.get((g, c), math.nan) for g, c in zip(out["gpu_slug"], out["config"])], index=out.index)
+    out["ideal_samples_per_s"] = base * out["world_size"]
+    out["efficiency"] = out["samples_per_s"] / out["ideal_samples_per_s"]
+    return _sort(out[cols], "world_size")
 
 
 BENCH_COLUMNS = ["gpu_slug", "source", "config", "implementation", "median_ms", "p10_ms", "p90_ms", "steps",
@@ -335,6 +373,23 @@ def ncu_by_run(ncu_df: pd.DataFrame) -> pd.DataFrame:
         row["inst_total"] = g[insts].sum(axis=1, min_count=1).sum(min_count=1)
         rows.append(row)
     return _sort(pd.DataFrame(rows))
+
+
+def ncu_coverage(data: Data) -> pd.DataFrame:
+    """Per run with counters: the share of step time (torch.profiler) of the kernels chosen for ncu,
+    and of those it actually profiled. They differ when a chosen kernel never ran under ncu (cuDNN's
+    autotuner can pick other algorithms there): the counters stand for the second share only."""
+    from . import ncu
+
+    rows = []
+    for run_id, g in data.ncu.groupby("run_id"):
+        k = data.kernels[data.kernels["run_id"] == run_id]
+        if k.empty:
+            continue
+        rows.append({"gpu_slug": g["gpu_slug"].iloc[0], "config": g["config"].iloc[0],
+                     "selected": ncu.covered(k, ncu.select_kernels(k)), "profiled": ncu.profiled_coverage(k, g),
+                     "launches": g["kernel_id"].nunique()})
+    return _sort(pd.DataFrame(rows, columns=["gpu_slug", "config", "selected", "profiled", "launches"]))
 
 
 def roofline_points(ncu_df: pd.DataFrame) -> pd.DataFrame:

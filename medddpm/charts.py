@@ -117,7 +117,10 @@ def _gpu_param(df: pd.DataFrame, name: str = "gpu") -> alt.Parameter:
 
 def _config_param(df: pd.DataFrame, name: str = "cfg", skip_baseline: bool = False) -> alt.Parameter:
     options = [c for c in config_order(df["config"].unique()) if c in set(df["config"])]
-    first = [c for c in options if c != "baseline"] if skip_baseline else options
+    # Start on a configuration the default GPU has, or the first drawing is empty (a GPU measured in part).
+    there = (set(df.loc[df["gpu_slug"] == _default_gpu(sorted(df["gpu_slug"].unique())), "config"])
+             if "gpu_slug" in df else set(options))
+    first = [c for c in options if c in there and not (skip_baseline and c == "baseline")]
     return alt.param(name=name, value=(first or options or [""])[0],
                      bind=alt.binding_select(options=options, name="configuration "))
 
@@ -424,7 +427,7 @@ def roofline(points: pd.DataFrame) -> alt.LayerChart:
         x=alt.X("intensity:Q", scale=alt.Scale(type="log"), title="arithmetic intensity (FLOP per DRAM byte)"),
         y=alt.Y("tflops:Q", scale=alt.Scale(type="log"), title="achieved TFLOP/s (SASS FP counts)"),
         color=alt.Color("config:N", scale=config_color(df["config"]), legend=_config_legend(df)),
-        size=alt.Size("duration_us:Q", title="duration (µs)"),
+        size=alt.Size("duration_us:Q", legend=None),  # said in the title: a second legend would not react to clicks
         opacity=alt.condition(pick, alt.value(0.9), alt.value(0.1)),
         tooltip=["kernel:N", "config:N", alt.Tooltip("intensity:Q", format=".3g"),
                  alt.Tooltip("tflops:Q", title="TFLOP/s", format=".3g"),
@@ -443,7 +446,8 @@ def roofline(points: pd.DataFrame) -> alt.LayerChart:
         layers.insert(0, alt.Chart(pd.DataFrame(roofs)).transform_filter(alt.datum.gpu_slug == gpu).mark_line(
             color="#333", strokeDash=[4, 3]).encode(x="intensity:Q", y="tflops:Q", detail="roof:N",
                                                     tooltip=["roof:N"]))
-    return alt.layer(*layers).add_params(gpu).properties(width="container", height=360, title="Roofline")
+    return alt.layer(*layers).add_params(gpu).properties(width="container", height=360,
+                                                 title="Roofline (dot area: kernel duration)")
 
 
 # ----------------------------------------------------------------------------------------- beyond
@@ -545,3 +549,33 @@ def claims_grid(table: pd.DataFrame) -> alt.Chart:
         opacity=alt.condition(pick, alt.value(1.0), alt.value(0.2)),
         tooltip=["claim:N", "gpu_slug:N", "verdict:N", "evidence:N", "method:N"],
     ).add_params(pick).properties(width="container", height=alt.Step(24), title="The paper's claims, measured")
+
+
+# ---------------------------------------------------------------------------------------- scaling
+
+
+def scaling(summary: pd.DataFrame) -> alt.LayerChart | alt.Chart:
+    """Global throughput against world size, with the ideal (linear from one rank) dashed; GPU
+    dropdown, legend picks configurations; tooltips give efficiency and the ranks' spread."""
+    if summary.empty:
+        return _empty("no data-parallel scaling runs in the data (python -m medddpm scale)")
+    df = _light(summary)
+    gpu = _gpu_param(df)
+    pick = alt.selection_point(fields=["config"], bind="legend")
+    base = alt.Chart(df).transform_filter(alt.datum.gpu_slug == gpu)
+    x = alt.X("world_size:O", title="ranks (world size)")
+    color = alt.Color("config:N", scale=config_color(df["config"]), legend=_config_legend(df))
+    tip = ["config:N", "backend:N", alt.Tooltip("world_size:O", title="ranks"),
+           alt.Tooltip("samples_per_s:Q", title="samples/s", format=".3g"),
+           alt.Tooltip("efficiency:Q", title="scaling efficiency", format=".0%"),
+           alt.Tooltip("step_ms:Q", title="step ms (slowest rank)", format=".4g"),
+           alt.Tooltip("rank_min_ms:Q", title="fastest rank's median ms", format=".4g"),
+           alt.Tooltip("rank_max_ms:Q", title="slowest rank's median ms", format=".4g")]
+    opacity = alt.condition(pick, alt.value(1.0), alt.value(0.15))
+    measured = base.mark_line(point=True).encode(x=x, y=alt.Y("samples_per_s:Q", title="training samples per second"),
+                                                 color=color, opacity=opacity, tooltip=tip).add_params(pick)
+    ideal = base.mark_line(strokeDash=[4, 3]).encode(x=x, y="ideal_samples_per_s:Q", color=color, opacity=opacity,
+                                                     tooltip=tip)
+    return alt.layer(ideal, measured).add_params(gpu).properties(
+        width="container", height=max(260, 14 * df["config"].nunique() + 40),
+        title="Data-parallel throughput (dashed: linear from one rank)")

@@ -171,7 +171,9 @@ _PARENS = re.compile(r"\([^()]*\)")
 _CUDNN_FAMILY = re.compile(r"sm\d+_xmma_(fprop|dgrad|wgrad)_")
 # What cuDNN may run instead under ncu, by direction: xmma (any arch), CUTLASS (`..._s1688fprop_...`),
 # and its legacy engines (`implicit_convolve_sgemm`, `dgrad_engine`, `wgrad_alg0_engine`).
-_CONV_DIRECTION = {"fprop": r"fprop|[Cc]onvolve", "dgrad": "dgrad", "wgrad": "wgrad"}
+_CONV_DIRECTION = {"fprop": r"fprop|[Cc]onvolve|[Cc]onv\w*_?(fwd|forward)",
+                   "dgrad": r"dgrad|[Cc]onv\w*_?(bwd|backward)_?data",
+                   "wgrad": r"wgrad|[Cc]onv\w*_?(bwd|backward)_?(filter|weight)"}
 _TOKEN = re.compile(r"(\d+)[uUlL]*|([A-Za-z_]\w*)")
 # Words the two demanglers write differently: GNU "float const" vs ncu "const float"; GNU
 # "false, true" vs ncu "0, 1" (seen for cuDNN's nchwToNhwcKernel on the H200).

@@ -126,6 +126,25 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "baseline_loss": (F, "loss under strict FP32 from the same weights, data, timesteps and noise"),
         "rel_err": (F, "relative L2 error of one fixed forward pass against strict FP32"),
     },
+    "scaling": {
+        "run_id": (S, "<gpu-slug>/<config>/scaling-<world size>/<start time>"),
+        "gpu_name": (S, "device name of the ranks"),
+        "gpu_slug": (S, "gpu_name lower-cased, other characters as hyphens"),
+        "config": (S, "configuration name"),
+        "preset": (S, "smoke | paper"),
+        "backend": (S, "torch.distributed backend: nccl | gloo"),
+        "world_size": (I, "ranks (one GPU each, or CPU processes)"),
+        "rank": (I, "this row's rank"),
+        "step": (I, "micro-step index on this rank, warm-up included"),
+        "timed": (B, "false for warm-up steps"),
+        "time_ms": (F, "this rank's time for the step (CUDA events; host clock on a CPU)"),
+        "batch": (I, "volumes per rank and micro-step (global batch = world_size x batch)"),
+        "size": (I, "cubic input size"),
+        "threads_per_rank": (I, "torch CPU threads of each rank (a CPU run splits the cores among the ranks)"),
+        "torch": (S, "torch.__version__"),
+        "git_commit": (S, "commit of this repository"),
+        "start_time": (S, "UTC start of this world size's run"),
+    },
 }
 
 # Columns added after data was committed, with the value every older table implies: such a table is

@@ -170,12 +170,16 @@ def test_charts_validate_and_hold_every_gpu(two):
         rows = _datasets(spec)
         if name == "bench":
             continue  # bench JSON exists for the H200 only, by construction
-        want = {GPU} if name in NCU_CHARTS else {"cpu", GPU}  # a CPU has no hardware counters
+        # a CPU has no hardware counters; committed GPU data (data/nvidia-h200) comes along
+        have = set(two.ncu["gpu_slug"]) if name in NCU_CHARTS else set(two.run["gpu_slug"])
+        if name == "speedup":  # a speedup needs the device's baseline run
+            have = set(two.ok.loc[two.ok["config"] == "baseline", "gpu_slug"])
+        want = {GPU} | (have - {"cpu"}) if name in NCU_CHARTS else {"cpu", GPU} | have
         slugs = {r.get("gpu_slug") for r in rows}
         assert want <= slugs, f"{name}: GPUs in chart data {slugs}"
         gpu_params = [p for p in _params(spec) if p.get("name") == "gpu"]
         for p in gpu_params:  # the dropdown offers every GPU of the data, a GPU first
-            assert set(p["bind"]["options"]) == want and p["value"] == GPU, name
+            assert set(p["bind"]["options"]) == want and p["value"] != "cpu", name
         assert len(json.dumps(spec)) < 400_000, f"{name}: chart too heavy"
 
 
@@ -310,3 +314,21 @@ def test_bench_json_is_read_from_non_run_folders(real, tmp_path):
     (root / "cpu" / "notes" / "bench.json").write_text(json.dumps(good))
     with pytest.raises(bd.DataError, match=r"bench.json: a bench run lacks \['median_ms'\]"):
         bd.bench_runs(root)
+
+
+def test_ncu_coverage_says_what_the_counters_stand_for(real):
+    cov = bd.ncu_coverage(real)
+    if cov.empty:
+        pytest.skip("no GPU run with Nsight Compute in data/")
+    assert (cov["selected"] >= 0.8 - 1e-9).all() and cov["profiled"].between(0, 1).all()
+    # keep one profiled kernel: the coverage becomes that kernel's share of the step, nothing more
+    run_id = real.ncu["run_id"].iloc[0]
+    ncu_df = real.ncu[real.ncu["run_id"] == run_id]
+    one = ncu_df[ncu_df["kernel"] == ncu_df["kernel"].iloc[0]]
+    k = real.kernels[real.kernels["run_id"] == run_id]
+    from medddpm import ncu
+
+    share = ncu.covered(k, ncu.match_kernel(one["kernel"].iloc[0], k["kernel"].unique().tolist()))
+    less = bd.ncu_coverage(bd.Data(run=real.run, steps=real.steps, kernels=real.kernels, ncu=one, quality=real.quality))
+    assert 0 < share < 1 and less["profiled"].iloc[0] == pytest.approx(share)
+    assert less["profiled"].iloc[0] <= cov.loc[cov["config"] == one["config"].iloc[0], "profiled"].iloc[0]

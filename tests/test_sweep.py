@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from medddpm.schema import TABLES, read_table
+from medddpm.bookdata import TABLES  # the per-run tables
+from medddpm.schema import read_table
 
 ROOT = Path(__file__).resolve().parent.parent
 
