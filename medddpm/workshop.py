@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -130,14 +131,14 @@ def precision_step_times(data: bd.Data) -> pd.DataFrame:
                 r = r.iloc[0]
                 rows.append({"gpu_slug": slug, "config": config, "mode": mode, "ran_as": r["precision_used"],
                              "size": int(r["size"]), "median_ms": float(r["train_median_ms"]),
-                             "source": f"sweep ({r['folder']})"})
+                             "source": "sweep"})
                 continue
             b = bench[(bench["gpu_slug"] == slug) & (bench["config"] == config)] if len(bench) else bench
             if len(b):
                 ran = {"ieee": "fp32", "tf32": "tf32"}.get(b["fp32_math"].iloc[0], mode)
                 rows.append({"gpu_slug": slug, "config": config, "mode": mode, "ran_as": ran,
                              "size": int(b["size"].iloc[0]), "median_ms": float(b["median_ms"].median()),
-                             "source": f"bench ({', '.join(sorted(set(b['source'])))})"})
+                             "source": f"bench ({b['source'].nunique()} file(s) in {Path(b['source'].iloc[0]).parent})"})
     out = pd.DataFrame(rows, columns=["gpu_slug", "config", "mode", "ran_as", "size", "median_ms", "source"])
     base = out[out["config"] == "baseline"].set_index("gpu_slug")["median_ms"]
     out["speedup_vs_fp32"] = out["gpu_slug"].map(base) / out["median_ms"]
@@ -252,7 +253,7 @@ def stall_table(ncu_df: pd.DataFrame, *, top: int = 8) -> pd.DataFrame:
     k = bd.ncu_kernels(ncu_df)
     stalls = [c for c in k.columns if c.startswith("stall_")]
     cols = ["gpu_slug", "config", "kernel", "category", "launches", "profiled_ms", "warp_cycles_per_inst",
-            "stall_sum", "dominant", "dominant_cycles", "dram_throughput_pct", "achieved_occupancy_pct",
+            "sum_of_stalls", "dominant", "dominant_cycles", "dram_throughput_pct", "achieved_occupancy_pct",
             "sm_throughput_pct", "reading", *stalls]
     if k.empty or not stalls:
         return pd.DataFrame(columns=cols)
@@ -275,7 +276,7 @@ def stall_table(ncu_df: pd.DataFrame, *, top: int = 8) -> pd.DataFrame:
         breakdown = {c.removeprefix("stall_"): row[c] for c in stalls if not math.isnan(row[c])}
         if not breakdown:
             continue
-        row["stall_sum"] = sum(breakdown.values())
+        row["sum_of_stalls"] = sum(breakdown.values())
         row["dominant"] = max(breakdown, key=breakdown.get)
         row["dominant_cycles"] = breakdown[row["dominant"]]
         row["reading"] = reading(row["dominant"], row["dram_throughput_pct"], row["achieved_occupancy_pct"])

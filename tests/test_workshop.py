@@ -56,7 +56,7 @@ def test_stall_table_adds_up_on_committed_counters():
     st = ws.stall_table(counters, top=4)
     assert len(st) == 4 and st["profiled_ms"].is_monotonic_decreasing
     # Nsight Compute's stall reasons add up to its cycles per issued instruction
-    assert np.allclose(st["stall_sum"], st["warp_cycles_per_inst"], rtol=0.15)
+    assert np.allclose(st["sum_of_stalls"], st["warp_cycles_per_inst"], rtol=0.15)
     for r in st.itertuples():
         assert r.dominant_cycles == max(getattr(r, f"stall_{x}") for x in ws.STALL_MEANING
                                         if not math.isnan(getattr(r, f"stall_{x}")))
