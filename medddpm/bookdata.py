@@ -1,7 +1,10 @@
 """What the book's pages read: every run under ``data/``, validated, and the summaries each page draws.
 
-A *run* is a folder ``data/<gpu-slug>/<config>/`` holding ``run.parquet`` (written last by the
-producer, so its presence marks a finished measurement). Folders that hold no parquet at all (such
+A *run* is a folder ``data/<gpu-slug>/<run>/`` holding ``run.parquet`` (written last by the
+producer, so its presence marks a finished measurement). ``<run>`` is the configuration's name for
+the device's main preset at batch 1 (what every page compares), and ``<config>@<preset>[-b<batch>]``
+for a *variant* (another model, such as the BraTS one, or another batch; `schema.run_folder`): only
+the memory page reads those (``variants=True``). Folders that hold no parquet at all (such
 as ``data/nvidia-h200/reference/`` with raw ``bench`` timings, or a sweep's hidden staging folders)
 are not runs and are listed by `scan` as such. A folder with some parquet but no ``run.parquet`` is
 an incomplete run: reading it raises a one-line `DataError` naming the folder, which fails the book
@@ -115,8 +118,11 @@ def _read(path: Path, table: str) -> pd.DataFrame:
         raise DataError(f"{path}: {str(e).splitlines()[0]}") from None
 
 
-def runs(root: str | os.PathLike | None = None) -> pd.DataFrame:
-    """The run table of every run (one row each), with its folder relative to the data root."""
+def runs(root: str | os.PathLike | None = None, *, variants: bool = False) -> pd.DataFrame:
+    """The run table of every run (one row each), with its folder relative to the data root.
+
+    `variants`: also the runs of other presets or batches (``<config>@<preset>[-b<batch>]``); every
+    page but the memory one compares the main runs only, one per (GPU, configuration)."""
     root = Path(root) if root is not None else data_root()
     frames = []
     for folder in scan(root).runs:
@@ -124,10 +130,13 @@ def runs(root: str | os.PathLike | None = None) -> pd.DataFrame:
         if len(df) != 1:
             raise DataError(f"{folder / 'run.parquet'}: {len(df)} rows, expected 1")
         slug, config = df.loc[0, "gpu_slug"], df.loc[0, "config"]
-        if (slug, config) != (folder.parent.name, folder.name):
-            raise DataError(f"{folder}: run.parquet says {slug}/{config}, the folder says "
+        batch = int(df.loc[0, "batch"])  # -1: a run that failed before recording it (older rows), batch 1 then
+        name = schema.run_folder(config, df.loc[0, "preset"], batch if batch > 0 else 1)
+        if (slug, name) != (folder.parent.name, folder.name):
+            raise DataError(f"{folder}: run.parquet says {slug}/{name}, the folder says "
                             f"{folder.parent.name}/{folder.name}")
-        frames.append(df.assign(folder=str(folder.relative_to(root))))
+        if variants or name == config:
+            frames.append(df.assign(folder=str(folder.relative_to(root))))
     if not frames:
         return schema.empty("run").assign(folder=pd.Series(dtype="str"))
     out = pd.concat(frames, ignore_index=True)
@@ -137,12 +146,12 @@ def runs(root: str | os.PathLike | None = None) -> pd.DataFrame:
     return _sort(out)
 
 
-def load(table: str, root: str | os.PathLike | None = None) -> pd.DataFrame:
+def load(table: str, root: str | os.PathLike | None = None, *, variants: bool = False) -> pd.DataFrame:
     """Every ``data/*/*/<table>.parquet`` of the runs, validated, with ``gpu_slug`` and ``config``."""
     if table not in schema.TABLES:
         raise DataError(f"unknown table {table!r}; known: {', '.join(schema.TABLES)}")
     root = Path(root) if root is not None else data_root()
-    run = runs(root)
+    run = runs(root, variants=variants)
     if table == "run":
         return run
     frames = []
@@ -739,3 +748,4 @@ def best_by_gpu(summary: pd.DataFrame) -> pd.DataFrame:
         return summary
     idx = summary.groupby("gpu_slug")["train_median_ms"].idxmin()
     return summary.loc[idx].reset_index(drop=True)
+
