@@ -1,16 +1,19 @@
-"""Command line: `python -m medddpm {info,configs,train,sample,bench}`; `--help` on each."""
+"""Command line: `python -m medddpm {info,configs,train,sample,bench,sweep}`; `--help` on each."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 from .configs import CONFIGS, ConfigError, get_config, parse_config_list, resolve
 from .data import DataError
-from .model import ModelSpec
+from .model import ModelSpec, format_size, parse_size
 from .storage import atomic_write
+
+PRESET_NAMES = ("smoke", "paper", "brats")  # measure.PRESETS, without importing the measurement stack
 
 
 def _positive(text: str) -> int:
@@ -23,6 +26,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _size(text: str) -> int | tuple[int, int, int]:
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or DxHxW in voxels (e.g. 128 or 192x192x144), got {text!r}") from None
+
+
 def _bool(text: str) -> bool:
     if text.lower() in ("1", "true", "yes", "on"):
         return True
@@ -32,9 +42,13 @@ def _bool(text: str) -> bool:
 
 
 def _add_model_args(p: argparse.ArgumentParser, *, mask_default: int | None = 3) -> None:
-    p.add_argument("--size", type=_positive, default=128, help="cubic input size in voxels (default 128)")
-    p.add_argument("--mask-channels", type=_positive, default=mask_default, help="label classes without background")
-    p.add_argument("--base-channels", type=_positive, default=64)
+    p.add_argument("--preset", choices=PRESET_NAMES, help="the model of a measurement preset (brats: the BraTS "
+                                                          "setting); --size and --base-channels override it")
+    p.add_argument("--size", type=_size, help="input size in voxels: N for a cube or DxHxW (default 128)")
+    p.add_argument("--mask-channels", type=_positive, default=None,
+                   help="label classes without background" + (f" (default {mask_default})" if mask_default else ""))
+    p.add_argument("--base-channels", type=_positive)
+    p.set_defaults(mask_default=mask_default)
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -44,31 +58,64 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     for flag in ("channels-last", "compile", "cuda-graphs", "fused-adam", "recompute-attention"):
         g.add_argument(f"--{flag}", type=_bool, metavar="BOOL")
     g.add_argument("--attention", choices=["math", "sdpa"])
+    g.add_argument("--upsample", choices=["interpolate", "separable"])
+    g.add_argument("--checkpointing", type=_bool, metavar="BOOL", help="activation checkpointing per U-Net block")
+
+
+_OVERRIDES = ("precision", "channels_last", "compile", "cuda_graphs", "fused_adam", "recompute_attention", "attention",
+              "upsample", "checkpointing")
 
 
 def _config_from(args):
     base = get_config(args.config)
-    overrides = {k: getattr(args, k) for k in ("precision", "channels_last", "compile", "cuda_graphs", "fused_adam",
-                                               "recompute_attention", "attention") if getattr(args, k) is not None}
-    return base.with_flags(**overrides)
+    return base.with_flags(**{k: getattr(args, k) for k in _OVERRIDES if getattr(args, k) is not None})
 
 
-def _spec(args, mask_channels: int) -> ModelSpec:
-    return ModelSpec(size=args.size, mask_channels=mask_channels, base_channels=args.base_channels)
+def _preset(args):
+    """The preset named by --preset, with --size / --base-channels applied; None without --preset."""
+    if not args.preset:
+        return None
+    from .measure import get_preset
+
+    preset = get_preset(args.preset)
+    changes = {k: getattr(args, k) for k in ("size", "base_channels") if getattr(args, k) is not None}
+    return dataclasses.replace(preset, **changes)
+
+
+def _spec(args, mask_channels: int | None = None, image_channels: int | None = None) -> ModelSpec:
+    """The model from --preset or the model flags; `mask_channels` / `image_channels` from the data."""
+    mask = args.mask_channels or mask_channels
+    preset = _preset(args)
+    if preset is not None:
+        return preset.spec(mask_channels=mask, image_channels=image_channels)
+    return ModelSpec(size=args.size or 128, mask_channels=mask or args.mask_default, image_channels=image_channels or 1,
+                     base_channels=args.base_channels or 64)
+
+
+def _open_data(args):
+    """--data, else the preset's embedded data, at the preset's (or --size's) input size."""
+    from .data import open_dataset
+
+    preset = _preset(args)
+    source = args.data or (preset.data if preset else "mni")
+    return open_dataset(source, size=preset.size if preset else args.size or 128, n=args.pairs, seed=args.seed)
 
 
 def cmd_info(args) -> None:
     from .flops import count
 
-    spec = _spec(args, args.mask_channels)
-    info = {"size": spec.size, "in_channels": spec.in_channels, "out_channels": spec.image_channels,
+    spec = _spec(args)
+    info = {"size": spec.size, "shape": list(spec.shape), "in_channels": spec.in_channels,
+            "out_channels": spec.image_channels, "num_res_blocks": spec.num_res_blocks,
             "channel_mult": list(spec.mult), "channels": [m * spec.base_channels for m in spec.mult],
-            "attention_tokens": (spec.size // spec.attention_ds[0]) ** 3} | count(spec)
+            "attention_tokens": max(spec.attention_tokens())} | count(spec)
     if args.json:
         print(json.dumps(info, indent=2))
         return
-    print(f"Med-DDPM 3D U-Net, {spec.size}^3, {spec.in_channels} channels in, {spec.image_channels} out")
-    print(f"  channels per level   {info['channels']}, attention over {info['attention_tokens']} tokens")
+    where = "encoder, decoder and middle" if spec.attention_ds else "the middle block only"
+    print(f"Med-DDPM 3D U-Net, {format_size(spec.size)}{'^3' if isinstance(spec.size, int) else ''}, "
+          f"{spec.in_channels} channels in, {spec.image_channels} out, {spec.num_res_blocks} residual block(s) a level")
+    print(f"  channels per level   {info['channels']}, attention in {where} (at most {info['attention_tokens']} tokens)")
     print(f"  parameters           {info['parameters']:,}")
     print(f"  forward FLOPs        {info['forward_flops'] / 1e12:.3f} T per micro-step (batch 1)")
     for op, flops in info["forward_flops_by_op"].items():
@@ -97,14 +144,13 @@ def cmd_configs(args) -> None:
 
 
 def cmd_train(args) -> None:
-    from .data import open_dataset
     from .env import pick_device
     from .train import train
 
     config = _config_from(args)
     device = pick_device(args.device)
-    data = open_dataset(args.data, size=args.size, n=args.pairs, seed=args.seed)
-    spec = _spec(args, data.mask_channels)
+    data = _open_data(args)
+    spec = _spec(args, data.mask_channels, getattr(data, "image_channels", 1))
     engine = train(spec, config, data, out_dir=args.out, steps=args.steps, device=device, grad_accum=args.grad_accum,
                    lr=args.lr, seed=args.seed, save_every=args.save_every, log_every=args.log_every)
     for flag, why in engine.run.not_applicable.items():
@@ -134,7 +180,7 @@ def cmd_bench(args) -> None:
 
     configs = parse_config_list(args.configs)
     device = pick_device(args.device)
-    spec = _spec(args, args.mask_channels)
+    spec = _spec(args)
     if args.reference and not (Path(args.reference) / "diffusion_model" / "unet.py").is_file():
         raise FileNotFoundError(f"{args.reference}: not a clone of mobaidoctor/med-ddpm (no diffusion_model/unet.py)")
     results = {"environment": environment(device), "spec": spec.__dict__ | {"mult": list(spec.mult)}, "runs": []}
@@ -169,7 +215,10 @@ def cmd_sweep(args) -> None:
     from .sweep import sweep
 
     configs = parse_config_list(args.configs)  # every name checked before any work
-    params = {k: getattr(args, k) for k in ("steps", "warmup", "size", "data", "ncu_timeout") if getattr(args, k) is not None}
+    params = {k: getattr(args, k) for k in ("steps", "warmup", "size", "batch", "data", "ncu_timeout")
+              if getattr(args, k) is not None}
+    if "size" in params:  # as text: a papermill parameter and a command-line argument alike
+        params["size"] = format_size(params["size"])
     params["profilers"] = args.profilers
     if args.backend == "slurm":
         from .cluster import SlurmOptions, print_scripts, submit_slurm
@@ -217,8 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("train", help="train Med-DDPM; resumes from OUT/checkpoint.pt if present")
     _add_model_args(p, mask_default=None)
     _add_config_args(p)
-    p.add_argument("--data", default="mni", help="'mni' (embedded templates) or a folder with mask/ and image/")
-    p.add_argument("--pairs", type=_positive, default=8, help="number of embedded training pairs (with --data mni)")
+    p.add_argument("--data", help="'mni' (embedded templates; the default), 'mni-brats' (synthetic BraTS-like cases; "
+                                  "the default with --preset brats), or a folder with mask/ and image/, or with "
+                                  "seg/, t1/, t1ce/, t2/ and flair/ (BraTS)")
+    p.add_argument("--pairs", type=_positive, default=8, help="number of embedded training pairs (embedded data)")
     p.add_argument("--steps", type=_positive, default=100, help="optimizer steps")
     p.add_argument("--grad-accum", type=_positive, default=2)
     p.add_argument("--lr", type=float, default=1e-5)
@@ -231,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("sample", help="generate volumes for label maps and write NIfTI files")
     p.add_argument("--checkpoint", required=True, help="checkpoint.pt or the training folder holding it")
-    p.add_argument("--labels", nargs="+", default=["mni:0"], help="label maps: mni:SEED or NIfTI files")
+    p.add_argument("--labels", nargs="+", default=["mni:0"], help="label maps: mni:SEED, mni-brats:SEED or NIfTI files")
     p.add_argument("--no-ema", action="store_true", help="use the raw weights instead of the EMA")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device")
@@ -252,15 +303,19 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("sweep", help="run the producer notebook for each configuration into data/<gpu>/<config>/")
     p.add_argument("--configs", default="paper", help="paper, all, or comma-separated names")
-    p.add_argument("--preset", choices=["smoke", "paper"], default="smoke")
+    p.add_argument("--preset", choices=PRESET_NAMES, default="smoke",
+                   help="smoke (tiny, CPU), paper (whole-head 128^3) or brats (192x192x144, four modalities)")
     p.add_argument("--out", default="data")
     p.add_argument("--force", action="store_true", help="redo configurations already measured")
     p.add_argument("--device")
     p.add_argument("--gpu-label", help="name the device differently in data/<gpu-slug>/")
-    p.add_argument("--size", type=_positive)
+    p.add_argument("--size", type=_size, help="override the preset's input size: N or DxHxW")
+    p.add_argument("--batch", type=_positive, help="volumes per micro-step (default 1; other batches are kept in "
+                                                     "data/<gpu>/<config>@<preset>-b<batch>/)")
     p.add_argument("--steps", type=_positive, help="timed micro-steps (default: the preset's)")
     p.add_argument("--warmup", type=_positive)
-    p.add_argument("--data", help="'mni' or a folder with mask/ and image/")
+    p.add_argument("--data", help="'mni', 'mni-brats', or a folder with mask/ and image/ (or seg/, t1/, t1ce/, t2/, "
+                                  "flair/); default: the preset's embedded data")
     p.add_argument("--profilers", default="torch,ncu", help="comma-separated: torch, ncu ('' for none)")
     p.add_argument("--ncu-timeout", type=_positive, help="seconds Nsight Compute may take per configuration "
                                                           "(default 420; on timeout it is recorded, the run goes on)")

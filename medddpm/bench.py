@@ -11,7 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .configs import Config, get_config
-from .data import make_mni_pair, one_hot_condition
+from .data import make_brats_case, make_mni_pair, one_hot_condition
 from .engine import Engine
 from .model import ModelSpec
 
@@ -64,12 +64,16 @@ def summarize(times: list[float]) -> dict:
 
 
 def real_batch(spec: ModelSpec, *, seed: int = 0, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch of embedded MNI pairs (never zeros: they time faster than real data)."""
-    if spec.mask_channels != 3:
-        raise ValueError(f"the embedded MNI pairs have 3 label channels, the model expects {spec.mask_channels}")
-    pairs = [make_mni_pair(seed + i, size=spec.size) for i in range(batch)]
-    image = torch.stack([torch.from_numpy(img)[None] for img, _ in pairs])
-    cond = torch.stack([one_hot_condition(lab, num_classes=3) for _, lab in pairs])
+    """A batch of embedded pairs (never zeros: they time faster than real data): whole-head MNI
+    pairs for a 1-image, 3-label model, synthetic BraTS-like cases for a 4-image, 4-label one."""
+    kinds = {(1, 3): make_mni_pair, (4, 4): make_brats_case}
+    make = kinds.get((spec.image_channels, spec.mask_channels))
+    if make is None:
+        raise ValueError(f"no embedded data for {spec.image_channels} image and {spec.mask_channels} label channels; "
+                         f"embedded: {', '.join(f'{i} image + {m} label' for i, m in kinds)}")
+    pairs = [make(seed + i, size=spec.size) for i in range(batch)]
+    image = torch.stack([torch.from_numpy(img).reshape(spec.image_channels, *spec.shape) for img, _ in pairs])
+    cond = torch.stack([one_hot_condition(lab, num_classes=spec.mask_channels) for _, lab in pairs])
     return image, cond
 
 

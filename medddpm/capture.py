@@ -15,6 +15,7 @@ import torch
 from .bench import real_batch
 from .engine import Engine
 from .measure import get_preset
+from .model import parse_size
 
 NVTX_RANGE = "medddpm_step"
 
@@ -23,14 +24,15 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="baseline")
     p.add_argument("--preset", default="paper", help="model shape and size of a measurement preset")
-    p.add_argument("--size", type=int, help="override the preset's input size")
+    p.add_argument("--size", type=parse_size, help="override the preset's input size: N or DxHxW")
+    p.add_argument("--batch", type=int, default=1, help="volumes per micro-step")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--trace", help="also write a torch.profiler (Kineto) trace of one more step here")
     args = p.parse_args(argv)
     preset = get_preset(args.preset)
-    spec = dataclasses.replace(preset, size=args.size or preset.size).spec(mask_channels=3)
+    spec = dataclasses.replace(preset, size=args.size or preset.size).spec()
     engine = Engine(spec, args.config, device="cuda", ema=False)
-    x0, cond = (engine.prepare(t) for t in real_batch(spec))
+    x0, cond = (engine.prepare(t) for t in real_batch(spec, batch=args.batch))
     for _ in range(args.warmup):
         engine.step((x0, cond))
     torch.cuda.synchronize()

@@ -19,7 +19,7 @@ import altair as alt
 import numpy as np
 import pandas as pd
 
-from .bookdata import CLAIMS, FAILS, HOLDS, NA, PEAKS, config_order
+from .bookdata import CLAIMS, FAILS, FIT_VERDICTS, GPU_MEMORY_GB, HOLDS, NA, PEAKS, config_order
 
 # Tableau 10, then 10 more for configurations named in the data but not in CONFIGS.
 PALETTE = ["#4c78a8", "#f58518", "#e45756", "#72b7b2", "#54a24b", "#eeca3b", "#b279a2", "#ff9da6", "#9d755d",
@@ -579,3 +579,109 @@ def scaling(summary: pd.DataFrame) -> alt.LayerChart | alt.Chart:
     return alt.layer(ideal, measured).add_params(gpu).properties(
         width="container", height=max(260, 14 * df["config"].nunique() + 40),
         title="Data-parallel throughput (dashed: linear from one rank)")
+
+
+# ----------------------------------------------------------------------------------------- memory
+
+FIT_COLORS = ["#54a24b", "#eeca3b", "#e45756"]  # fits, tight, does not fit (bookdata.FIT_VERDICTS)
+
+
+def _model_param(df: pd.DataFrame, name: str = "model") -> alt.Parameter:
+    options = sorted(df["model"].unique())
+    return alt.param(name=name, value=options[0], bind=alt.binding_select(options=options, name="model "))
+
+
+def memory_peaks(mem: pd.DataFrame) -> alt.LayerChart | alt.Chart:
+    """Peak allocated memory per configuration (bar) and the allocator's reserved peak (tick), log
+    scale, against the card sizes (dashed); dropdowns for the GPU measured on and the model, legend
+    highlights a configuration."""
+    if mem.empty:
+        return _empty("no GPU peak memory in the data (a CPU run has none): run the sweep on a GPU")
+    cols = ["gpu_slug", "model", "config", "label", "batch", "peak_gib", "reserved_gib", "other_gib",
+            "sample_peak_gib", "train_median_ms", "precision_used", "checkpointing"]
+    df = _light(mem[cols])
+    gpu, model = _gpu_param(df), _model_param(df)
+    pick = alt.selection_point(fields=["config"], bind="legend")
+    rank = {c: i for i, c in enumerate(config_order(df["config"]))}
+    order = df.assign(_r=df["config"].map(rank)).sort_values(["_r", "batch"])["label"].drop_duplicates().tolist()
+    x_scale = alt.Scale(type="log", domain=[0.25, 160], clamp=True)
+    tip = ["gpu_slug:N", "model:N", "config:N", "batch:Q", "precision_used:N", "checkpointing:N",
+           alt.Tooltip("peak_gib:Q", title="peak allocated GiB", format=".3g"),
+           alt.Tooltip("reserved_gib:Q", title="peak reserved GiB", format=".3g"),
+           alt.Tooltip("other_gib:Q", title="outside the allocator GiB", format=".3g"),
+           alt.Tooltip("sample_peak_gib:Q", title="sampling peak GiB", format=".3g"),
+           alt.Tooltip("train_median_ms:Q", title="median micro-step ms", format=".4g")]
+    base = alt.Chart(df).transform_filter((alt.datum.gpu_slug == gpu) & (alt.datum.model == model))
+    y = alt.Y("label:N", sort=order, title=None)
+    bars = base.mark_bar().encode(
+        y=y, x=alt.X("peak_gib:Q", scale=x_scale, title="peak memory of a training micro-step, GiB (log); tick: reserved"),
+        color=alt.Color("config:N", scale=config_color(df["config"]), legend=_config_legend(df)),
+        opacity=alt.condition(pick, alt.value(1.0), alt.value(0.2)), tooltip=tip).add_params(pick)
+    ticks = base.mark_tick(color="black", thickness=2).encode(y=y, x=alt.X("reserved_gib:Q", scale=x_scale),
+                                                              tooltip=tip)
+    cards = pd.DataFrame({"card_gb": list(GPU_MEMORY_GB), "card": [f"{c} GB" for c in GPU_MEMORY_GB]})
+    rules = alt.Chart(cards).mark_rule(strokeDash=[4, 3], color="#888").encode(
+        x=alt.X("card_gb:Q", scale=x_scale), tooltip=[alt.Tooltip("card:N", title="card")])
+    # neighbouring sizes (40 and 48 GB) are close on a log axis: every other label one line higher
+    labels = [alt.Chart(cards.iloc[k::2]).mark_text(align="left", dx=2, dy=-4 - 11 * k, baseline="bottom", fontSize=10,
+                                                    color="#555").encode(x=alt.X("card_gb:Q", scale=x_scale),
+                                                                         y=alt.value(0), text="card:N")
+              for k in (0, 1)]
+    return alt.layer(rules, *labels, bars, ticks).add_params(gpu, model).properties(
+        width="container", height=_height(df, len(set(df["config"])), by="label"),
+        title="Peak memory of one training micro-step (dashed: card sizes)")
+
+
+def memory_fits(fits_df: pd.DataFrame) -> alt.LayerChart | alt.Chart:
+    """Configuration x card size: does batch 1 train (colour) and the largest batch (text); dropdowns
+    for the GPU the peaks were measured on and the model; legend picks a verdict."""
+    if fits_df.empty:
+        return _empty("no GPU peak memory in the data (a CPU run has none): nothing to fit yet")
+    df = _light(fits_df)
+    df["batch_text"] = [("up to " + str(int(b))) if pd.notna(b) and b >= 1 else "-" for b in df["largest_batch"]]
+    gpu, model = _gpu_param(df), _model_param(df)
+    pick = alt.selection_point(fields=["verdict"], bind="legend")
+    base = alt.Chart(df).transform_filter((alt.datum.gpu_slug == gpu) & (alt.datum.model == model))
+    x = alt.X("card:N", sort=[f"{c} GB" for c in GPU_MEMORY_GB], title="GPU memory", axis=alt.Axis(labelAngle=0))
+    y = alt.Y("config:N", sort=_configs_in(df), title=None)
+    tip = ["gpu_slug:N", "model:N", "config:N", "card:N", alt.Tooltip("verdict:N", title="batch 1"),
+           alt.Tooltip("need1_gib:Q", title="need at batch 1, GiB", format=".3g"),
+           alt.Tooltip("largest_batch:Q", title="largest batch"),
+           alt.Tooltip("per_sample_gib:Q", title="GiB per extra volume", format=".3g"),
+           alt.Tooltip("train_median_ms:Q", title="median micro-step ms (batch 1)", format=".4g"),
+           alt.Tooltip("method:N", title="how")]
+    cells = base.mark_rect(stroke="white", strokeWidth=2).encode(
+        x=x, y=y, color=alt.Color("verdict:N", scale=alt.Scale(domain=list(FIT_VERDICTS), range=FIT_COLORS),
+                                  legend=alt.Legend(title="batch 1 (click)")),
+        opacity=alt.condition(pick, alt.value(1.0), alt.value(0.2)), tooltip=tip).add_params(pick)
+    text = base.mark_text(fontSize=11).encode(x=x, y=y, text="batch_text:N", tooltip=tip)
+    return alt.layer(cells, text).add_params(gpu, model).properties(
+        width="container", height=_height(df, 3, row=30), title="What fits where: batch 1, and the largest batch")
+
+
+def switch_costs(costs: pd.DataFrame) -> alt.LayerChart | alt.Chart:
+    """Step time with a memory-saving switch on over off (1 = free), one bar per measured pair; GPU
+    dropdown, legend picks the switch; the memory it saved in the tooltip."""
+    if costs.empty:
+        return _empty("no pair of runs that differ in one memory-saving switch only")
+    df = _light(costs)
+    df["pair"] = df["config_off"] + " -> " + df["config_on"] + " (" + df["model"] + np.where(
+        df["batch"] == 1, "", ", batch " + df["batch"].astype(str)) + ")"
+    gpu = _gpu_param(df)
+    pick = alt.selection_point(fields=["switch"], bind="legend")
+    tip = ["gpu_slug:N", "model:N", "change:N", "config_off:N", "config_on:N",
+           alt.Tooltip("time_off_ms:Q", title="ms without", format=".4g"),
+           alt.Tooltip("time_on_ms:Q", title="ms with", format=".4g"),
+           alt.Tooltip("time_ratio:Q", title="time with / without", format=".3f"),
+           alt.Tooltip("peak_off_gib:Q", title="peak GiB without", format=".3g"),
+           alt.Tooltip("peak_on_gib:Q", title="peak GiB with", format=".3g"),
+           alt.Tooltip("saved_frac:Q", title="memory saved", format=".0%")]
+    bars = alt.Chart(df).transform_filter(alt.datum.gpu_slug == gpu).mark_bar().encode(
+        y=alt.Y("pair:N", title=None, sort=alt.EncodingSortField("switch")),
+        x=alt.X("time_ratio:Q", title="micro-step time with the switch / without (1 = free)"),
+        color=alt.Color("switch:N", legend=alt.Legend(title="switch (click)")),
+        opacity=alt.condition(pick, alt.value(1.0), alt.value(0.2)), tooltip=tip).add_params(pick)
+    one = alt.Chart(pd.DataFrame({"x": [1.0]})).mark_rule(strokeDash=[4, 3], color="#333").encode(x="x:Q")
+    return alt.layer(bars, one).add_params(gpu).properties(
+        width="container", height=_height(df, df["switch"].nunique() + 1, by="pair"),
+        title="What a memory-saving switch costs in step time")

@@ -33,6 +33,7 @@ class Config:
     attention: AttentionKind = "math"  # "sdpa": F.scaled_dot_product_attention (flash / mem-efficient)
     recompute_attention: bool = True  # the reference checkpoints attention blocks in backward
     upsample: UpsampleKind = "interpolate"  # "separable": the same trilinear 2x as per-axis sums (no atomics in backward)
+    checkpointing: bool = False  # activation checkpointing per U-Net block: keep block inputs, recompute the rest
     description: str = field(default="", compare=False)
 
     def __post_init__(self):
@@ -78,6 +79,11 @@ CONFIGS: dict[str, Config] = {c.name: c for c in [
     Config("best", **_fast, compile=True, cuda_graphs=True, upsample="separable",
            description="Fastest combination: bf16, channels-last, SDPA, fused Adam, torch.compile, CUDA graph, "
                        "separable upsampling"),
+    # Memory: the same step with activation checkpointing, so its cost is measured against its twin.
+    Config("opt1-ckpt", precision="tf32", checkpointing=True,
+           description="opt1 with activation checkpointing per U-Net block (less memory, one more forward)"),
+    Config("best-ckpt", **_fast, compile=True, cuda_graphs=True, upsample="separable", checkpointing=True,
+           description="best with activation checkpointing per U-Net block (less memory, one more forward)"),
 ]}
 
 PAPER = ("baseline", "opt1", "opt2", "opt12")

@@ -56,15 +56,15 @@ def cleanup() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .__main__ import _add_config_args, _add_model_args, _config_from, _positive, _spec
-    from .data import open_dataset
+    from .__main__ import _add_config_args, _add_model_args, _config_from, _open_data, _positive, _spec
     from .train import train
 
     p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m medddpm.distributed",
                                 description="data-parallel Med-DDPM training (resumes from OUT/checkpoint.pt)")
     _add_model_args(p, mask_default=None)
     _add_config_args(p)
-    p.add_argument("--data", default="mni", help="'mni' (embedded templates) or a folder with mask/ and image/")
+    p.add_argument("--data", help="'mni' (embedded templates; the default), 'mni-brats', or a folder with mask/ and "
+                                  "image/ (or seg/, t1/, t1ce/, t2/, flair/)")
     p.add_argument("--pairs", type=_positive, default=8, help="number of embedded training pairs (with --data mni)")
     p.add_argument("--steps", type=_positive, default=100, help="optimizer steps")
     p.add_argument("--grad-accum", type=_positive, default=1, help="micro-batches per rank and step")
@@ -77,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     config = _config_from(args)  # bad arguments fail here, before the rendezvous
-    data = open_dataset(args.data, size=args.size, n=args.pairs, seed=args.seed)
-    spec = _spec(args, args.mask_channels or data.mask_channels)
+    data = _open_data(args)
+    spec = _spec(args, data.mask_channels, getattr(data, "image_channels", 1))
     rank, world, _, device = init_from_env(args.backend)
     try:
         engine = train(spec, config, data, out_dir=args.out, steps=args.steps, device=device,

@@ -58,7 +58,7 @@ class Engine:
         torch.manual_seed(seed)
 
         model = UNet3D(spec, attention=config.attention, recompute_attention=config.recompute_attention,
-                       upsample=config.upsample)
+                       upsample=config.upsample, checkpointing=config.checkpointing)
         self.model = model.to(self.device, memory_format=self.run.memory_format)
         self.denoiser = torch.compile(self.model) if self.run.compile else self.model
         self.diffusion = GaussianDiffusion(timesteps=timesteps).to(self.device)
@@ -68,6 +68,7 @@ class Engine:
         self.ema = EMA(self.model) if ema else None
         self.step_count = 0
         self._graph: torch.cuda.CUDAGraph | None = None
+        self.capture_peak_bytes: int | None = None  # allocated peak while the CUDA graph was captured
         self._static: tuple[list[tuple[torch.Tensor, ...]], torch.Tensor] | None = None
         self.ddp: torch.nn.parallel.DistributedDataParallel | None = None
         if ddp:
@@ -137,9 +138,13 @@ class Engine:
     def _capture(self, batches):
         """Warm up on a side stream, then record one whole step (PyTorch's recipe for whole-network
         capture, docs 'CUDA semantics' > 'CUDA Graphs'). Weights, optimizer state and RNG are put
-        back afterwards, in place, so capturing does not change the training trajectory."""
-        weights = {k: v.clone() for k, v in self.model.state_dict().items()}
-        opt_state = {p: {k: v.clone() for k, v in s.items()} for p, s in self.opt.state.items()}
+        back afterwards, in place, so capturing does not change the training trajectory.
+
+        Replays allocate nothing (the graph's memory pool is set aside at capture), so the peak the
+        allocator saw during the capture is the step's memory need: kept as `capture_peak_bytes`."""
+        # Host copies: device ones would sit beside the live weights and inflate the captured peak.
+        weights = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        opt_state = {p: {k: v.detach().to("cpu", copy=True) for k, v in s.items()} for p, s in self.opt.state.items()}
         rng = torch.cuda.get_rng_state(self.device)
         static = [tuple(t.clone() for t in batch) for batch in batches]
         side = torch.cuda.Stream(self.device)
@@ -148,9 +153,12 @@ class Engine:
             for _ in range(3):  # cuDNN autotuning and compilation happen here, outside the graph
                 self._step(static)
         torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             loss = self._step(static)
+        self.capture_peak_bytes = torch.cuda.max_memory_allocated(self.device)
         with torch.no_grad():
             for k, v in self.model.state_dict().items():
                 v.copy_(weights[k])

@@ -8,22 +8,45 @@ from torch.utils.flop_counter import FlopCounterMode
 from .model import ModelSpec, UNet3D, count_parameters
 
 
-def count(spec: ModelSpec, *, batch: int = 1) -> dict:
+def count(spec: ModelSpec, *, batch: int = 1, backward: bool = True) -> dict:
     """Parameters, and forward / forward+backward FLOPs (2 per multiply-add) of one micro-step,
-    split by operator (convolution, attention matmuls, linear), from torch's FlopCounterMode."""
+    split by operator (convolution, attention matmuls, linear), from torch's FlopCounterMode.
+    `backward=False` leaves the (slower) forward+backward count out."""
     with torch.device("meta"):
         model = UNet3D(spec, recompute_attention=False)
-        x = torch.empty(batch, spec.in_channels, spec.size, spec.size, spec.size)
+        x = torch.empty(batch, spec.in_channels, *spec.shape)
         t = torch.zeros(batch, dtype=torch.long)
     with FlopCounterMode(display=False) as fwd:
         y = model(x, t)
-    with FlopCounterMode(display=False) as both:
-        model(x, t).sum().backward()
     by_op = {str(k).removeprefix("aten."): int(v) for k, v in fwd.get_flop_counts()["Global"].items()}
-    return {
+    out = {
         "parameters": count_parameters(model),
         "forward_flops": fwd.get_total_flops(),
         "forward_flops_by_op": by_op,
-        "train_flops": both.get_total_flops(),
         "output_shape": list(y.shape),
     }
+    if backward:
+        with FlopCounterMode(display=False) as both:
+            model(x, t).sum().backward()
+        out["train_flops"] = both.get_total_flops()
+    return out
+
+
+def saved_activation_bytes(spec: ModelSpec, *, batch: int = 1, checkpointing: bool = False,
+                           recompute_attention: bool = True) -> int:
+    """Bytes autograd keeps for the backward pass of one forward, FP32 without fusion, counted on the
+    meta device (each saved tensor once). Not a peak: training adds its state (weights, gradients,
+    Adam), the gradients in flight and the recomputation of one block under checkpointing."""
+    with torch.device("meta"):
+        model = UNet3D(spec, recompute_attention=recompute_attention, checkpointing=checkpointing)
+        x = torch.empty(batch, spec.in_channels, *spec.shape)
+        t = torch.zeros(batch, dtype=torch.long)
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        saved[id(tensor)] = tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(x, t)
+    return sum(saved.values())

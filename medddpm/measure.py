@@ -26,11 +26,11 @@ import torch
 from . import schema
 from .bench import summarize, time_steps
 from .configs import Config, get_config
-from .data import open_dataset
+from .data import EMBEDDED, open_dataset
 from .engine import Engine
 from .env import environment, gpu_slug, pick_device
 from .flops import count
-from .model import ModelSpec
+from .model import ModelSpec, format_size, parse_size
 from .storage import atomic_write
 
 NCU_REPORTS = Path(__file__).resolve().parent.parent / "runs" / "ncu"
@@ -41,28 +41,51 @@ REFERENCE_ACCUM = 2  # micro-steps per optimizer step
 
 @dataclass(frozen=True)
 class Preset:
+    """A model and input setting, the data it runs on by default, and how much of each phase to run."""
+
     name: str
-    size: int
+    size: int | tuple[int, int, int]  # voxels per side, or (D, H, W)
     base_channels: int = 64
     channel_mult: tuple[int, ...] | None = None
     attention_ds: tuple[int, ...] = (8,)
+    num_res_blocks: int = 1
+    image_channels: int = 1
+    mask_channels: int | None = None  # None: the data set's label classes
+    data: str = "mni"  # the embedded data set used when none is named
     warmup: int = 5
     steps: int = 30
     profile_steps: int = 2
     quality_steps: int = 20
-    sample_timesteps: int = 250
+    sample_timesteps: int = 250  # denoising steps of the timed sample (the schedule's T)
+    description: str = ""
 
-    def spec(self, *, mask_channels: int = 3) -> ModelSpec:
-        return ModelSpec(size=self.size, mask_channels=mask_channels, base_channels=self.base_channels,
-                         channel_mult=self.channel_mult, attention_ds=self.attention_ds)
+    def spec(self, *, mask_channels: int | None = None, image_channels: int | None = None) -> ModelSpec:
+        """The model; `mask_channels` / `image_channels` are the data's, checked against the preset's own."""
+        for what, mine, theirs in (("label", self.mask_channels, mask_channels),
+                                   ("image", self.image_channels, image_channels)):
+            if mine is not None and theirs is not None and mine != theirs:
+                raise ValueError(f"preset {self.name} is a model of {mine} {what} channels; the data has {theirs}")
+        mask = self.mask_channels if self.mask_channels is not None else (mask_channels or 3)
+        return ModelSpec(size=self.size, mask_channels=mask, image_channels=self.image_channels,
+                         base_channels=self.base_channels, channel_mult=self.channel_mult,
+                         attention_ds=self.attention_ds, num_res_blocks=self.num_res_blocks)
 
 
 PRESETS = {
     # Every configuration on a 2-core CPU in a few minutes: the model's shape, tiny.
     "smoke": Preset("smoke", size=16, base_channels=32, channel_mult=(1, 2), attention_ds=(2,), warmup=1, steps=3,
-                    profile_steps=1, quality_steps=3, sample_timesteps=250),
+                    profile_steps=1, quality_steps=3, sample_timesteps=250,
+                    description="the whole-head model's shape at 16^3 with 32 base channels (CPU)"),
     # The study's setting: whole-head Med-DDPM at 128^3, batch 1.
-    "paper": Preset("paper", size=128),
+    "paper": Preset("paper", size=128, description="whole-head Med-DDPM, 128^3, 3 labels in, 1 image out"),
+    # The reference's BraTS setting (train_brats.py): 192 x 192 x 144, four modalities predicted from four
+    # label channels, two residual blocks a level, attention only in the middle block. 57,562,564
+    # parameters, 21.26 TFLOP forward. Its phases are short (a step takes seconds in FP32); the timed
+    # sample runs 20 denoising steps: a full one is 250 times sample_step_median_ms.
+    "brats": Preset("brats", size=(192, 192, 144), channel_mult=(1, 1, 2, 3, 4), attention_ds=(), num_res_blocks=2,
+                    image_channels=4, mask_channels=4, data="mni-brats", warmup=2, steps=10, profile_steps=1,
+                    quality_steps=3, sample_timesteps=20,
+                    description="BraTS Med-DDPM, 192x192x144, 4 labels in, 4 modalities out (T1, T1ce, T2, FLAIR)"),
 }
 
 
@@ -90,7 +113,8 @@ def randomize_(model: torch.nn.Module, *, seed: int, std: float = 0.02) -> None:
 
 class Measurement:
     def __init__(self, config: str | Config, preset: str = "smoke", *, device: str | None = None,
-                 gpu_label: str | None = None, size: int | None = None, data: str = "mni", pairs: int = 16, batch: int = 1,
+                 gpu_label: str | None = None, size: int | str | tuple | None = None, data: str | None = None,
+                 pairs: int = 16, batch: int = 1,
                  steps: int | None = None, warmup: int | None = None, out: str = "data",
                  stage: str | None = None, seed: int = 0, profilers: tuple[str, ...] = ("torch", "ncu"),
                  ncu_timeout: int = 420):
@@ -102,7 +126,9 @@ class Measurement:
         if steps is not None:
             _check("steps", steps, int, minimum=1)
         if size is not None:
-            _check("size", size, int, minimum=8)
+            size = parse_size(size)
+            if min(ModelSpec(size=size).shape) < 8:
+                raise ValueError(f"parameter size must be at least 8 voxels a side, got {size!r}")
             self.preset = dataclasses.replace(self.preset, size=size)
         if warmup is not None:
             _check("warmup", warmup, int, minimum=0)
@@ -115,20 +141,23 @@ class Measurement:
         self.steps = steps or self.preset.steps
         self.warmup = self.preset.warmup if warmup is None else warmup
         self.batch, self.seed, self.profilers = batch, seed, tuple(profilers)
+        data = data or self.preset.data
         self.data = open_dataset(data, size=self.preset.size, n=pairs, seed=seed)
-        self.data_id = f"mni{pairs}" if data == "mni" else re.sub(r"[^A-Za-z0-9]+", "_", str(Path(data).resolve()))
-        self.spec = self.preset.spec(mask_channels=self.data.mask_channels)
+        self.data_id = f"{data}{pairs}" if data in EMBEDDED else re.sub(r"[^A-Za-z0-9]+", "_", str(Path(data).resolve()))
+        self.spec = self.preset.spec(mask_channels=self.data.mask_channels,
+                                     image_channels=getattr(self.data, "image_channels", 1))
         info = count(self.spec)  # meta device: no memory, no GPU work
         self.summary: dict = {"parameters": info["parameters"], "forward_flops": float(info["forward_flops"]),
                               "flops_per_step": float(info["train_flops"])}
         self.env = environment(self.device)
         self.gpu_name = gpu_label or self.env["gpu_name"]
         self.slug = gpu_slug(self.gpu_name)
-        self.final_dir = Path(out) / self.slug / self.config.name
+        self.folder = schema.run_folder(self.config.name, self.preset.name, batch)
+        self.final_dir = Path(out) / self.slug / self.folder
         self.dir = Path(stage) if stage else self.final_dir
         self.dir.mkdir(parents=True, exist_ok=True)
         self.start = dt.datetime.now(dt.timezone.utc)
-        self.run_id = f"{self.slug}/{self.config.name}/{self.start.strftime('%Y%m%dT%H%M%SZ')}"
+        self.run_id = f"{self.slug}/{self.folder}/{self.start.strftime('%Y%m%dT%H%M%SZ')}"
         self.status, self.message = "ok", ""
         self.profiler_status: dict = {}
         self.tables: dict[str, pd.DataFrame] = {}
@@ -178,6 +207,13 @@ class Measurement:
             return -1, -1
         return torch.cuda.max_memory_allocated(self.device), torch.cuda.max_memory_reserved(self.device)
 
+    def _device_memory(self) -> tuple[int, int]:
+        """(total, in use outside PyTorch's allocator): what a card must hold beside the allocator's own."""
+        if self.device.type != "cuda":
+            return -1, -1
+        free, total = torch.cuda.mem_get_info(self.device)
+        return total, max(0, total - free - torch.cuda.memory_reserved(self.device))
+
     # ----------------------------------------------------------------------------------- phases
 
     def train(self) -> pd.DataFrame | None:
@@ -198,6 +234,9 @@ class Measurement:
                                     warmup=self.warmup, steps=self.steps, desc=f"train {self.config.name}",
                                     on_timed_start=energy.start)
             peak, reserved = self._peaks()
+            if engine.capture_peak_bytes is not None:  # CUDA graph: its memory was allocated at capture
+                peak = max(peak, engine.capture_peak_bytes)
+            total, other = self._device_memory()
             loss = torch.stack(losses).float().cpu().tolist()
             n_warm = len(timing["warmup_ms"])
             rows = pd.DataFrame({
@@ -208,7 +247,7 @@ class Measurement:
                 "loss": loss, "peak_mem_bytes": peak,
             })
             median_s = timing["median_ms"] / 1e3
-            voxels = self.batch * self.spec.size ** 3
+            voxels = self.batch * self.spec.voxels
             self.summary |= {
                 "warmup_s": sum(timing["warmup_ms"]) / 1e3, "first_step_s": (timing["warmup_ms"] or [math.nan])[0] / 1e3,
                 "train_median_ms": timing["median_ms"], "train_p10_ms": timing["p10_ms"], "train_p90_ms": timing["p90_ms"],
@@ -218,6 +257,7 @@ class Measurement:
                 "achieved_tflops": self.summary["flops_per_step"] * self.batch / median_s / 1e12,
                 "voxels_per_s": voxels / median_s, "samples_per_s": self.batch / median_s,
                 "peak_mem_bytes": peak, "peak_reserved_bytes": reserved,
+                "gpu_total_bytes": total, "gpu_other_bytes": other,
                 "epoch_size": len(self.data), "epoch_s": len(self.data) / self.batch * median_s,
                 "gpu_hours_100k": REFERENCE_STEPS * REFERENCE_ACCUM * median_s / 3600,
                 "mean_power_w": energy.mean_power_w(timing["wall_ms"] / 1e3),
@@ -254,7 +294,8 @@ class Measurement:
             mark(None)
             t0 = time.perf_counter()
             with engine.autocast(), torch.no_grad():
-                engine.diffusion.sample(engine.denoiser, cond, generator=torch.Generator(self.device).manual_seed(0),
+                engine.diffusion.sample(engine.denoiser, cond, image_channels=self.spec.image_channels,
+                                        generator=torch.Generator(self.device).manual_seed(0),
                                         step_callback=mark, progress=True)
             if cuda:
                 torch.cuda.synchronize(self.device)
@@ -305,8 +346,8 @@ class Measurement:
                 return None
             # The report itself (tens of MB) stays out of the data tree, under runs/ncu/.
             df, status = run_ncu(kernels_df=self.tables["kernels"], config=self.config.name, preset=self.preset.name,
-                                 size=self.preset.size, out_dir=NCU_REPORTS / self.slug / self.config.name,
-                                 timeout_s=self.ncu_timeout)
+                                 size=format_size(self.preset.size), batch=self.batch,
+                                 out_dir=NCU_REPORTS / self.slug / self.folder, timeout_s=self.ncu_timeout)
             self.profiler_status["ncu"] = status
             if self.device.type != "cuda" and df.empty:
                 return None
@@ -321,7 +362,8 @@ class Measurement:
         with self.phase("quality") as go:
             if not go:
                 return None
-            cache = QUALITY_CACHE / (f"{self.slug}-{self.preset.name}{self.spec.size}-b{self.batch}-seed{self.seed}-"
+            cache = QUALITY_CACHE / (f"{self.slug}-{self.preset.name}{format_size(self.spec.size)}-b{self.batch}-"
+                                     f"seed{self.seed}-"
                                      f"{self.data_id}-q{self.preset.quality_steps}.pt")
             ref = torch.load(cache) if cache.is_file() and self.config.name != "baseline" else None
             if ref is None:
@@ -369,32 +411,37 @@ class Measurement:
             "run_id": self.run_id, "precision_used": self.summary.get("precision_used", ""),
             "not_applicable": json.dumps(self.summary.get("not_applicable", {})),
             "backend_flags": json.dumps(self.summary.get("backend_flags", {})),
-            "size": self.spec.size, "batch": self.batch, "mask_channels": self.spec.mask_channels,
+            "size": max(self.spec.shape), "shape": "x".join(map(str, self.spec.shape)), "batch": self.batch,
+            "image_channels": self.spec.image_channels, "mask_channels": self.spec.mask_channels,
+            "num_res_blocks": self.spec.num_res_blocks,
             "warmup_steps": self.warmup, "timed_steps": self.steps, "profilers": json.dumps(self.profiler_status),
             "start_time": self.start.isoformat(timespec="seconds"), "duration_s": time.perf_counter() - self._t0,
         } | {k: v for k, v in self.summary.items() if k not in ("not_applicable", "backend_flags", "precision_used")}
         return self._write("run", pd.DataFrame([row]))
 
 
-def run_row(config: Config, preset: str, *, env: dict, gpu_name: str, status: str, message: str) -> dict:
+def run_row(config: Config, preset: str, *, env: dict, gpu_name: str, status: str, message: str,
+            batch: int = 1) -> dict:
     """A run.parquet row with the environment and switches filled in and every measured column at its
     missing value (NaN, -1 or ''), for phases that did not run."""
     now = dt.datetime.now(dt.timezone.utc)
-    row = {"run_id": f"{gpu_slug(gpu_name)}/{config.name}/{now.strftime('%Y%m%dT%H%M%SZ')}", "status": status,
+    folder = schema.run_folder(config.name, preset, batch)
+    row = {"run_id": f"{gpu_slug(gpu_name)}/{folder}/{now.strftime('%Y%m%dT%H%M%SZ')}", "status": status,
            "message": message, **{k: env[k] for k in ("gpu_count", "driver", "cuda", "cudnn", "torch", "python",
                                                        "cpu", "host_threads", "git_commit", "container")},
            "gpu_name": gpu_name, "gpu_slug": gpu_slug(gpu_name), "config": config.name, **config.flags,
-           "preset": preset, "start_time": now.isoformat(timespec="seconds")}
+           "preset": preset, "batch": batch, "start_time": now.isoformat(timespec="seconds")}
     for name, (typ, _) in schema.TABLES["run"].items():
         row.setdefault(name, -1 if typ == schema.I else math.nan if typ == schema.F else "")
     return row
 
 
 def write_failed_run(config: Config, preset: str, folder: Path, *, device: torch.device, gpu_label: str | None,
-                     message: str) -> None:
+                     message: str, batch: int = 1) -> None:
     """run.parquet for a measurement that died before writing its own (status error, and why)."""
     env = environment(device)
-    row = run_row(config, preset, env=env, gpu_name=gpu_label or env["gpu_name"], status="error", message=message)
+    row = run_row(config, preset, env=env, gpu_name=gpu_label or env["gpu_name"], status="error", message=message,
+                  batch=batch)
     schema.write_table(pd.DataFrame([row]), Path(folder) / "run.parquet", "run")
 
 

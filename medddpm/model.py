@@ -1,10 +1,11 @@
 """The Med-DDPM 3D U-Net (Dorjsembe et al., IEEE JBHI 2024), written from its published description.
 
-Shapes: the network takes ``x`` of shape (B, 1 + mask_channels, D, H, W) (the noisy image with the
-one-hot label map concatenated on the channel axis) and a timestep ``t`` of shape (B,), and returns
-the predicted noise, (B, out_channels, D, H, W). Guided-diffusion layout: base channels 64,
-multipliers (1, 1, 2, 3, 4) at 128^3, one residual block per level, self-attention at downsample
-factor 8, GroupNorm(32) computed in float32, SiLU, zero-initialised output convolutions.
+Shapes: the network takes ``x`` of shape (B, image_channels + mask_channels, D, H, W) (the noisy
+image with the one-hot label map concatenated on the channel axis) and a timestep ``t`` of shape
+(B,), and returns the predicted noise, (B, image_channels, D, H, W). Guided-diffusion layout: base
+channels 64, multipliers (1, 1, 2, 3, 4) at 128^3, one residual block per level, self-attention at
+downsample factor 8, GroupNorm(32) computed in float32, SiLU, zero-initialised output convolutions.
+The input need not be cubic (the BraTS setting is 192 x 192 x 144).
 """
 
 from __future__ import annotations
@@ -20,40 +21,88 @@ from torch.utils.checkpoint import checkpoint
 ATTENTION_KINDS = ("math", "sdpa")
 
 
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def parse_size(text: str | int | tuple) -> int | tuple[int, int, int]:
+    """'128' -> 128; '192x192x144' -> (192, 192, 144); a cube in either form -> its side (one
+    canonical form, so that equal shapes give equal specs). Raises ValueError in one line."""
+    if isinstance(text, (int, tuple, list)) and not isinstance(text, bool):
+        parts = [text] if isinstance(text, int) else list(text)
+    else:
+        parts = str(text).lower().replace("×", "x").split("x")
+    try:
+        sides = [p if isinstance(p, int) and not isinstance(p, bool) else int(str(p).strip()) for p in parts]
+    except ValueError:
+        raise ValueError(f"size must be N or DxHxW in voxels, got {text!r}") from None
+    if len(sides) not in (1, 3) or not all(_positive_int(s) for s in sides):
+        raise ValueError(f"size must be N or DxHxW with positive sides, got {text!r}")
+    return sides[0] if len(set(sides)) == 1 else tuple(sides)
+
+
+def format_size(size: int | tuple[int, int, int]) -> str:
+    """128 -> '128'; (192, 192, 144) -> '192x192x144' (what `parse_size` reads back)."""
+    return str(size) if isinstance(size, int) else "x".join(map(str, size))
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Architecture hyper-parameters; everything needed to rebuild the network."""
 
-    size: int = 128
+    size: int | tuple[int, int, int] = 128  # voxels per side of a cube, or (D, H, W); a cube is kept as an int
     mask_channels: int = 2
     image_channels: int = 1
     base_channels: int = 64
-    channel_mult: tuple[int, ...] | None = None  # None: the reference's choice for `size`
+    channel_mult: tuple[int, ...] | None = None  # None: the reference's choice for the largest side
     num_res_blocks: int = 1
     attention_ds: tuple[int, ...] = (8,)  # downsample factors with encoder/decoder attention
     time_dim: int = 64  # sinusoidal embedding width; the MLP widens it to 4 * base_channels
     max_period: float = 1000.0
 
     def __post_init__(self):
-        for name in ("size", "mask_channels", "image_channels", "base_channels", "num_res_blocks"):
+        if not isinstance(self.size, (int, tuple, list)) or isinstance(self.size, bool):
+            raise ValueError(f"ModelSpec.size must be an int or a (D, H, W) tuple, got {self.size!r}")
+        object.__setattr__(self, "size", parse_size(self.size))
+        for name in ("channel_mult", "attention_ds"):  # lists (from JSON or a checkpoint) -> tuples: hashable, comparable
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        for name in ("mask_channels", "image_channels", "base_channels", "num_res_blocks"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "mask_channels" else 1):
                 raise ValueError(f"ModelSpec.{name} must be a positive int, got {value!r}")
         mult = self.mult
-        if self.size % 2 ** (len(mult) - 1):
-            raise ValueError(f"size {self.size} must be divisible by {2 ** (len(mult) - 1)} for channel_mult {mult}")
+        step = 2 ** (len(mult) - 1)  # every level but the last halves each axis
+        bad = [n for n in self.shape if n % step]
+        if bad:
+            raise ValueError(f"input {format_size(self.size)}: every side must be divisible by {step} for "
+                             f"channel_mult {mult} ({len(mult)} levels); {bad[0]} is not")
         if self.base_channels % 32:
             raise ValueError(f"base_channels must be a multiple of 32 (GroupNorm groups), got {self.base_channels}")
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(D, H, W) of one input volume."""
+        return (self.size,) * 3 if isinstance(self.size, int) else tuple(self.size)
+
+    @property
+    def voxels(self) -> int:
+        return math.prod(self.shape)
 
     @property
     def mult(self) -> tuple[int, ...]:
         if self.channel_mult is not None:
             return tuple(self.channel_mult)
-        return default_channel_mult(self.size)
+        return default_channel_mult(max(self.shape))
 
     @property
     def in_channels(self) -> int:
         return self.image_channels + self.mask_channels
+
+    def attention_tokens(self) -> list[int]:
+        """Tokens of each attention block's sequence: encoder/decoder levels in `attention_ds`, then the middle."""
+        deepest = 2 ** (len(self.mult) - 1)
+        return [math.prod(n // ds for n in self.shape) for ds in (*self.attention_ds, deepest)]
 
 
 def default_channel_mult(size: int) -> tuple[int, ...]:
@@ -75,10 +124,11 @@ def zero_init(module: nn.Module) -> nn.Module:
 
 
 class GroupNorm32(nn.GroupNorm):
-    """GroupNorm whose statistics are computed in float32 whatever the activation dtype."""
+    """GroupNorm whose statistics are computed in float32 (or wider) whatever the activation dtype."""
 
     def forward(self, x):
-        return F.group_norm(x.float(), self.num_groups, self.weight, self.bias, self.eps).to(x.dtype)
+        dtype = torch.promote_types(x.dtype, torch.float32)  # bf16 -> fp32; a float64 model (tests) stays float64
+        return F.group_norm(x.to(dtype), self.num_groups, self.weight, self.bias, self.eps).to(x.dtype)
 
 
 def norm(channels: int) -> nn.GroupNorm:
@@ -202,6 +252,10 @@ class Level(nn.Module):
         super().__init__()
         self.res, self.attn, self.resample = res, attn, resample
 
+    def forward_skip(self, h, skip, emb):
+        """A decoder block: the skip connection concatenated on the channel axis first."""
+        return self(torch.cat([h, skip], dim=1), emb)
+
     def forward(self, x, emb):
         x = self.res(x, emb)
         if self.attn is not None:
@@ -215,13 +269,17 @@ class Level(nn.Module):
 
 
 class UNet3D(nn.Module):
+    """`checkpointing=True`: activation checkpointing per U-Net block (see `forward`); it subsumes
+    `recompute_attention`, whose inner checkpoint would only recompute attention a second time."""
+
     def __init__(self, spec: ModelSpec = ModelSpec(), *, attention: str = "math", recompute_attention: bool = True,
-                 upsample: str = "interpolate"):
+                 upsample: str = "interpolate", checkpointing: bool = False):
         super().__init__()
         self.spec = spec
+        self.checkpointing = checkpointing
         ch = spec.base_channels
         emb_dim = 4 * ch
-        attn = lambda c: Attention(c, kind=attention, recompute=recompute_attention)  # noqa: E731
+        attn = lambda c: Attention(c, kind=attention, recompute=recompute_attention and not checkpointing)  # noqa: E731
 
         self.time_embed = nn.Sequential(nn.Linear(spec.time_dim, emb_dim), nn.SiLU(), nn.Linear(emb_dim, emb_dim))
         self.stem = nn.Conv3d(spec.in_channels, ch, 3, padding=1)
@@ -260,18 +318,33 @@ class UNet3D(nn.Module):
             f"expected (B, {spec.in_channels}, D, H, W) input, got {tuple(x.shape)}"
         )
         assert t.shape == x.shape[:1], f"expected one timestep per sample, got t of shape {tuple(t.shape)}"
-        emb = self.time_embed(timestep_embedding(t, spec.time_dim, max_period=spec.max_period))
+        # in the weights' dtype: a float64 model (tests) takes it too; autocast casts as it does anyway
+        emb = timestep_embedding(t, spec.time_dim, max_period=spec.max_period).to(self.time_embed[0].weight.dtype)
+        emb = self.time_embed(emb)
         h = self.stem(x)
         hs = [h]
         for block in self.down:
-            h = block(h, emb)
+            # A downsample-only entry saves just its input, which is kept anyway: nothing to gain.
+            h = block(h, emb) if isinstance(block, _DownOnly) else self._block(block, h, emb)
             hs.append(h)
-        h = self.middle[0](h, emb)
-        h = self.middle[1](h)
-        h = self.middle[2](h, emb)
+        h = self._block(self.middle[0], h, emb)
+        h = self._block(self.middle[1], h)
+        h = self._block(self.middle[2], h, emb)
         for block in self.up:
-            h = block(torch.cat([h, hs.pop()], dim=1), emb)
-        return self.out(h)
+            # The skip concatenation runs inside the checkpoint: only h and the skip (held anyway)
+            # are kept, not their concatenation, which at the top level is the largest tensor.
+            h = self._block(block.forward_skip, h, hs.pop(), emb)
+        return self._block(self.out, h)
+
+    def _block(self, fn, *args):
+        """fn(*args), under activation checkpointing when it is on and a backward will follow.
+
+        Only the block's inputs are kept for backward; its inside is recomputed then. No block draws
+        random numbers (dropout is 0), so the RNG state need not be saved and restored: skipping it
+        keeps the step capturable in a CUDA graph and saves a device-state copy per block."""
+        if self.checkpointing and torch.is_grad_enabled():
+            return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+        return fn(*args)
 
 
 class _DownOnly(nn.Module):

@@ -230,7 +230,7 @@ def kernel_regex(names: list[str]) -> str:
 # ------------------------------------------------------------------------------------------ command
 
 def ncu_command(*, kernels: list[str], config: str, preset: str, report: Path, metrics: list[str],
-                size: int | None = None, launches_per_config: int | None = 1,
+                size: int | str | None = None, batch: int = 1, launches_per_config: int | None = 1,
                 python: str = sys.executable) -> list[str]:
     """ncu over `medddpm.capture`: one step (NVTX range), the given kernels, clocks untouched.
 
@@ -250,7 +250,7 @@ def ncu_command(*, kernels: list[str], config: str, preset: str, report: Path, m
     return ["ncu", *nvtx, "--clock-control", "none", *per_config,
             "--kernel-name-base", "demangled", "--kernel-name", f"regex:{kernel_regex(kernels)}",
             *sections, *extra, "-o", str(report), "-f",
-            *target, *(["--size", str(size)] if size else [])]
+            *target, *(["--size", str(size)] if size else []), *(["--batch", str(batch)] if batch != 1 else [])]
 
 
 def export_command(report: Path, *, ncu: str = "ncu") -> list[str]:
@@ -316,8 +316,8 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def run_ncu(*, kernels_df: pd.DataFrame, config: str, preset: str, out_dir: Path, size: int | None = None,
-            timeout_s: int = 420, coverage: float = 0.8) -> tuple[pd.DataFrame, dict]:
+def run_ncu(*, kernels_df: pd.DataFrame, config: str, preset: str, out_dir: Path, size: int | str | None = None,
+            batch: int = 1, timeout_s: int = 420, coverage: float = 0.8) -> tuple[pd.DataFrame, dict]:
     """Profile the kernels covering `coverage` of the step; (long table, status). Never raises for ncu."""
     out_dir = Path(out_dir)
     report = out_dir / f"ncu-{config}-{preset}{size or ''}.ncu-rep"
@@ -337,7 +337,8 @@ def run_ncu(*, kernels_df: pd.DataFrame, config: str, preset: str, out_dir: Path
         return done("skipped", "no kernel time to profile")
     metrics, status["dropped_metrics"] = split_available(EXTRA_METRICS, available_metrics(ncu))
     out_dir.mkdir(parents=True, exist_ok=True)
-    cmd = ncu_command(kernels=names, config=config, preset=preset, size=size, report=report, metrics=metrics)
+    cmd = ncu_command(kernels=names, config=config, preset=preset, size=size, batch=batch, report=report,
+                      metrics=metrics)
     cmd[0] = ncu
     # capture runs as `python -m medddpm.capture`: the package's parent must be importable
     root = str(Path(__file__).resolve().parents[1])

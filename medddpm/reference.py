@@ -235,6 +235,8 @@ def bench_reference(ref_root: str, spec, *, precision: str, device: torch.device
 
     if precision not in ("fp32", "tf32"):
         raise ValueError(f"the reference runs in fp32 or tf32 only, not {precision!r}")
+    if spec.image_channels != 1 or not isinstance(spec.size, int):
+        raise ValueError("the reference is timed in its whole-head setting only (one image channel, a cubic input)")
     flags = set_precision_flags(precision)
     torch.manual_seed(seed)
     model, diffusion = build_reference(ref_root, size=spec.size, mask_channels=spec.mask_channels, device=device)

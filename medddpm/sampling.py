@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .data import DataError, make_mni_pair, one_hot_condition
+from .data import DataError, make_brats_case, make_mni_pair, one_hot_condition
 from .configs import Config
 from .engine import Engine
 from .model import ModelSpec
@@ -37,13 +37,15 @@ def load_checkpoint(path: str | os.PathLike, *, device: torch.device | str = "cp
     return engine
 
 
-def label_volume(source: str, *, size: int) -> np.ndarray:
-    """Label map (size^3, uint8) from 'mni:SEED' (the embedded templates) or a NIfTI file."""
-    if source.startswith("mni:"):
-        seed = source.removeprefix("mni:")
-        if not seed.isdigit():
-            raise DataError(f"label source {source!r}: expected mni:<non-negative integer seed>")
-        return make_mni_pair(int(seed), size=size)[1]
+def label_volume(source: str, *, size: int | tuple[int, int, int]) -> np.ndarray:
+    """Label map (uint8, the model's input shape) from 'mni:SEED' (an embedded whole-head subject),
+    'mni-brats:SEED' (an embedded synthetic BraTS-like case) or a NIfTI file (resized, nearest)."""
+    for prefix, make in (("mni:", make_mni_pair), ("mni-brats:", make_brats_case)):
+        if source.startswith(prefix):
+            seed = source.removeprefix(prefix)
+            if not seed.isdigit():
+                raise DataError(f"label source {source!r}: expected {prefix}<non-negative integer seed>")
+            return make(int(seed), size=size)[1]
     try:
         labels = np.asanyarray(nib.load(source).dataobj)
     except Exception as e:  # noqa: BLE001 - nibabel raises many kinds; the user needs one line
@@ -51,7 +53,8 @@ def label_volume(source: str, *, size: int) -> np.ndarray:
     if not np.all(np.isfinite(labels)) or np.any(labels < 0) or np.any(labels != np.round(labels)):
         raise DataError(f"{source}: label values must be non-negative integers")
     t = torch.from_numpy(np.asarray(labels, dtype=np.float32))[None, None]
-    return F.interpolate(t, size=(size,) * 3, mode="nearest")[0, 0].numpy().astype(np.uint8)
+    shape = (size,) * 3 if isinstance(size, int) else tuple(size)
+    return F.interpolate(t, size=shape, mode="nearest")[0, 0].numpy().astype(np.uint8)
 
 
 def generate(engine: Engine, labels: np.ndarray, *, seed: int = 0, progress: bool = True) -> np.ndarray:

@@ -1,7 +1,9 @@
 """The tables every measurement writes, documented in one place and checked on write and on read.
 
-Layout: ``data/<gpu-slug>/<config>/{run,steps,kernels,ncu,quality}.parquet`` plus the executed
-producer notebook. ``run.parquet`` is written last: its presence marks a finished run.
+Layout: ``data/<gpu-slug>/<run>/{run,steps,kernels,ncu,quality}.parquet`` plus the executed
+producer notebook, where ``<run>`` is the configuration's name for the main presets (smoke, paper)
+at batch 1, and ``<config>@<preset>[-b<batch>]`` otherwise (`run_folder`). ``run.parquet`` is
+written last: its presence marks a finished run.
 """
 
 from __future__ import annotations
@@ -45,12 +47,16 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "attention": (S, "math | sdpa"),
         "recompute_attention": (B, "attention recomputed in backward"),
         "upsample": (S, "interpolate | separable (trilinear 2x as per-axis sums)"),
+        "checkpointing": (B, "activation checkpointing per U-Net block"),
         "not_applicable": (S, "JSON: switches that could not apply on this device, with why"),
         "backend_flags": (S, "JSON: fp32 math modes read back after setting them"),
-        "preset": (S, "smoke | paper"),
-        "size": (I, "cubic input size (voxels per side)"),
+        "preset": (S, "smoke | paper | brats"),
+        "size": (I, "input size: voxels per side of a cube; the largest side otherwise (see shape)"),
+        "shape": (S, "input D x H x W in voxels, e.g. 192x192x144"),
         "batch": (I, "volumes per micro-step"),
+        "image_channels": (I, "image channels predicted (1 whole-head; 4 BraTS: T1, T1ce, T2, FLAIR)"),
         "mask_channels": (I, "label channels (conditioning)"),
+        "num_res_blocks": (I, "residual blocks per U-Net level"),
         "parameters": (I, "model parameters"),
         "forward_flops": (F, "FLOPs of one forward micro-step (2 per multiply-add)"),
         "flops_per_step": (F, "FLOPs of one training micro-step (forward + backward)"),
@@ -67,9 +73,12 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "achieved_tflops": (F, "flops_per_step / median time"),
         "voxels_per_s": (F, "training throughput in input voxels per second"),
         "samples_per_s": (F, "training throughput in volumes per second"),
-        "peak_mem_bytes": (I, "peak allocated device memory over the timed steps (-1 on a CPU); a CUDA graph's "
-                              "private pool is not counted here, see peak_reserved_bytes"),
+        "peak_mem_bytes": (I, "peak allocated device memory of a training micro-step: over the timed steps, and with a "
+                              "CUDA graph over its capture, since replays allocate nothing (-1 on a CPU)"),
         "peak_reserved_bytes": (I, "peak memory reserved by the caching allocator, warm-up included (-1 on a CPU)"),
+        "gpu_total_bytes": (I, "device memory as the driver reports it (-1 on a CPU)"),
+        "gpu_other_bytes": (I, "device memory in use outside PyTorch's allocator after the timed steps: CUDA "
+                               "context, libraries, other processes (-1 on a CPU)"),
         "epoch_size": (I, "training pairs in one epoch"),
         "epoch_s": (F, "time of one epoch: epoch_size volumes at the median micro-step time"),
         "gpu_hours_100k": (F, "projected device hours for the reference's 100k steps x 2 micro-steps"),
@@ -149,9 +158,31 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
 
 # Columns added after data was committed, with the value every older table implies: such a table is
 # read with the column filled in (the files themselves stay as measured).
+# A value may be a function of the old table (arrow), returning one value per row.
 ADDED: dict[str, dict[str, object]] = {
-    "run": {"upsample": "interpolate"},  # the switch came with commit 48f2ec4; before it, always interpolate
+    "run": {
+        "upsample": "interpolate",  # the switch came with commit 48f2ec4; before it, always interpolate
+        # issue 8 (memory): before it every run was whole-head, cubic, one residual block a level,
+        # never checkpointed, and the device's memory size was not recorded
+        "checkpointing": False,
+        "shape": lambda t: [f"{s}x{s}x{s}" for s in t.column("size").to_pylist()],
+        "image_channels": 1,
+        "num_res_blocks": 1,
+        "gpu_total_bytes": -1,
+        "gpu_other_bytes": -1,
+    },
 }
+
+MAIN_PRESETS = ("smoke", "paper")  # a device's own preset: its runs sit in data/<gpu>/<config>/
+
+
+def run_folder(config: str, preset: str, batch: int = 1) -> str:
+    """Folder name of a run under data/<gpu-slug>/: the configuration for the main presets at batch 1
+    (the layout every page reads), ``<config>@<preset>`` and ``-b<batch>`` otherwise, so that one
+    device can hold the same configuration measured on another model or batch beside it."""
+    if preset in MAIN_PRESETS and batch == 1:
+        return config
+    return f"{config}@{preset}" + (f"-b{batch}" if batch != 1 else "")
 
 
 class SchemaError(ValueError):
@@ -193,7 +224,8 @@ def read_table(path: str | os.PathLike, table: str | None = None) -> pd.DataFram
     want = arrow_schema(table)
     for name, value in ADDED.get(table, {}).items():  # tables written before the column existed
         if name not in arrow.schema.names and name in want.names:
-            arrow = arrow.append_column(name, pa.array([value] * arrow.num_rows, want.field(name).type))
+            values = value(arrow) if callable(value) else [value] * arrow.num_rows
+            arrow = arrow.append_column(name, pa.array(values, want.field(name).type))
     if set(arrow.schema.names) == set(want.names):
         arrow = arrow.select(want.names)
     if not arrow.schema.remove_metadata().equals(want):

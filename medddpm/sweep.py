@@ -1,14 +1,16 @@
 """Run the producer notebook once per configuration on this machine's device, through papermill.
 
-Each configuration is measured into a staging folder that replaces `data/<gpu-slug>/<config>/` in
+Each configuration is measured into a staging folder that replaces `data/<gpu-slug>/<run>/` in
 one rename once the notebook has ended, so a killed sweep leaves either the old result or the new
 one, never a mixture. A configuration whose folder already holds `run.parquet` is skipped unless
 `force`; a failing one (out of memory, compile error) is recorded with its status and the sweep
-goes on.
+goes on. `<run>` is the configuration's name for the smoke and paper presets at batch 1, and
+`<config>@<preset>[-b<batch>]` otherwise (`schema.run_folder`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -23,7 +25,8 @@ from .configs import Config, parse_config_list
 from .env import device_name, gpu_slug, pick_device
 from .data import open_dataset
 from .measure import get_preset, write_failed_run
-from .schema import read_table
+from .model import parse_size
+from .schema import read_table, run_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "produce.ipynb"
@@ -63,8 +66,15 @@ def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.P
 
     # Everything that can be checked is checked before any configuration runs.
     configs = parse_config_list(configs) if isinstance(configs, str) else configs
-    size = (params or {}).get("size") or get_preset(preset).size
-    open_dataset((params or {}).get("data", "mni"), size=size)
+    spec_preset = get_preset(preset)
+    size = parse_size((params or {}).get("size") or spec_preset.size)
+    batch = (params or {}).get("batch", 1)
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+        raise ValueError(f"parameter batch must be a positive int, got {batch!r}")
+    data = open_dataset((params or {}).get("data") or spec_preset.data, size=size)
+    # the preset's model, at this size, must take this data (a BraTS model needs four modalities and labels)
+    dataclasses.replace(spec_preset, size=size).spec(mask_channels=data.mask_channels,
+                                                     image_channels=getattr(data, "image_channels", 1))
     dev = pick_device(device)
     out = Path(out)
     slug = gpu_slug(gpu_label or device_name(dev))
@@ -77,11 +87,11 @@ def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.P
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     results = []
     for config in tqdm(configs, desc=f"sweep {slug}"):
-        final = root / config.name
+        final = root / run_folder(config.name, preset, batch)
         if (final / "run.parquet").exists() and not force:
             results.append({"config": config.name, "status": "done before", "seconds": 0.0, "folder": str(final)})
             continue
-        stage = root / f".{config.name}.stage-{_HOST}-{os.getpid()}"
+        stage = root / f".{final.name}.stage-{_HOST}-{os.getpid()}"
         shutil.rmtree(stage, ignore_errors=True)
         stage.mkdir(parents=True)
         t0 = time.perf_counter()
@@ -95,7 +105,7 @@ def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.P
             if not (stage / "run.parquet").exists():
                 why = str(e).strip().splitlines()[-1] if str(e).strip() else ""
                 write_failed_run(config, preset, stage, device=dev, gpu_label=gpu_label,
-                                 message=f"{type(e).__name__}: {why}")
+                                 message=f"{type(e).__name__}: {why}", batch=batch)
         finally:
             for k, v in old_env.items():
                 if v is None:

@@ -51,6 +51,8 @@ def train(spec: ModelSpec, config: Config | str, dataset, *, out_dir: str | os.P
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if getattr(dataset, "mask_channels", spec.mask_channels) != spec.mask_channels:
         raise ValueError(f"data has {dataset.mask_channels} label channels but the model expects {spec.mask_channels}")
+    if getattr(dataset, "image_channels", spec.image_channels) != spec.image_channels:
+        raise ValueError(f"data has {dataset.image_channels} image channels but the model predicts {spec.image_channels}")
     rank, world = 0, 1
     if ddp:
         import torch.distributed as dist
@@ -63,7 +65,8 @@ def train(spec: ModelSpec, config: Config | str, dataset, *, out_dir: str | os.P
     ckpt = out / CHECKPOINT
     if ckpt.exists():
         state = torch.load(ckpt, map_location=engine.device, weights_only=False)
-        if state["config"] != engine.config.flags or state["spec"] != spec.__dict__:
+        # switches added since the checkpoint was written take their defaults (Config fills them in)
+        if Config("saved", **state["config"]).flags != engine.config.flags or state["spec"] != spec.__dict__:
             raise ValueError(f"{ckpt} was written by another model or configuration; use a new --out")
         if state.get("world_size", 1) != world:
             raise ValueError(f"{ckpt} was written by {state.get('world_size', 1)} ranks, not {world}; use a new --out")

@@ -25,6 +25,25 @@ def test_info_json_reports_the_reference_figures():
     assert info["channels"] == [64, 64, 128, 192, 256] and info["attention_tokens"] == 4096
 
 
+def test_info_shows_the_brats_model():
+    out = run("info", "--preset", "brats", "--json")
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert info["parameters"] == 57_562_564 and info["shape"] == [192, 192, 144]
+    assert (info["in_channels"], info["out_channels"], info["num_res_blocks"]) == (8, 4, 2)
+    assert abs(info["forward_flops"] / 21.26e12 - 1) < 1e-3
+    assert info["attention_tokens"] == 12 * 12 * 9  # the middle block only
+    text = run("info", "--preset", "brats")
+    assert "57,562,564" in text.stdout and "192x192x144" in text.stdout and "middle block only" in text.stdout
+
+
+def test_preset_names_match_the_presets():
+    from medddpm.__main__ import PRESET_NAMES
+    from medddpm.measure import PRESETS
+
+    assert PRESET_NAMES == tuple(PRESETS)
+
+
 def test_configs_lists_every_configuration_and_what_does_not_apply(capsys):
     assert main(["configs", "--device", "cpu", "--json"]) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
@@ -56,6 +75,10 @@ def test_train_then_sample_on_embedded_data(tmp_path, monkeypatch, capsys):
     (["bench", "--configs", "baseline,nope"], "unknown configuration 'nope'"),
     (["sample", "--checkpoint", "/nonexistent/ckpt.pt", "--out", "x"], "no checkpoint"),
     (["bench", "--reference", "/nonexistent/med-ddpm"], "not a clone of mobaidoctor/med-ddpm"),
+    (["info", "--size", "12x3"], "expected N or DxHxW"),
+    (["info", "--size", "100"], "100 is not"),
+    (["info", "--preset", "brats", "--mask-channels", "3"], "preset brats is a model of 4 label channels"),
+    (["train", "--checkpointing", "maybe", "--out", "x"], "expected true or false"),
 ])
 def test_bad_input_fails_with_one_clear_line(args, message, tmp_path):
     out = run(*args, cwd=tmp_path)

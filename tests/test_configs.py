@@ -19,8 +19,17 @@ def test_paper_configurations_have_the_papers_switches():
     assert CONFIGS["compile"].compile and CONFIGS["graphs"].cuda_graphs
 
 
+def test_checkpointed_configurations_are_their_twins_plus_checkpointing():
+    for name, twin in (("opt1-ckpt", "opt1"), ("best-ckpt", "best")):
+        assert CONFIGS[name].checkpointing and not CONFIGS[twin].checkpointing
+        assert CONFIGS[name].flags == CONFIGS[twin].flags | {"checkpointing": True}
+    assert get_config("bf16+checkpointing=true").checkpointing
+    assert not any(c.checkpointing for n, c in CONFIGS.items() if not n.endswith("-ckpt"))
+
+
 @pytest.mark.parametrize("bad, message", [
     (dict(precision="fp16"), "precision must be one of"),
+    (dict(checkpointing="on"), "checkpointing must be a bool"),
     (dict(channels_last="yes"), "channels_last must be a bool"),
     (dict(compile=1), "compile must be a bool"),
     (dict(attention="flash"), "attention must be one of"),

@@ -310,3 +310,143 @@ def test_open_dataset_missing_path(tmp_path):
 def test_data_error_is_one_line():
     assert str(DataError("a.nii\nbroken")) == "a.nii broken"
     assert issubclass(DataError, ValueError)
+
+
+# ------------------------------------------------------------------------ BraTS (issue 8)
+
+from medddpm.data import BRATS_LABELS, BratsCases, MNIBratsCases, make_brats_case  # noqa: E402
+
+BRATS_SMALL = (40, 40, 32)
+
+
+def test_brats_case_shapes_ranges_and_labels():
+    image, labels = make_brats_case(2, size=BRATS_SMALL)
+    assert image.shape == (4, *BRATS_SMALL) and labels.shape == BRATS_SMALL
+    assert image.dtype == np.float32 and labels.dtype == np.uint8
+    assert image.min() >= -1 and image.max() <= 1
+    assert np.array_equal(image, image.astype(np.float16).astype(np.float32)), "float16-exact (lossless cache)"
+    assert set(np.unique(labels)) == set(BRATS_LABELS), "background, three tumour classes and the brain"
+    brain = labels > 0
+    assert (image[:, ~brain] == -1).all()
+    # the anatomy is the MNI subject of the same seed (same deformation, same grid)
+    _, mni = make_mni_pair(2, size=BRATS_SMALL, spacing_mm=1.2 * 192 / 40)
+    assert np.array_equal(brain, mni > 0)
+    # the tumour classes look different across modalities: enhancing tumour is brightest on T1ce
+    t1, t1ce = image[0], image[1]
+    assert t1ce[labels == 3].mean() > t1ce[labels == 4].mean() + 0.15
+    assert t1ce[labels == 3].mean() > t1[labels == 3].mean() + 0.15
+
+
+def test_brats_case_deterministic_per_seed():
+    a, b, c = (make_brats_case(s, size=(24, 24, 16)) for s in (5, 5, 6))
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert not np.array_equal(a[1], c[1])
+
+
+def test_brats_case_brain_inside_the_default_field_of_view():
+    _, labels = make_brats_case(0, size=(48, 48, 36))  # BraTS' 192 x 192 x 144 at a quarter of the voxels
+    for axis in range(3):
+        assert not labels.take(0, axis).any() and not labels.take(-1, axis).any()
+
+
+def test_mni_brats_cases_items_and_cache(tmp_path, monkeypatch):
+    ds = MNIBratsCases(2, size=(24, 24, 16), cache_dir=tmp_path, seed=3)
+    assert len(ds) == 2 and (ds.image_channels, ds.mask_channels) == (4, 4)
+    image, cond = ds[1]
+    ref_image, ref_labels = make_brats_case(4, size=(24, 24, 16))
+    assert torch.equal(image, torch.from_numpy(ref_image))
+    assert torch.equal(cond, one_hot_condition(ref_labels, num_classes=4))
+    monkeypatch.setattr(data, "make_brats_case", lambda *a, **k: pytest.fail("regenerated instead of cached"))
+    again = MNIBratsCases(2, size=(24, 24, 16), cache_dir=tmp_path, seed=3)[1]
+    assert torch.equal(again[0], image) and torch.equal(again[1], cond)
+    with pytest.raises(IndexError):
+        ds[2]
+    assert isinstance(open_dataset("mni-brats", size=(24, 24, 16), n=2, cache_dir=tmp_path), MNIBratsCases)
+
+
+BRATS_ON_DISK = (20, 22, 12)  # not the model's shape: the loader crops or pads
+
+
+def write_brats(root, cases=("BraTS2021_00001", "BraTS2021_00002")):
+    """A BraTS-layout folder: <root>/{seg,t1,t1ce,t2,flair}/<case>_<modality>.nii.gz, from synthetic
+    cases with intensities on a scanner-like scale (background 0)."""
+    for i, case in enumerate(cases):
+        image, labels = make_brats_case(i, size=BRATS_ON_DISK)
+        volumes = {"seg": labels.astype(np.int16)}
+        volumes |= {m: ((image[k] + 1) * 500).astype(np.float32) for k, m in enumerate(("t1", "t1ce", "t2", "flair"))}
+        for m, vol in volumes.items():
+            (root / m).mkdir(parents=True, exist_ok=True)
+            write_nifti(root / m / f"{case}_{m}.nii.gz", vol)
+    return root
+
+
+@pytest.fixture
+def brats_root(tmp_path):
+    return write_brats(tmp_path / "brats")
+
+
+def test_brats_cases_items(brats_root):
+    ds = BratsCases(brats_root, size=(16, 16, 8))
+    assert len(ds) == 2 and ds.names == ["BraTS2021_00001", "BraTS2021_00002"]
+    image, cond = ds[1]
+    assert image.shape == (4, 16, 16, 8) and cond.shape == (4, 16, 16, 8)
+    assert image.dtype == cond.dtype == torch.float32 and image.min() >= -1 and image.max() <= 1
+    assert set(cond.unique().tolist()) == {-1.0, 1.0} and (cond > 0).sum(0).max() <= 1
+    # channel order T1, T1ce, T2, FLAIR; each normalized on its own, then centre-cropped (20 -> 16: 2 off each side)
+    for k, m in enumerate(("t1", "t1ce", "t2", "flair")):
+        raw = nib.load(brats_root / m / f"BraTS2021_00002_{m}.nii.gz").get_fdata().astype(np.float32)
+        want = data._normalize(raw)[2:18, 3:19, 2:10]
+        assert torch.allclose(image[k], torch.from_numpy(want)), m
+    seg = np.asarray(nib.load(brats_root / "seg" / "BraTS2021_00002_seg.nii.gz").dataobj)[2:18, 3:19, 2:10]
+    assert torch.equal(cond, one_hot_condition(seg.astype(np.int64), num_classes=4))
+
+
+def test_brats_cases_pad_to_a_larger_shape(brats_root):
+    image, cond = BratsCases(brats_root, size=(24, 24, 16))[0]
+    assert image.shape == (4, 24, 24, 16)
+    assert (image[:, :2] == -1).all() and (cond[:, :2] == -1).all(), "padding is background"
+
+
+def test_open_dataset_finds_the_brats_layout(brats_root, root):
+    assert isinstance(open_dataset(str(brats_root), size=(16, 16, 8)), BratsCases)
+    assert isinstance(open_dataset(str(root), size=16), NiftiPairs)
+
+
+def _raw_brats_labels(r):
+    """The challenge's own labels: enhancing tumour 4, the rest of the brain background."""
+    path = r / "seg" / "BraTS2021_00001_seg.nii.gz"
+    seg = np.asarray(nib.load(path).dataobj)
+    write_nifti(path, np.select([seg == 4, seg == 3], [0, 4], seg).astype(np.int16))
+    return path.name
+
+
+BRATS_BAD = {  # case -> corrupt the good folder, return what the one-line error must name
+    "missing modality folder": lambda r: _clear(r / "flair", remove=True),
+    "empty folder": lambda r: _clear(r / "t2"),
+    "case missing a modality": lambda r: _unlink(r, "t1ce/BraTS2021_00002_t1ce.nii.gz",
+                                                 report="BraTS2021_00002_t1ce.nii.gz"),
+    "case only in one folder": lambda r: _put(r, "t2/BraTS2021_00003_t2.nii.gz", _one(1.0, np.float32, BRATS_ON_DISK)),
+    "wrong modality in a folder": lambda r: _rename(r, "t1/BraTS2021_00001_t1.nii.gz", "t1/BraTS2021_00001_t1ce.nii.gz"),
+    "no case name": lambda r: _rename(r, "seg/BraTS2021_00001_seg.nii.gz", "seg/seg.nii.gz"),
+    "non-NIfTI file": lambda r: _put_bytes(r, "seg/notes.txt", b"hi"),
+    "unreadable NIfTI": lambda r: _put_bytes(r, "t2/BraTS2021_00002_t2.nii.gz", b"garbage" * 50),
+    "shape mismatch": lambda r: _put(r, "flair/BraTS2021_00001_flair.nii.gz", _one(1.0, np.float32, (4, 4, 4))),
+    "constant image": lambda r: _put(r, "t1ce/BraTS2021_00002_t1ce.nii.gz", _one(3.0, np.float32, BRATS_ON_DISK)),
+    "label out of range": lambda r: _put(r, "seg/BraTS2021_00002_seg.nii.gz", _one(5, np.int16, BRATS_ON_DISK)),
+    "raw BraTS labels": _raw_brats_labels,
+}
+
+
+@pytest.mark.parametrize("case", BRATS_BAD)
+def test_brats_cases_bad_input(brats_root, case):
+    name = BRATS_BAD[case](brats_root)
+    with pytest.raises(DataError) as e:
+        BratsCases(brats_root, size=(16, 16, 8))
+    message = str(e.value)
+    assert "\n" not in message and name in message, message
+
+
+def test_brats_missing_modality_names_the_expected_file(brats_root):
+    (brats_root / "t1ce" / "BraTS2021_00002_t1ce.nii.gz").unlink()
+    with pytest.raises(DataError, match=r"BraTS2021_00002.*no t1ce volume.*t1ce/BraTS2021_00002_t1ce\.nii\.gz"):
+        BratsCases(brats_root)

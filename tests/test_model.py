@@ -3,7 +3,7 @@ import torch
 
 from medddpm.diffusion import GaussianDiffusion, cosine_betas
 from medddpm.flops import count
-from medddpm.model import Attention, ModelSpec, UNet3D, count_parameters
+from medddpm.model import Attention, ModelSpec, UNet3D, count_parameters, format_size, parse_size
 
 
 def test_reference_parameter_count_and_flops():
@@ -102,3 +102,120 @@ def test_sampler_output_shape_and_range(tiny_spec):
 
 def test_parameter_count_helper(tiny_spec):
     assert count_parameters(UNet3D(tiny_spec)) == count(tiny_spec)["parameters"]
+
+
+# ------------------------------------------------------------------------ the BraTS setting (issue 8)
+
+BRATS = dict(size=(192, 192, 144), mask_channels=4, image_channels=4, num_res_blocks=2, channel_mult=(1, 1, 2, 3, 4),
+             attention_ds=())
+
+
+def test_brats_parameter_count_and_flops():
+    """The reference's BraTS model (train_brats.py): 57,562,564 parameters, 21.26 TFLOP forward.
+    Counted here: 21.2582 T (convolutions 21,256.5 G); the tolerance is 0.1%."""
+    info = count(ModelSpec(**BRATS))
+    assert info["parameters"] == 57_562_564
+    assert abs(info["forward_flops"] / 21.26e12 - 1) < 1e-3, info["forward_flops"]
+    assert info["output_shape"] == [1, 4, 192, 192, 144]
+    from medddpm.measure import PRESETS
+
+    assert PRESETS["brats"].spec() == ModelSpec(**BRATS)
+
+
+def test_size_forms_and_shape():
+    assert ModelSpec(size=(16, 16, 16)) == ModelSpec(size=16) and ModelSpec(size=[16, 16, 16]).size == 16
+    spec = ModelSpec(size=[32, 32, 16], channel_mult=(1, 2), attention_ds=[2])
+    assert spec.size == (32, 32, 16) and spec.shape == (32, 32, 16) and spec.voxels == 32 * 32 * 16
+    assert spec.attention_ds == (2,) and spec.attention_tokens() == [16 * 16 * 8, 16 * 16 * 8]
+    assert parse_size("192x192x144") == (192, 192, 144) and parse_size("128") == 128 and format_size((8, 8, 4)) == "8x8x4"
+    for bad in ("12x3", "0", "axb", "-4x4x4"):
+        with pytest.raises(ValueError, match="size"):
+            parse_size(bad)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(size=(16, 16)), "size"),
+    (dict(size=(16, 16, 0)), "size"),
+    (dict(size=(16, 16, 12), channel_mult=(1, 2, 4, 8)), "12 is not"),
+    (dict(size="16"), "size"),
+])
+def test_bad_non_cubic_spec(bad, message):
+    with pytest.raises(ValueError, match=message):
+        ModelSpec(**bad)
+
+
+def test_non_cubic_forward_and_backward(tiny_spec):
+    spec = ModelSpec(size=(16, 8, 24), mask_channels=4, image_channels=4, base_channels=32, channel_mult=(1, 2),
+                     attention_ds=(2,), num_res_blocks=2)
+    model = UNet3D(spec)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    x = torch.randn(2, 8, 16, 8, 24)
+    out = model(x, torch.tensor([1, 200]))
+    assert out.shape == (2, 4, 16, 8, 24)
+    out.square().mean().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+# ------------------------------------------------------------------------ activation checkpointing
+
+
+def _pair(spec, **kw):
+    """A plain and a checkpointed model with the same (random, non-zero) weights, in float64."""
+    torch.manual_seed(0)
+    plain = UNet3D(spec, **kw).double()
+    for p in plain.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    ckpt = UNet3D(spec, checkpointing=True, **kw).double()
+    ckpt.load_state_dict(plain.state_dict())
+    return plain, ckpt
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(attention="sdpa", recompute_attention=False, upsample="separable")])
+def test_checkpointing_gives_the_same_gradients(kw):
+    spec = ModelSpec(size=(16, 16, 8), mask_channels=3, base_channels=32, channel_mult=(1, 2), attention_ds=(2,),
+                     num_res_blocks=2)
+    plain, ckpt = _pair(spec, **kw)
+    x, t = torch.randn(2, 4, 16, 16, 8, dtype=torch.float64), torch.tensor([3, 180])
+    ya, yb = plain(x, t), ckpt(x, t)
+    torch.testing.assert_close(ya, yb, rtol=0, atol=0)  # the forward pass is the same computation
+    ya.square().sum().backward()
+    yb.square().sum().backward()
+    for (name, pa), pb in zip(plain.named_parameters(), ckpt.parameters()):
+        torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-12, atol=1e-14, msg=name)
+
+
+def _saved_bytes(model, x, t) -> int:
+    """Bytes of the tensors autograd keeps for backward (each tensor once)."""
+    seen: dict[int, int] = {}
+
+    def pack(tensor):
+        seen[id(tensor)] = tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = model(x, t)
+    return sum(seen.values()), out
+
+
+def test_checkpointing_keeps_far_fewer_activations(tiny_spec):
+    plain, ckpt = _pair(tiny_spec)
+    x, t = torch.randn(1, 4, 16, 16, 16, dtype=torch.float64), torch.tensor([5])
+    a, _ = _saved_bytes(plain, x, t)
+    b, _ = _saved_bytes(ckpt, x, t)
+    assert b < 0.3 * a, f"checkpointed model keeps {b} of {a} bytes"
+    with torch.no_grad():  # no backward to come: nothing is checkpointed, nothing recomputed
+        torch.testing.assert_close(plain(x, t), ckpt(x, t), rtol=0, atol=0)
+
+
+def test_saved_activations_match_the_known_figures():
+    """FP32 activations kept for backward: about 17.0 GiB for the whole-head model (DESIGN.md), about
+    65 GiB for the BraTS one (the reference's users' OOM reports); checkpointing keeps a fraction."""
+    from medddpm.flops import saved_activation_bytes
+    from medddpm.measure import PRESETS
+
+    head = saved_activation_bytes(ModelSpec(size=128, mask_channels=2)) / 2**30
+    brats = saved_activation_bytes(PRESETS["brats"].spec()) / 2**30
+    assert abs(head / 17.0 - 1) < 0.01, head
+    assert abs(brats / 65.0 - 1) < 0.01, brats
+    assert saved_activation_bytes(PRESETS["brats"].spec(), checkpointing=True) / 2**30 < 0.2 * brats

@@ -188,6 +188,9 @@ def test_ncu_command(tmp_path):
     assert all(regex.search(n) for n in SPECIAL)
     assert not any(regex.search(n) for n in OTHERS)
     assert "--metrics" not in ncu.ncu_command(kernels=SPECIAL, config="c", preset="smoke", report=report, metrics=[])
+    brats = ncu.ncu_command(kernels=SPECIAL, config="best", preset="brats", size="192x192x144", batch=2,
+                            report=report, metrics=[])
+    assert brats[-6:] == ["--preset", "brats", "--size", "192x192x144", "--batch", "2"]
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: ncu.skeleton(p["profiler"])[0])

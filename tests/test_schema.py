@@ -87,3 +87,33 @@ def test_a_table_written_before_a_column_was_added_reads_with_its_default(tmp_pa
     write(old.drop(columns=["attention"]))  # not a later addition: refused
     with pytest.raises(schema.SchemaError, match="run.parquet"):
         schema.read_table(tmp_path / "run.parquet")
+
+
+def test_columns_added_for_memory_read_from_older_tables(tmp_path):
+    """Tables written before issue 8 read with what they imply: cubic shape from size, one image
+    channel, one residual block a level, no checkpointing, device memory unrecorded."""
+    from medddpm.configs import get_config
+    from medddpm.measure import run_row
+
+    env = dict(gpu_count=0, driver="", cuda="", cudnn="", torch="2", python="3", cpu="x", host_threads=2,
+               git_commit="abc", container="")
+    rows = [run_row(get_config("baseline"), "paper", env=env, gpu_name="cpu", status="ok", message="") | {"size": s}
+            for s in (128, 16)]
+    new = ["checkpointing", "shape", "image_channels", "num_res_blocks", "gpu_total_bytes", "gpu_other_bytes",
+           "upsample"]
+    old = pd.DataFrame(rows).drop(columns=new)
+    want = schema.arrow_schema("run")
+    pq.write_table(pa.Table.from_pandas(old, schema=pa.schema([f for f in want if f.name in old.columns]),
+                                        preserve_index=False), tmp_path / "run.parquet")
+    back = schema.read_table(tmp_path / "run.parquet")
+    assert list(back["shape"]) == ["128x128x128", "16x16x16"]
+    assert not back["checkpointing"].any() and (back["image_channels"] == 1).all() and (back["num_res_blocks"] == 1).all()
+    assert (back["gpu_total_bytes"] == -1).all() and (back["gpu_other_bytes"] == -1).all()
+
+
+@pytest.mark.parametrize("config, preset, batch, folder", [
+    ("best", "paper", 1, "best"), ("baseline", "smoke", 1, "baseline"), ("best", "brats", 1, "best@brats"),
+    ("best-ckpt", "brats", 2, "best-ckpt@brats-b2"), ("opt1", "paper", 2, "opt1@paper-b2"),
+])
+def test_run_folder(config, preset, batch, folder):
+    assert schema.run_folder(config, preset, batch) == folder

@@ -73,6 +73,11 @@ def test_a_killed_sweep_resumes_without_duplicated_or_lost_rows(tmp_path):
     (["--preset", "huge"], "invalid choice: 'huge'"),
     (["--steps", "-1"], "expected a positive integer, got -1"),
     (["--steps", "1.5"], "expected a positive integer, got '1.5'"),
+    (["--batch", "0"], "expected a positive integer, got 0"),
+    (["--size", "32x32"], "expected N or DxHxW"),
+    (["--preset", "brats", "--size", "32x32x24"], "24 is not"),
+    (["--preset", "brats", "--data", "mni"], "preset brats is a model of 4 label channels; the data has 3"),
+    (["--configs", "best-ckpt+checkpointing=maybe"], "checkpointing must be a bool"),
 ])
 def test_bad_sweep_parameters_fail_before_any_work(args, message, tmp_path):
     p = sweep(*args, "--out", str(tmp_path / "data"), cache=tmp_path / "cache")
@@ -99,3 +104,23 @@ def test_a_failing_configuration_is_recorded_and_the_sweep_goes_on(tmp_path):
     failed = read_table(tmp_path / "data" / "cpu" / "compile" / "run.parquet")
     assert failed.loc[0, "status"] == "error" and "compiler" in failed.loc[0, "message"].lower()
     assert read_table(tmp_path / "data" / "cpu" / "baseline" / "run.parquet").loc[0, "status"] == "ok"
+
+
+def test_brats_preset_and_batch_reach_the_producer_notebook(tmp_path):
+    """--preset brats --batch 2 (at a CPU-sized input): the run lands in <config>@brats-b2 with the BraTS
+    model's shape, channels and parameters, read back by the book's loader as a variant run."""
+    from medddpm import bookdata
+
+    p = sweep("--preset", "brats", "--size", "32x32x16", "--configs", "opt1-ckpt", "--batch", "2", "--steps", "1",
+              "--warmup", "1", "--profilers", "", "--out", str(tmp_path / "data"), "--device", "cpu",
+              cache=tmp_path / "cache")
+    out, _ = p.communicate(timeout=900)
+    assert p.returncode == 0, out[-3000:]
+    folder = tmp_path / "data" / "cpu" / "opt1-ckpt@brats-b2"
+    run = read_table(folder / "run.parquet").iloc[0]
+    assert run["status"] == "ok", run["message"]
+    assert (run["preset"], run["shape"], run["batch"], run["checkpointing"]) == ("brats", "32x32x16", 2, True)
+    assert (run["image_channels"], run["mask_channels"], run["num_res_blocks"], run["parameters"]) == (4, 4, 2, 57_562_564)
+    assert run["sample_steps"] == 20 and len(read_table(folder / "quality.parquet")) == 3
+    assert bookdata.runs(tmp_path / "data", variants=True)["folder"].tolist() == ["cpu/opt1-ckpt@brats-b2"]
+    assert bookdata.runs(tmp_path / "data").empty, "the main pages read the main preset at batch 1 only"

@@ -1,0 +1,173 @@
+"""The memory page's data layer and charts (issue 8), on synthetic GPU runs built from a real CPU row:
+measured peaks, the batch line, what fits on which card, what a memory-saving switch costs, the targets."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from medddpm import bookdata as bd
+from medddpm import charts, schema
+from medddpm.configs import CONFIGS
+
+REAL = Path(__file__).resolve().parent.parent / "data"
+GPU = "nvidia-test-gpu"
+GIB = 2**30
+HEAD, BRATS = ("paper", "128x128x128", 40_228_161), ("brats", "192x192x144", 57_562_564)
+# (model, config, batch, peak GiB, reserved GiB, median ms)
+RUNS = [
+    (HEAD, "opt1", 1, 18.5, 24.0, 218.0), (HEAD, "opt1-ckpt", 1, 4.5, 6.0, 280.0), (HEAD, "bf16", 1, 13.5, 16.5, 149.0),
+    (HEAD, "best", 1, 6.0, 7.0, 93.0), (HEAD, "best-ckpt", 1, 3.5, 4.0, 116.0), (HEAD, "baseline", 1, 18.4, 24.0, 854.0),
+    (BRATS, "baseline", 1, 70.0, 80.0, 3300.0), (BRATS, "opt1", 1, 71.0, 80.0, 850.0), (BRATS, "best", 1, 30.0, 33.0, 350.0),
+    (BRATS, "best", 2, 55.0, 60.0, 690.0), (BRATS, "best-ckpt", 1, 12.0, 14.0, 450.0), (BRATS, "best-ckpt", 2, 20.0, 22.0, 890.0),
+]
+OTHER_GIB = 0.5
+
+
+@pytest.fixture(scope="module")
+def template() -> pd.Series:
+    run = bd.runs(REAL)
+    rows = run[(run["gpu_slug"] == "cpu") & (run["config"] == "baseline")]
+    if rows.empty:
+        pytest.skip("no data/cpu/baseline run")
+    return rows.iloc[0]
+
+
+def gpu_runs(template, runs=RUNS) -> pd.DataFrame:
+    rows = []
+    for (preset, shape, params), config, batch, peak, reserved, ms in runs:
+        r = template.copy()
+        folder = schema.run_folder(config, preset, batch)
+        r[["run_id", "gpu_slug", "gpu_name", "config", "preset", "shape", "batch", "parameters", "folder"]] = [
+            f"{GPU}/{folder}/x", GPU, "NVIDIA Test GPU", config, preset, shape, batch, params, f"{GPU}/{folder}"]
+        for flag, value in CONFIGS[config].flags.items():
+            r[flag] = value
+        r["precision_used"] = CONFIGS[config].precision
+        r[["peak_mem_bytes", "peak_reserved_bytes", "gpu_other_bytes", "gpu_total_bytes"]] = [
+            int(peak * GIB), int(reserved * GIB), int(OTHER_GIB * GIB), int(141 * GIB)]
+        r["sample_peak_mem_bytes"] = int(peak / 3 * GIB)
+        r["train_median_ms"] = ms
+        rows.append(r)
+    return pd.DataFrame(rows).reset_index(drop=True)
+
+
+@pytest.fixture(scope="module")
+def run(template) -> pd.DataFrame:
+    cpu = bd.runs(REAL)
+    return pd.concat([cpu[cpu["gpu_slug"] == "cpu"], gpu_runs(template)], ignore_index=True)
+
+
+def test_memory_runs_keep_gpu_peaks_only(run):
+    mem = bd.memory_runs(run)
+    assert set(mem["gpu_slug"]) == {GPU} and len(mem) == len(RUNS)
+    bd.check_memory(mem)
+    best2 = mem[(mem["config"] == "best") & (mem["batch"] == 2)].iloc[0]
+    assert best2["label"] == "best (batch 2)" and best2["model"] == "brats 192x192x144"
+    assert best2["peak_gib"] == pytest.approx(55.0) and best2["other_gib"] == pytest.approx(OTHER_GIB)
+    failed = run.copy()
+    failed.loc[failed["config"] == "bf16", "status"] = "oom"
+    assert "bf16" not in set(bd.memory_runs(failed)["config"])
+    bad = mem.copy()
+    bad.loc[0, "reserved_gib"] = bad.loc[0, "peak_gib"] / 2
+    with pytest.raises(AssertionError, match="reserved below allocated"):
+        bd.check_memory(bad)
+
+
+def test_memory_model_fits_a_line_or_estimates_from_batch_one(run):
+    model = bd.memory_model(bd.memory_runs(run)).set_index(["model", "config"])
+    best = model.loc[("brats 192x192x144", "best")]
+    assert (best["fixed_gib"], best["per_sample_gib"]) == (pytest.approx(5.0), pytest.approx(25.0))
+    assert best["batches"] == "1, 2" and best["method"].startswith("line through the peaks measured at batch 1, 2")
+    opt1 = model.loc[("paper 128x128x128", "opt1")]
+    state = HEAD[2] * bd.STATE_BYTES_PER_PARAM / GIB
+    assert opt1["fixed_gib"] == pytest.approx(state) and opt1["per_sample_gib"] == pytest.approx(18.5 - state)
+    assert opt1["method"].startswith("estimate from batch 1 alone")
+
+
+def test_fits_per_card(run):
+    fit = bd.fits(bd.memory_model(bd.memory_runs(run))).set_index(["model", "config", "card_gb"])
+    b = "brats 192x192x144"
+    # best at BraTS size: need 30 + 0.5 GiB; line 5 + 25 per volume; 5% of each card kept free
+    assert fit.loc[(b, "best", 40), "verdict"] == "fits" and fit.loc[(b, "best", 40), "largest_batch"] == 1
+    assert fit.loc[(b, "best", 80), "largest_batch"] == math.floor((80 * 0.95 - 0.5 - 5) / 25)
+    assert fit.loc[(b, "best", 24), "verdict"] == "does not fit" and fit.loc[(b, "best", 24), "largest_batch"] == 0
+    # baseline: 70.5 GiB needed leaves 5% of 80 GB free, but the reserved 80 GiB (+ 0.5 outside) does not fit
+    assert fit.loc[(b, "baseline", 80), "verdict"] == "tight" and fit.loc[(b, "baseline", 141), "verdict"] == "fits"
+    assert fit.loc[(b, "baseline", 48), "verdict"] == "does not fit"
+    # bf16 whole-head: 14.0 GiB needed fits 16 GB bare, but neither the headroom nor the reserved 16.5 GiB does
+    assert fit.loc[("paper 128x128x128", "bf16", 16), "verdict"] == "tight"
+    assert fit.loc[("paper 128x128x128", "best-ckpt", 16), "verdict"] == "fits"
+    assert list(fit.reset_index()["card_gb"].unique()) == list(bd.GPU_MEMORY_GB)
+
+
+def test_switch_costs_pair_runs_that_differ_in_one_switch(run):
+    costs = bd.switch_costs(run)
+    gpu = costs[costs["gpu_slug"] == GPU]
+    pairs = set(zip(gpu["model"], gpu["batch"], gpu["config_off"], gpu["config_on"], gpu["switch"]))
+    h, b = "paper 128x128x128", "brats 192x192x144"
+    assert pairs == {(h, 1, "opt1", "opt1-ckpt", "checkpointing"), (h, 1, "best", "best-ckpt", "checkpointing"),
+                     (h, 1, "opt1", "bf16", "precision"), (h, 1, "baseline", "bf16", "precision"),
+                     (b, 1, "best", "best-ckpt", "checkpointing"), (b, 2, "best", "best-ckpt", "checkpointing")}
+    row = gpu[(gpu["config_on"] == "opt1-ckpt")].iloc[0]
+    assert row["time_ratio"] == pytest.approx(280 / 218) and row["saved_gib"] == pytest.approx(14.0)
+    assert row["saved_frac"] == pytest.approx(14 / 18.5) and row["change"] == "checkpointing: False -> True"
+    cpu = costs[costs["gpu_slug"] == "cpu"]
+    assert cpu["saved_gib"].isna().all(), "a CPU measures the time cost, never the memory"
+
+
+def test_memory_targets(run, template):
+    t = bd.memory_targets(bd.memory_runs(run)).set_index("target_id")
+    assert (t["verdict"] == bd.HOLDS).all()
+    assert t.loc["head-8", "config"] == "best" and "of 6 measured" in t.loc["head-8", "evidence"]
+    assert t.loc["head-4-ckpt", "config"] == "best-ckpt" and t.loc["brats-40", "config"] == "best"
+    few = bd.memory_targets(bd.memory_runs(gpu_runs(template, [r for r in RUNS if r[1] in ("opt1", "bf16")])))
+    v = few.set_index("target_id")["verdict"]
+    assert v["head-8"] == bd.FAILS and v["head-4-ckpt"] == bd.NOT_MEASURED
+    assert v["brats-40"] == bd.FAILS and "71.00 GiB" in few.set_index("target_id").loc["brats-40", "evidence"]
+    assert bd.memory_targets(bd.memory_runs(run[run["gpu_slug"] == "cpu"])).empty
+
+
+def test_memory_charts(run):
+    mem = bd.memory_runs(run)
+    built = {"peaks": charts.memory_peaks(mem), "fits": charts.memory_fits(bd.fits(bd.memory_model(mem))),
+             "costs": charts.switch_costs(bd.switch_costs(run))}
+    for name, chart in built.items():
+        spec = chart.to_dict()  # validates against the Vega-Lite schema
+        text = json.dumps(spec)
+        assert GPU in text, name
+        params = {p["name"]: p for layer in [spec, *spec.get("layer", [])] for p in layer.get("params", [])}
+        if name != "costs":
+            assert set(params["model"]["bind"]["options"]) == {"paper 128x128x128", "brats 192x192x144"}, name
+        assert any("legend" == p.get("bind") for p in params.values()), f"{name}: no legend selection"
+    for build in (charts.memory_peaks, lambda m: charts.memory_fits(bd.fits(bd.memory_model(m)))):
+        assert "no GPU peak memory" in json.dumps(build(mem.iloc[0:0]).to_dict())
+    assert "no pair of runs" in json.dumps(charts.switch_costs(bd.switch_costs(run.iloc[0:0])).to_dict())
+
+
+def test_variant_runs_are_read_only_on_request(tmp_path):
+    if not (REAL / "cpu" / "baseline" / "run.parquet").is_file():
+        pytest.skip("no data/cpu/baseline run")
+    root = tmp_path / "data"
+    shutil.copytree(REAL / "cpu" / "baseline", root / "cpu" / "baseline")
+    variant = root / "cpu" / "baseline@smoke-b2"
+    shutil.copytree(REAL / "cpu" / "baseline", variant)
+    with pytest.raises(bd.DataError, match="run.parquet says cpu/baseline, the folder says cpu/baseline@smoke-b2"):
+        bd.runs(root)
+    df = schema.read_table(variant / "run.parquet")
+    df["batch"] = 2
+    df["run_id"] = "cpu/baseline@smoke-b2/x"
+    schema.write_table(df, variant / "run.parquet", "run")
+    assert bd.runs(root)["folder"].tolist() == ["cpu/baseline"]
+    assert sorted(bd.runs(root, variants=True)["folder"]) == ["cpu/baseline", "cpu/baseline@smoke-b2"]
+
+
+def test_counted_models():
+    c = bd.counted_models().set_index("preset")
+    assert c.loc["brats", "parameters"] == 57_562_564 and c.loc["paper", "parameters"] == 40_228_161
+    assert c.loc["brats", "forward_tflop"] == pytest.approx(21.26, rel=1e-3)
+    assert c.loc["brats", "activations_ckpt_gib"] < 0.2 * c.loc["brats", "activations_gib"]
