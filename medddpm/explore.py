@@ -2,7 +2,7 @@
 over the measurements under ``data/``.
 
 `SliceViewer` shows one slice of a volume, (C, D, H, W) or (D, H, W), with an optional integer label
-map (D, H, W) drawn over it in colour: radio buttons pick the view (sagittal / coronal / axial), a
+map (D, H, W) drawn over it in colour: toggle buttons pick the view (sagittal / coronal / axial), a
 slider the slice, a dropdown the channel. It takes training pairs (`SliceViewer.from_pair` on
 `medddpm.data.open_dataset`) and generated samples (`SliceViewer.from_files` on what
 ``python -m medddpm sample`` writes). Axes are taken as the embedded MNI pairs store them (RAS voxel

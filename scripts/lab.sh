@@ -6,6 +6,7 @@
 # and the data tree the book reads.
 #   LAB_SKIP_SETUP=1     skip scripts/setup.sh (the environment is already set up)
 #   LAB_CONVERT_ONLY=1   write the notebooks and print the JupyterLab command, do not start it
+#   LAB_OUT              folder for the notebooks (default: runs/lab)
 #   MEDDDPM_DATA         data root the pages read (default: data/ of this repository)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,13 +19,14 @@ if [ ${#pages[@]} -eq 0 ]; then
   exit 2
 fi
 for page in "${pages[@]}"; do
-  case "$page" in
-    *.md) [ -f "$page" ] || { echo "lab: no page $page (pages are book/*.md)" >&2; exit 2; } ;;
-    *) echo "lab: $page is not a MyST page (book/*.md)" >&2; exit 2 ;;
-  esac
+  [ -f "$page" ] || { echo "lab: no page $page (pages are book/*.md)" >&2; exit 2; }
+  # A MyST text notebook names its kernel in its front matter; other Markdown is not a notebook.
+  case "$page" in *.md) ;; *) echo "lab: $page is not a MyST page (book/*.md)" >&2; exit 2 ;; esac
+  head -n 20 "$page" | grep -q '^kernelspec:' || {
+    echo "lab: $page is not a MyST text notebook (no kernelspec in its front matter)" >&2; exit 2; }
 done
 [ "${LAB_SKIP_SETUP:-0}" = 1 ] || bash scripts/setup.sh
-out=runs/lab
+out=${LAB_OUT:-runs/lab}
 mkdir -p "$out"
 notebooks=()
 for page in "${pages[@]}"; do

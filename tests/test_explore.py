@@ -258,3 +258,36 @@ def test_charts_render_offline_widgets_in_a_live_notebook(monkeypatch):
         monkeypatch.delenv("JPY_SESSION_NAME")
         charts.setup()
     assert alt.renderers.active == "default"
+
+
+def test_lab_sh_opens_pages_as_notebooks(tmp_path):
+    """scripts/lab.sh (what the explorers page tells readers to run): pages become valid notebooks, the
+    live-widget cells keep their tag, an edited notebook is kept, and the JupyterLab it starts is there."""
+    import os
+    import subprocess
+    import sys
+
+    import nbformat
+
+    env = dict(os.environ, LAB_SKIP_SETUP="1", LAB_CONVERT_ONLY="1", LAB_OUT=str(tmp_path))
+
+    def lab(*args):
+        return subprocess.run(["bash", "scripts/lab.sh", *args], cwd=REPO, env=env, capture_output=True, text=True)
+
+    proc = lab("book/explorers.md", "book/workshop.md", "--", "--no-browser")
+    assert proc.returncode == 0, proc.stderr
+    command = proc.stdout.strip().splitlines()[-1]
+    assert "MEDDDPM_LAB=1" in command and f"jupyter lab {tmp_path}/explorers.ipynb --no-browser" in command
+    for name in ("explorers", "workshop"):
+        nb = nbformat.read(tmp_path / f"{name}.ipynb", as_version=4)
+        nbformat.validate(nb)
+        assert sum(c.cell_type == "code" for c in nb.cells) > 3
+    tags = [c.metadata.get("tags", []) for c in nbformat.read(tmp_path / "explorers.ipynb", as_version=4).cells]
+    assert ["skip-execution"] in tags  # the cells that show live widgets: skipped by the book, run in JupyterLab
+
+    edited = tmp_path / "workshop.ipynb"
+    edited.write_text(edited.read_text() + "\n")
+    assert "keeping" in lab("book/workshop.md").stdout and edited.read_text().endswith("\n\n")
+    assert lab("book/nope.md").returncode == 2 and lab("README.md").returncode == 2
+    jupyter = Path(sys.executable).parent / "jupyter"
+    assert subprocess.run([str(jupyter), "lab", "--version"], capture_output=True).returncode == 0
