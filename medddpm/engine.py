@@ -154,6 +154,9 @@ class Engine:
                 self._step(static)
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
+        # The graph gets a private memory pool: hand the warm-up's cached blocks back first, so that
+        # the reserved memory is the graph's pool plus what stays live, not that twice over.
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

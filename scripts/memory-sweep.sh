@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The memory page's GPU measurements ("what fits where", issue 8), most important first, within
+# DEADLINE_S seconds of a time-limited lease: the BraTS-size model at batch 1, the whole-head model's
+# fastest and checkpointed configurations, then batch 2 of both for the batch line. Each configuration
+# is packed into $OUT as soon as it is done (scripts/device-sweep.sh: data.tgz, unpack with
+# `tar -xzf data.tgz -C data/`); a second call on the same machine skips what is done.
+# Usage: scripts/memory-sweep.sh DEADLINE_S
+set -uo pipefail
+cd "$(dirname "$0")/.."
+deadline=$1
+group() {  # PRESET "SWEEP FLAGS" CONFIG...
+  local preset=$1 flags=$2
+  shift 2
+  local left=$((deadline - SECONDS))
+  if ((left < 90)); then
+    echo "memory-sweep: $preset $flags $* not started, $left s left"
+    return
+  fi
+  SWEEP_ARGS="$flags" bash scripts/device-sweep.sh "$left" "$preset" "$@"
+}
+# No Nsight Compute here (memory and step time are the point); the kernel breakdown for batch 1 only.
+group brats "--profilers torch" baseline opt1 best best-ckpt
+group paper "--profilers torch" best best-ckpt opt1-ckpt compile
+group brats "--profilers= --batch 2" best best-ckpt
+group paper "--profilers= --batch 2" best best-ckpt
