@@ -60,7 +60,9 @@ class Engine:
         model = UNet3D(spec, attention=config.attention, recompute_attention=config.recompute_attention,
                        upsample=config.upsample, checkpointing=config.checkpointing)
         self.model = model.to(self.device, memory_format=self.run.memory_format)
-        self.denoiser = torch.compile(self.model) if self.run.compile else self.model
+        # dynamic=False: a run trains one volume shape; after other shapes in one process, automatic
+        # dynamic shapes would trace symbolic sizes, which checkpointed blocks fail to lower (torch 2.13 CPU)
+        self.denoiser = torch.compile(self.model, dynamic=False) if self.run.compile else self.model
         self.diffusion = GaussianDiffusion(timesteps=timesteps).to(self.device)
         # capturable keeps Adam's step counter on the device, which graph replay requires.
         self.opt = torch.optim.Adam(self.model.parameters(), lr=lr, fused=True if self.run.fused_adam else None,
@@ -92,7 +94,7 @@ class Engine:
             if self.device.type == "cuda" else None
         self.ddp = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=device_ids)
         # torch.compile on the DDP module: Dynamo's DDPOptimizer splits graphs at bucket boundaries.
-        self.denoiser = torch.compile(self.ddp) if self.run.compile else self.ddp
+        self.denoiser = torch.compile(self.ddp, dynamic=False) if self.run.compile else self.ddp
         return self.ddp
 
     # ------------------------------------------------------------------------------------ helpers

@@ -124,6 +124,7 @@ def test_checkpointing_composes_with_torch_compile():
     """torch.compile traces the checkpointed blocks (Dynamo's checkpoint operator): same gradients as eager."""
     from medddpm.model import ModelSpec
 
+    torch._dynamo.reset()  # independent of what other tests compiled in this process
     spec = ModelSpec(size=8, mask_channels=3, base_channels=32, channel_mult=(1, 2), attention_ds=(2,))
     eager = _randomized(spec, CONFIGS["baseline"])
     compiled = _randomized(spec, CONFIGS["baseline"].with_flags(compile=True, checkpointing=True))
