@@ -8,7 +8,9 @@ import time
 from typing import Callable
 
 import torch
-from tqdm.auto import tqdm
+# Text bars, not tqdm.auto: with ipywidgets installed (the explorers) tqdm.auto draws widget bars, and
+# under papermill every update became a widget message (the producer sampled 15x slower).
+from tqdm import tqdm
 
 from .configs import Config, get_config
 from .data import make_brats_case, make_mni_pair, one_hot_condition

@@ -19,7 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-from tqdm.auto import tqdm
+# Text bars, not tqdm.auto: with ipywidgets installed (the explorers) tqdm.auto draws widget bars, and
+# under papermill every update became a widget message (the producer sampled 15x slower).
+from tqdm import tqdm
 
 from .configs import Config, parse_config_list
 from .env import device_name, gpu_slug, pick_device

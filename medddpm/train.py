@@ -8,7 +8,9 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
+# Text bars, not tqdm.auto: with ipywidgets installed (the explorers) tqdm.auto draws widget bars, and
+# under papermill every update became a widget message (the producer sampled 15x slower).
+from tqdm import tqdm
 
 from .configs import Config
 from .engine import Engine
