@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import sys
+import threading
+import time
 
 import torch
 
@@ -18,6 +22,13 @@ from .measure import get_preset
 from .model import parse_size
 
 NVTX_RANGE = "medddpm_step"
+STOPPED = "medddpm.capture: stopped"  # medddpm.ncu.STOPPED
+
+
+def _stop(seconds: float) -> None:
+    time.sleep(seconds)
+    print(f"{STOPPED} after {seconds:g} s", file=sys.stderr, flush=True)
+    os._exit(0)  # from the timer thread: the main thread is inside a (replayed) kernel launch
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -28,7 +39,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=1, help="volumes per micro-step")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--trace", help="also write a torch.profiler (Kineto) trace of one more step here")
+    p.add_argument("--stop-after", type=float, metavar="S",
+                   help="exit after S seconds, wherever the step is: under ncu, what was profiled is kept")
     args = p.parse_args(argv)
+    if args.stop_after:  # a daemon: a step done in time exits as usual
+        threading.Thread(target=_stop, args=(args.stop_after,), daemon=True).start()
     preset = get_preset(args.preset)
     spec = dataclasses.replace(preset, size=args.size or preset.size).spec()
     engine = Engine(spec, args.config, device="cuda", ema=False)

@@ -150,6 +150,15 @@ def test_select_kernels_sums_passes():
     assert ncu.select_kernels(kernels_frame([("m", 5, "memcpy")]), coverage=0.8) == []
 
 
+def test_select_kernels_by_time_per_launch():
+    # ncu replays every launch: "many" (300 launches, 45%) comes after the long-launch kernels
+    k = kernels_frame([("many", 45, "layout"), ("conv", 35, "convolution"), ("norm", 20, "normalization")])
+    k["calls"] = [300, 5, 2]
+    assert ncu.select_kernels(k, coverage=0.5) == ["norm", "conv"]
+    assert ncu.select_kernels(k, coverage=0.8) == ["norm", "conv", "many"]
+    assert ncu.select_kernels(k.drop(columns="calls"), coverage=0.4) == ["many"]
+
+
 # ------------------------------------------------------------------------------------------ command
 
 SPECIAL = [
@@ -191,6 +200,8 @@ def test_ncu_command(tmp_path):
     brats = ncu.ncu_command(kernels=SPECIAL, config="best", preset="brats", size="192x192x144", batch=2,
                             report=report, metrics=[])
     assert brats[-6:] == ["--preset", "brats", "--size", "192x192x144", "--batch", "2"]
+    stopping = ncu.ncu_command(kernels=SPECIAL, config="c", preset="smoke", report=report, metrics=[], stop_after_s=90)
+    assert stopping[-2:] == ["--stop-after", "90"]
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: ncu.skeleton(p["profiler"])[0])
@@ -248,6 +259,24 @@ def test_run_ncu_failure_is_recorded(monkeypatch, tmp_path, script, timeout, exp
     df, status = ncu.run_ncu(kernels_df=kernels_frame([("a", 1, "gemm")]), config="opt1", preset="smoke",
                              out_dir=tmp_path / "out", timeout_s=timeout)
     assert df.empty and status["status"] == "error" and expect in status["message"]
+
+
+def test_run_ncu_keeps_a_stopped_step(monkeypatch, tmp_path):
+    # the profiled program stopped itself at the deadline: ncu wrote what it had, and that is kept
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "ncu"
+    fake.write_text("#!/bin/sh\ncase \"$1\" in --query-metrics) exit 1;; -i) gzip -dc " + str(DETAILS["opt1"]) + "; exit 0;; esac\n"
+                    "for a; do [ \"$prev\" = -o ] && touch \"$a\"; prev=$a; done\n"
+                    "case \"$*\" in *'--stop-after 45 '*|*'--stop-after 45') ;; *) exit 9;; esac\n"
+                    f"echo '{ncu.STOPPED} after 45 s' >&2; exit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    monkeypatch.setattr(ncu, "_cuda_available", lambda: True)
+    df, status = ncu.run_ncu(kernels_df=kernels_frame([("a", 1, "gemm")]), config="opt1", preset="smoke",
+                             out_dir=tmp_path / "out", timeout_s=90)
+    assert status["status"] == "ok" and "stopped at 45 s" in status["message"], status
+    assert not df.empty and df["kernel_id"].nunique() == ncu.parse_details_csv(DETAILS["opt1"])["kernel_id"].nunique()
 
 
 # --------------------------------------------------------------------------------------- priorities
