@@ -1,6 +1,6 @@
 """Nsight Compute (ncu) hardware counters for the kernels that make up most of a training step.
 
-The torch.profiler ranking picks the kernels (`select_kernels`); `ncu_command` profiles only those,
+The torch.profiler table picks the kernels (`select_kernels`); `ncu_command` profiles only those,
 only inside the NVTX range of `medddpm.capture`'s one step, with the clocks left alone; the report is
 exported with ``ncu -i REPORT --csv --page details --print-units base --print-rule-details`` and read
 into one long table (`parse_details_csv`), from which `kernel_summary` (one row per kernel) and
