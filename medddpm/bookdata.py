@@ -335,6 +335,26 @@ def top_kernels(kernels: pd.DataFrame, n: int = 12) -> pd.DataFrame:
     return _sort(g[cols], "rank")
 
 
+UNRECORDED_OP = "(not recorded: a graph replay, or a run from before operators were recorded)"
+
+
+def launching_ops(kernels: pd.DataFrame, *, category: str = "layout", n: int = 5) -> pd.DataFrame:
+    """Per run, the operators that launched the kernels of one category, by time per step: the n
+    largest, with their share of the category's time in that run (who makes the layout copies)."""
+    cols = ["gpu_slug", "config", "rank", "op", "calls_per_step", "us_per_step", "share"]
+    k = kernels[kernels["category"] == category] if len(kernels) else kernels
+    if k.empty:
+        return pd.DataFrame(columns=cols)
+    k = k.assign(op=k["op"].where(k["op"] != "", UNRECORDED_OP),
+                 us=k["total_us"] / k["steps"].clip(lower=1), cps=k["calls"] / k["steps"].clip(lower=1))
+    g = k.groupby(["gpu_slug", "config", "op"], as_index=False).agg(calls_per_step=("cps", "sum"),
+                                                                     us_per_step=("us", "sum"))
+    g["share"] = g["us_per_step"] / g.groupby(["gpu_slug", "config"])["us_per_step"].transform("sum")
+    g = g.sort_values(["gpu_slug", "config", "us_per_step", "op"], ascending=[True, True, False, True])
+    g["rank"] = g.groupby(["gpu_slug", "config"]).cumcount() + 1
+    return _sort(g[g["rank"] <= n][cols], "rank")
+
+
 def step_curves(steps: pd.DataFrame, phase: str = "train") -> pd.DataFrame:
     """Per-step times of one phase (small: tens of rows a run), for spread charts."""
     s = steps[steps["phase"] == phase]

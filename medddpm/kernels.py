@@ -1,8 +1,8 @@
 """Which kernels a training step runs, in which pass, and for how long (torch.profiler / Kineto).
 
 `profile_kernels(step, device=...)` profiles a few calls of `step` and returns one row per
-(kernel, pass): device time, launches, share of the profiled time, a category and whether the
-name says tensor cores. Passes come from the `record_function` ranges "forward", "backward" and
+(kernel, pass, operator that launched it): device time, launches, share of the profiled time, a
+category and whether the name says tensor cores. Passes come from the `record_function` ranges "forward", "backward" and
 "optimizer" that `Engine._step` opens; a kernel belongs to the range its *launch* (the CPU-side
 runtime call, linked to the kernel by its CUPTI correlation id) falls in, by time, on any thread:
 autograd launches backward kernels from its own device thread, so nesting under the range's
@@ -29,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 CATEGORIES = ("convolution", "gemm", "attention", "elementwise", "normalization", "reduction", "layout", "fused",
               "memcpy", "optimizer", "other")
 PASSES = ("forward", "backward", "optimizer")
-COLUMNS = ("kernel", "short_name", "category", "pass", "calls", "total_us", "steps", "share", "tensor_cores",
+COLUMNS = ("kernel", "short_name", "category", "pass", "op", "calls", "total_us", "steps", "share", "tensor_cores",
            "device_type")
 
 # ------------------------------------------------------------------------------------ categories
@@ -174,13 +174,38 @@ def _passes(events: pd.DataFrame, ts: pd.Series) -> pd.Series:
     return out
 
 
+def _launching_ops(events: pd.DataFrame, ts: pd.Series, tid: pd.Series) -> pd.Series:
+    """For each (time stamp, thread): the outermost aten operator open there (the one the code called:
+    aten::convolution_backward, not the aten::copy_ it ran inside), else the innermost other CPU range
+    (an Inductor graph call, an autograd node), else ''. Nesting is by time, on one thread."""
+    ops = events[events.cat.isin(("cpu_op", "user_annotation")) & ~events.name.isin(PASSES)]
+    out = pd.Series("", index=ts.index, dtype=object)
+    probes = pd.DataFrame({"ts": ts, "tid": tid}).dropna().sort_values("ts", kind="stable")
+    for t, at in probes.groupby(probes.tid.astype(str)):
+        own = ops[ops.tid == t].sort_values(["ts", "dur"], ascending=[True, False])  # a parent before its child
+        starts, ends, names = own.ts.to_numpy(), (own.ts + own.dur).to_numpy(), own.name.to_numpy()
+        stack: list[int] = []  # the ranges open at the last time seen, outermost first
+        i = 0
+        for idx, when in zip(at.index, at.ts.to_numpy()):
+            while i < len(starts) and starts[i] <= when:
+                while stack and ends[stack[-1]] < starts[i]:
+                    stack.pop()
+                stack.append(i)
+                i += 1
+            while stack and ends[stack[-1]] < when:
+                stack.pop()
+            aten = [names[j] for j in stack if names[j].startswith("aten::")]
+            out[idx] = aten[0] if aten else (names[stack[-1]] if stack else "")
+    return out
+
+
 def _rows(df: pd.DataFrame, *, steps: int, device_type: str) -> pd.DataFrame:
-    """Aggregate (name, pass, us) records into the documented table, largest first."""
+    """Aggregate (name, pass, op, us) records into the documented table, largest first."""
     if df.empty:
         return pd.DataFrame({c: pd.Series(dtype=t) for c, t in
-                             zip(COLUMNS, [str, str, str, str, "int64", "float64", "int64", "float64", bool, str])})
-    g = (df.groupby(["kernel", "pass"], sort=False).us.agg(calls="size", total_us="sum").reset_index()
-         .sort_values(["total_us", "kernel", "pass"], ascending=[False, True, True], ignore_index=True))
+                             zip(COLUMNS, [str, str, str, str, str, "int64", "float64", "int64", "float64", bool, str])})
+    g = (df.groupby(["kernel", "pass", "op"], sort=False).us.agg(calls="size", total_us="sum").reset_index()
+         .sort_values(["total_us", "kernel", "pass", "op"], ascending=[False, True, True, True], ignore_index=True))
     total = g.total_us.sum()
     names = g.kernel
     return pd.DataFrame({
@@ -188,6 +213,7 @@ def _rows(df: pd.DataFrame, *, steps: int, device_type: str) -> pd.DataFrame:
         "short_name": names.map(short_name).astype(str),
         "category": names.map(categorize).astype(str),
         "pass": g["pass"].astype(str),
+        "op": g["op"].astype(str),
         "calls": g.calls.astype("int64"),
         "total_us": g.total_us.astype("float64"),
         "steps": pd.Series(steps, index=g.index, dtype="int64"),
@@ -207,11 +233,15 @@ def kernel_rows_from_trace(trace: dict, *, steps: int) -> pd.DataFrame:
     ev = _events(trace)
     gpu = ev[ev.cat.isin(_GPU_CATS)]
     launches = ev[ev.cat.isin(_LAUNCH_CATS) & ev.correlation.notna()].drop_duplicates("correlation")
-    launch = gpu[["correlation"]].merge(launches[["correlation", "name", "ts"]], on="correlation", how="left")
+    launch = gpu[["correlation"]].merge(launches[["correlation", "name", "ts", "tid"]], on="correlation", how="left")
     launch.index = gpu.index
     passes = _passes(ev, launch.ts)  # no launch record (before the profiler started): "other"
-    passes[launch.name.fillna("").str.contains("GraphLaunch")] = "graph"
-    return _rows(pd.DataFrame({"kernel": gpu.name, "pass": passes, "us": gpu.dur}), steps=steps, device_type="cuda")
+    replayed = launch.name.fillna("").str.contains("GraphLaunch")
+    passes[replayed] = "graph"
+    ops = _launching_ops(ev, launch.ts, launch.tid)
+    ops[replayed] = ""  # a graph replay: the operators ran at capture, not here
+    return _rows(pd.DataFrame({"kernel": gpu.name, "pass": passes, "op": ops, "us": gpu.dur}), steps=steps,
+                 device_type="cuda")
 
 
 def _self_times(ops: pd.DataFrame) -> pd.Series:
@@ -239,8 +269,8 @@ def op_rows_from_trace(trace: dict, *, steps: int) -> pd.DataFrame:
     self_us = _self_times(cpu)
     aten = cpu.name.str.startswith("aten::") & (cpu.cat == "cpu_op") & (self_us > 0)
     ops = cpu[aten]
-    return _rows(pd.DataFrame({"kernel": ops.name, "pass": _passes(ev, ops.ts), "us": self_us[aten]}),
-                 steps=steps, device_type="cpu")
+    return _rows(pd.DataFrame({"kernel": ops.name, "pass": _passes(ev, ops.ts), "op": _launching_ops(ev, ops.ts, ops.tid),
+                               "us": self_us[aten]}), steps=steps, device_type="cpu")
 
 
 # ------------------------------------------------------------------------------------ profiling

@@ -109,6 +109,8 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "short_name": (S, "readable label"),
         "category": (S, "convolution | gemm | attention | elementwise | normalization | reduction | layout | fused | memcpy | optimizer | other"),
         "pass": (S, "forward | backward | optimizer | graph | other"),
+        "op": (S, "operator that launched it: the outermost aten op around the launch (aten::convolution_backward "
+                  "for the copy cuDNN makes inside it), else the innermost CPU range; '' in a graph replay"),
         "calls": (I, "launches over the profiled steps"),
         "total_us": (F, "device time over the profiled steps"),
         "steps": (I, "profiled steps"),
@@ -171,6 +173,7 @@ ADDED: dict[str, dict[str, object]] = {
         "gpu_total_bytes": -1,
         "gpu_other_bytes": -1,
     },
+    "kernels": {"op": ""},  # which operator launched a kernel: recorded since session 3 (not known before)
 }
 
 MAIN_PRESETS = ("smoke", "paper")  # a device's own preset: its runs sit in data/<gpu>/<config>/

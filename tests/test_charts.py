@@ -332,3 +332,16 @@ def test_ncu_coverage_says_what_the_counters_stand_for(real):
     less = bd.ncu_coverage(bd.Data(run=real.run, steps=real.steps, kernels=real.kernels, ncu=one, quality=real.quality))
     assert 0 < share < 1 and less["profiled"].iloc[0] == pytest.approx(share)
     assert less["profiled"].iloc[0] <= cov.loc[cov["config"] == one["config"].iloc[0], "profiled"].iloc[0]
+
+
+def test_launching_ops_says_who_makes_the_copies():
+    k = pd.DataFrame({"gpu_slug": "g", "config": ["a"] * 4 + ["b"], "category": ["layout"] * 3 + ["convolution", "layout"],
+                      "op": ["aten::convolution_backward", "aten::convolution_backward", "aten::contiguous", "aten::conv3d", ""],
+                      "calls": [10, 4, 2, 8, 6], "total_us": [60.0, 20.0, 20.0, 500.0, 30.0], "steps": 2})
+    got = bd.launching_ops(k)
+    a = got[got["config"] == "a"]
+    assert a["op"].tolist() == ["aten::convolution_backward", "aten::contiguous"]  # the convolution is not layout
+    assert a["calls_per_step"].tolist() == [7.0, 1.0] and a["us_per_step"].tolist() == [40.0, 10.0]
+    assert a["share"].tolist() == pytest.approx([0.8, 0.2])
+    assert got.loc[got["config"] == "b", "op"].tolist() == [bd.UNRECORDED_OP]
+    assert bd.launching_ops(k, n=1)["rank"].max() == 1 and bd.launching_ops(k.iloc[:0]).empty

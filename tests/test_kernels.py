@@ -228,6 +228,10 @@ def _trace():
         _x("user_annotation", "optimizer", 400.0, 50.0, 1),
         _x("user_annotation", "Optimizer.step#Adam.step", 401.0, 40.0, 1),
         _x("cpu_op", "aten::convolution", 105.0, 20.0, 1),
+        # autograd's thread: cuDNN's backward copies a gradient inside aten::convolution_backward
+        _x("cpu_op", "autograd::engine::evaluate_function: ConvolutionBackward0", 240.0, 30.0, 2),
+        _x("cpu_op", "aten::convolution_backward", 245.0, 10.0, 2),
+        _x("cpu_op", "aten::copy_", 249.0, 3.0, 2),
         _x("cuda_runtime", "cudaMemcpyAsync", 50.0, 5.0, 1, 1),
         _x("cuda_runtime", "cudaLaunchKernel", 110.0, 3.0, 1, 2),
         _x("cuda_runtime", "cudaLaunchKernelExC", 150.0, 3.0, 1, 3),
@@ -263,28 +267,31 @@ def _check_table(df, device_type):
     assert set(df["pass"]) <= {"forward", "backward", "optimizer", "graph", "other"}
     assert (df.device_type == device_type).all()
     assert df.share.sum() == pytest.approx(1.0)
-    assert not df.duplicated(["kernel", "pass"]).any()
+    assert not df.duplicated(["kernel", "pass", "op"]).any()
 
 
 def test_kernel_rows_from_trace():
     df = kernel_rows_from_trace(_trace(), steps=2)
     _check_table(df, "cuda")
-    got = {(r.kernel, r["pass"]): (r.calls, r.total_us, r.category, r.tensor_cores) for _, r in df.iterrows()}
+    got = {(r.kernel, r["pass"], r.op): (r.calls, r.total_us, r.category, r.tensor_cores) for _, r in df.iterrows()}
+    bwd = "autograd::engine::evaluate_function: ConvolutionBackward0"
     assert got == {
-        (CONV, "forward"): (2, 100.0, "convolution", True),
-        ("triton_per_fused_native_group_norm_silu_0", "forward"): (1, 10.0, "fused", False),
-        (DGRAD, "backward"): (1, 80.0, "convolution", True),
-        (CONV, "backward"): (1, 50.0, "convolution", True),
-        (ADAM, "optimizer"): (1, 20.0, "optimizer", False),
-        (CONV, "graph"): (1, 30.0, "convolution", True),
-        (DGRAD, "graph"): (1, 40.0, "convolution", True),
-        ("Memset (Device)", "graph"): (1, 1.0, "memcpy", False),
-        ("Memcpy HtoD (Pageable -> Device)", "other"): (1, 2.0, "memcpy", False),
-        ("some_unknown_kernel", "other"): (1, 49.0, "other", False),
+        # the outermost aten operator around the launch; none: the innermost other range; pass ranges are not ops
+        (CONV, "forward", "aten::convolution"): (1, 40.0, "convolution", True),
+        (CONV, "forward", ""): (1, 60.0, "convolution", True),
+        ("triton_per_fused_native_group_norm_silu_0", "forward", ""): (1, 10.0, "fused", False),
+        (DGRAD, "backward", "aten::convolution_backward"): (1, 80.0, "convolution", True),
+        (CONV, "backward", bwd): (1, 50.0, "convolution", True),
+        (ADAM, "optimizer", "Optimizer.step#Adam.step"): (1, 20.0, "optimizer", False),
+        (CONV, "graph", ""): (1, 30.0, "convolution", True),  # replayed: no operator ran
+        (DGRAD, "graph", ""): (1, 40.0, "convolution", True),
+        ("Memset (Device)", "graph", ""): (1, 1.0, "memcpy", False),
+        ("Memcpy HtoD (Pageable -> Device)", "other", ""): (1, 2.0, "memcpy", False),
+        ("some_unknown_kernel", "other", ""): (1, 49.0, "other", False),
     }
     assert list(df.total_us) == sorted(df.total_us, reverse=True)
     assert (df.steps == 2).all()
-    assert df.share.iloc[0] == pytest.approx(100.0 / 382.0)
+    assert df.share.iloc[0] == pytest.approx(80.0 / 382.0)
 
 
 def test_empty_trace_gives_an_empty_table():
@@ -311,6 +318,11 @@ def test_op_rows_from_trace_uses_self_time():
                    ("aten::convolution_backward", "backward"): (1, 40.0),  # on autograd's thread
                    ("aten::add", "forward"): (1, 10.0), ("aten::add", "other"): (1, 5.0)}
     assert not df.tensor_cores.any()
+    # each operator's own time, attributed to the operator the code called
+    assert dict(zip(df.kernel + "@" + df["pass"], df.op)) == {
+        "aten::mkldnn_convolution@forward": "aten::conv3d", "aten::convolution@forward": "aten::conv3d",
+        "aten::convolution_backward@backward": "aten::convolution_backward",
+        "aten::add@forward": "aten::add", "aten::add@other": "aten::add"}
 
 
 def test_profile_kernels_on_cpu(tiny_spec):
