@@ -60,10 +60,12 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention", choices=["math", "sdpa"])
     g.add_argument("--upsample", choices=["interpolate", "separable"])
     g.add_argument("--checkpointing", type=_bool, metavar="BOOL", help="activation checkpointing per U-Net block")
+    g.add_argument("--pin-layout", type=_bool, metavar="BOOL",
+                   help="compiled graphs: channels-last 3D pinned at every convolution input")
 
 
 _OVERRIDES = ("precision", "channels_last", "compile", "cuda_graphs", "fused_adam", "recompute_attention", "attention",
-              "upsample", "checkpointing")
+              "upsample", "checkpointing", "pin_layout")
 
 
 def _config_from(args):

@@ -34,6 +34,7 @@ class Config:
     recompute_attention: bool = True  # the reference checkpoints attention blocks in backward
     upsample: UpsampleKind = "interpolate"  # "separable": the same trilinear 2x as per-axis sums (no atomics in backward)
     checkpointing: bool = False  # activation checkpointing per U-Net block: keep block inputs, recompute the rest
+    pin_layout: bool = False  # compiled graphs: channels-last 3D pinned at every convolution input (medddpm.layout)
     description: str = field(default="", compare=False)
 
     def __post_init__(self):
@@ -135,6 +136,7 @@ class Resolved:
     compile: bool
     cuda_graphs: bool
     fused_adam: bool
+    pin_layout: bool
     not_applicable: dict[str, str]  # flag -> why it is off on this device
 
     @property
@@ -158,7 +160,11 @@ def resolve(config: Config, device: torch.device | str) -> Resolved:
         if graphs:
             na["cuda_graphs"] = "CUDA graphs need a CUDA device; ran eagerly"
             graphs = False
-    return Resolved(config, device, precision, config.channels_last, config.compile, graphs, config.fused_adam, na)
+    pin = config.pin_layout and config.compile and config.channels_last
+    if config.pin_layout and not pin:
+        na["pin_layout"] = "pins channels-last in compiled graphs: needs compile and channels_last"
+    return Resolved(config, device, precision, config.channels_last, config.compile, graphs, config.fused_adam, pin,
+                    na)
 
 
 def set_precision_flags(precision: str) -> dict[str, str]:

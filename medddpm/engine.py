@@ -15,6 +15,7 @@ from torch.profiler import record_function
 
 from .configs import Config, Resolved, get_config, resolve, set_precision_flags
 from .diffusion import GaussianDiffusion
+from .layout import compile_options
 from .model import ModelSpec, UNet3D
 
 
@@ -60,9 +61,7 @@ class Engine:
         model = UNet3D(spec, attention=config.attention, recompute_attention=config.recompute_attention,
                        upsample=config.upsample, checkpointing=config.checkpointing)
         self.model = model.to(self.device, memory_format=self.run.memory_format)
-        # dynamic=False: a run trains one volume shape; after other shapes in one process, automatic
-        # dynamic shapes would trace symbolic sizes, which checkpointed blocks fail to lower (torch 2.13 CPU)
-        self.denoiser = torch.compile(self.model, dynamic=False) if self.run.compile else self.model
+        self.denoiser = self._compile(self.model) if self.run.compile else self.model
         self.diffusion = GaussianDiffusion(timesteps=timesteps).to(self.device)
         # capturable keeps Adam's step counter on the device, which graph replay requires.
         self.opt = torch.optim.Adam(self.model.parameters(), lr=lr, fused=True if self.run.fused_adam else None,
@@ -94,10 +93,15 @@ class Engine:
             if self.device.type == "cuda" else None
         self.ddp = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=device_ids)
         # torch.compile on the DDP module: Dynamo's DDPOptimizer splits graphs at bucket boundaries.
-        self.denoiser = torch.compile(self.ddp, dynamic=False) if self.run.compile else self.ddp
+        self.denoiser = self._compile(self.ddp) if self.run.compile else self.ddp
         return self.ddp
 
     # ------------------------------------------------------------------------------------ helpers
+
+    def _compile(self, module: torch.nn.Module):
+        # dynamic=False: a run trains one volume shape; after other shapes in one process, automatic
+        # dynamic shapes would trace symbolic sizes, which checkpointed blocks fail to lower (torch 2.13 CPU)
+        return torch.compile(module, dynamic=False, options=compile_options(pin_layout=self.run.pin_layout))
 
     def autocast(self):
         dtype = self.run.autocast_dtype

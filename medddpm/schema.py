@@ -48,6 +48,7 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "recompute_attention": (B, "attention recomputed in backward"),
         "upsample": (S, "interpolate | separable (trilinear 2x as per-axis sums)"),
         "checkpointing": (B, "activation checkpointing per U-Net block"),
+        "pin_layout": (B, "channels-last 3D pinned at every convolution input of compiled graphs (as requested)"),
         "not_applicable": (S, "JSON: switches that could not apply on this device, with why"),
         "backend_flags": (S, "JSON: fp32 math modes read back after setting them"),
         "preset": (S, "smoke | paper | brats"),
@@ -172,6 +173,7 @@ ADDED: dict[str, dict[str, object]] = {
         "num_res_blocks": 1,
         "gpu_total_bytes": -1,
         "gpu_other_bytes": -1,
+        "pin_layout": False,  # the switch came with session 3's layout pass
     },
     "kernels": {"op": ""},  # which operator launched a kernel: recorded since session 3 (not known before)
 }

@@ -274,6 +274,7 @@ def test_book_in_browser(book_url):
 
 def _add_fake_gpu(data: Path) -> str:
     """Copy the first GPU folder with parquet files to `fake-gpu-x`, renamed in every table."""
+    from medddpm.scaling import SCALING_DIR
     from medddpm.schema import read_table, write_table
 
     sources = sorted(p for p in data.iterdir() if p.is_dir() and not p.name.startswith(".") and any(p.glob("*/run.parquet")))
@@ -282,14 +283,15 @@ def _add_fake_gpu(data: Path) -> str:
     dst = data / FAKE_SLUG
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".*"))
     for path in dst.glob("*/*.parquet"):
-        df = read_table(path)
+        table = "scaling" if path.parent.name == SCALING_DIR else path.stem  # scaling/<config>.parquet
+        df = read_table(path, table)
         if "run_id" in df:
             df["run_id"] = df["run_id"].str.replace(f"{src.name}/", f"{FAKE_SLUG}/", n=1, regex=False)
         if "gpu_slug" in df:
             df["gpu_slug"] = FAKE_SLUG
         if "gpu_name" in df:
             df["gpu_name"] = FAKE_NAME
-        write_table(df, path, path.stem)
+        write_table(df, path, table)
     return src.name
 
 

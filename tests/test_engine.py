@@ -133,3 +133,40 @@ def test_checkpointing_composes_with_torch_compile():
     loss, grad = _loss_and_grads(compiled, spec)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     assert float((grad - ref_grad).norm() / ref_grad.norm()) < 1e-4
+
+
+def test_pin_layout_pins_every_convolution_input_and_keeps_the_values(monkeypatch):
+    """The post-grad pass (medddpm.layout) leaves no 5-D convolution input of the forward or backward
+    graph without channels-last strides, and the step computes the same loss and gradients."""
+    from medddpm import layout
+    from medddpm.model import ModelSpec
+
+    torch._dynamo.reset()
+    seen = []
+
+    class Checked(layout.PinChannelsLast):
+        def __call__(self, graph):
+            super().__call__(graph)
+            convs = [n for n in graph.nodes if n.target in layout.CONV_INPUTS]
+            seen.append((len(convs), sum(layout._needs_pin(n.args[i]) for n in convs for i in layout.CONV_INPUTS[n.target]),
+                         self.pinned))
+
+    monkeypatch.setattr(layout, "PinChannelsLast", Checked)
+    spec = ModelSpec(size=8, mask_channels=3, base_channels=32, channel_mult=(1, 2), attention_ds=(2,))
+    plain = _randomized(spec, CONFIGS["compile"].with_flags(precision="fp32"))
+    pinned = _randomized(spec, CONFIGS["compile"].with_flags(precision="fp32", pin_layout=True))
+    assert pinned.run.pin_layout and not plain.run.pin_layout
+    ref_loss, ref_grad = _loss_and_grads(plain, spec)
+    loss, grad = _loss_and_grads(pinned, spec)
+    assert len(seen) >= 2, "the pass runs on the forward and on the backward graph"
+    assert all(n > 0 and left == 0 for n, left, _ in seen), seen
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
+
+
+def test_pin_layout_needs_compile_and_channels_last():
+    from medddpm.configs import get_config, resolve
+
+    assert resolve(get_config("best+pin_layout=true"), "cpu").pin_layout
+    r = resolve(get_config("opt1+pin_layout=true"), "cpu")
+    assert not r.pin_layout and "compile" in r.not_applicable["pin_layout"]

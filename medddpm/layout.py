@@ -1,0 +1,59 @@
+"""Channels-last 3D at every convolution of a compiled graph (the `pin_layout` switch).
+
+Inductor pins channels-last only at 2-D convolutions (`V.graph.layout_opt and ndim == 2` in
+torch/_inductor/kernel/conv.py), and its layout optimization is off for a U-Net whose decoder
+convolutions narrow the channels (`is_in_out_channel` in `GraphLowering.decide_layout_opt`) and for
+a backward graph, which holds no forward convolution (pytorch/pytorch#189239). A 3-D convolution's
+inputs then follow the strides the graph's fake tensors recorded, and where those are not
+channels-last, cuDNN copies them (`contiguous(channels_last_3d)` in ATen) on every call.
+
+`PinChannelsLast` is a post-grad pass that puts a channels-last clone in front of every 5-D input of
+`convolution` and `convolution_backward` (the gradient, the saved input, the weight) that the graph
+does not already hold channels-last, with channels-last fake strides. Inductor's fallback for
+convolution keeps each input at the strides its graph recorded (`constrain_to_fx_strides`), so the
+kernel that produces the tensor writes it channels-last; the clone itself lowers to nothing more than
+that. The same idea as SandAI-org/MagiCompiler#36 for video VAEs. Values are unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+aten = torch.ops.aten
+CHANNELS_LAST = torch.channels_last_3d
+
+# argument positions of the activations and weights, per operator
+CONV_INPUTS = {aten.convolution.default: (0, 1), aten.convolution_backward.default: (0, 1, 2)}
+
+
+def _needs_pin(node: torch.fx.Node) -> bool:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.ndim == 5 and not val.is_contiguous(memory_format=CHANNELS_LAST)
+
+
+class PinChannelsLast(CustomGraphPass):
+    """Inductor post-grad pass (`post_grad_custom_post_pass`); `pinned` counts the inputs it pinned."""
+
+    def __init__(self) -> None:
+        self.pinned = 0
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for node in list(graph.nodes):
+            for i in CONV_INPUTS.get(node.target, ()):
+                arg = node.args[i]
+                if not _needs_pin(arg):
+                    continue
+                with graph.inserting_before(node):
+                    pin = graph.call_function(aten.clone.default, (arg,), {"memory_format": CHANNELS_LAST})
+                pin.meta["val"] = arg.meta["val"].clone(memory_format=CHANNELS_LAST)  # a fake tensor's clone
+                node.update_arg(i, pin)
+                self.pinned += 1
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files((__file__,))  # Inductor's cache keys on this pass's source
+
+
+def compile_options(*, pin_layout: bool) -> dict:
+    """Inductor options for `torch.compile(..., options=...)`."""
+    return {"post_grad_custom_post_pass": PinChannelsLast()} if pin_layout else {}
