@@ -152,6 +152,9 @@ def test_pin_layout_pins_every_convolution_input_and_keeps_the_values(monkeypatc
                          self.pinned))
 
     monkeypatch.setattr(layout, "PinChannelsLast", Checked)
+    # compile for real: Inductor's caches (kept across processes) would hand back a graph compiled before
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     spec = ModelSpec(size=8, mask_channels=3, base_channels=32, channel_mult=(1, 2), attention_ds=(2,))
     plain = _randomized(spec, CONFIGS["compile"].with_flags(precision="fp32"))
     pinned = _randomized(spec, CONFIGS["compile"].with_flags(precision="fp32", pin_layout=True))
