@@ -217,7 +217,7 @@ def cmd_sweep(args) -> None:
     from .sweep import sweep
 
     configs = parse_config_list(args.configs)  # every name checked before any work
-    params = {k: getattr(args, k) for k in ("steps", "warmup", "size", "batch", "data", "ncu_timeout")
+    params = {k: getattr(args, k) for k in ("steps", "warmup", "size", "batch", "data", "ncu_timeout", "time_limit")
               if getattr(args, k) is not None}
     if "size" in params:  # as text: a papermill parameter and a command-line argument alike
         params["size"] = format_size(params["size"])
@@ -321,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profilers", default="torch,ncu", help="comma-separated: torch, ncu ('' for none)")
     p.add_argument("--ncu-timeout", type=_positive, help="seconds Nsight Compute may take per configuration "
                                                           "(default 420; on timeout it is recorded, the run goes on)")
+    p.add_argument("--time-limit", type=_positive, metavar="S",
+                   help="seconds one configuration's run may take: Nsight Compute, the last phase, gets what the "
+                        "others left (at most --ncu-timeout), and keeps what it profiled when it runs out")
     g = p.add_argument_group("backends", "where the configurations run (default: one after another, here)")
     g.add_argument("--backend", choices=["here", "local", "slurm"], default="here",
                    help="here; local: one configuration per visible GPU at once; slurm: one job per "

@@ -111,13 +111,17 @@ def randomize_(model: torch.nn.Module, *, seed: int, std: float = 0.02) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
+FINISH_S = 15  # what a run needs after Nsight Compute: run.parquet, the notebook, the move into place
+NCU_MIN_S = 90  # less is not worth starting: the profiled program builds the model and warms up first
+
+
 class Measurement:
     def __init__(self, config: str | Config, preset: str = "smoke", *, device: str | None = None,
                  gpu_label: str | None = None, size: int | str | tuple | None = None, data: str | None = None,
                  pairs: int = 16, batch: int = 1,
                  steps: int | None = None, warmup: int | None = None, out: str = "data",
                  stage: str | None = None, seed: int = 0, profilers: tuple[str, ...] = ("torch", "ncu"),
-                 ncu_timeout: int = 420):
+                 ncu_timeout: int = 420, time_limit: int | None = None):
         # Every parameter is checked here, before any GPU work.
         self.config = get_config(config)
         self.preset = get_preset(preset)
@@ -133,7 +137,9 @@ class Measurement:
         if warmup is not None:
             _check("warmup", warmup, int, minimum=0)
         _check("ncu_timeout", ncu_timeout, int, minimum=1)
-        self.ncu_timeout = ncu_timeout
+        if time_limit is not None:
+            _check("time_limit", time_limit, int, minimum=1)
+        self.ncu_timeout, self.time_limit = ncu_timeout, time_limit
         unknown = set(profilers) - {"torch", "ncu"}
         if unknown:
             raise ValueError(f"unknown profilers {sorted(unknown)}; known: torch, ncu")
@@ -331,8 +337,16 @@ class Measurement:
             self.profiler_status["torch"] = {"status": "ok", "message": f"{len(df)} kernel rows"}
             return self._write("kernels", df)
 
+    def ncu_budget(self) -> int:
+        """Seconds Nsight Compute may take: `ncu_timeout`, or less under a `time_limit` for the whole run,
+        of which it gets what the earlier phases left (it runs last, after quality)."""
+        if self.time_limit is None:
+            return self.ncu_timeout
+        left = self.time_limit - (time.perf_counter() - self._t0) - FINISH_S
+        return max(0, min(self.ncu_timeout, int(left)))
+
     def counters(self) -> pd.DataFrame | None:
-        """Nsight Compute on the kernels that make up most of a step (GPU only)."""
+        """Nsight Compute on the kernels that make up most of a step (GPU only); the last phase."""
         if "ncu" not in self.profilers:
             self.profiler_status["ncu"] = {"status": "skipped", "message": "not requested"}
             return None
@@ -344,10 +358,17 @@ class Measurement:
             if "kernels" not in self.tables:
                 self.profiler_status["ncu"] = {"status": "skipped", "message": "needs the torch.profiler ranking"}
                 return None
+            budget = self.ncu_budget()
+            if budget < NCU_MIN_S:
+                self.profiler_status["ncu"] = {"status": "skipped", "message": f"{budget} s left of the run's "
+                                               f"{self.time_limit} s time limit (Nsight Compute needs {NCU_MIN_S} s)"}
+                return None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # the profiled program is another process on this GPU
             # The report itself (tens of MB) stays out of the data tree, under runs/ncu/.
             df, status = run_ncu(kernels_df=self.tables["kernels"], config=self.config.name, preset=self.preset.name,
                                  size=format_size(self.preset.size), batch=self.batch,
-                                 out_dir=NCU_REPORTS / self.slug / self.folder, timeout_s=self.ncu_timeout)
+                                 out_dir=NCU_REPORTS / self.slug / self.folder, timeout_s=budget)
             self.profiler_status["ncu"] = status
             if self.device.type != "cuda" and df.empty:
                 return None

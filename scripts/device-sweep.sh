@@ -4,6 +4,9 @@
 # $OUT, so that what was measured comes back even if the lease ends in the middle of the next one.
 # Usage: scripts/device-sweep.sh DEADLINE_S PRESET CONFIG [CONFIG ...]
 #   SWEEP_ARGS: more `python -m medddpm sweep` flags, e.g. "--ncu-timeout 150".
+# Each configuration runs with --time-limit set to what is left before the deadline (less a margin for
+# papermill and packing), so that Nsight Compute, its last phase, shrinks to fit rather than the whole
+# configuration being killed.
 # Unpack here with: tar -xzf data.tgz -C data/
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +27,7 @@ for c in "$@"; do
   fi
   echo "device-sweep: $c, $left s left"
   # shellcheck disable=SC2086 - SWEEP_ARGS is a list of flags
-  timeout -k 5 "$left" python3 -m medddpm sweep --preset "$preset" --configs "$c" --out "$work" ${SWEEP_ARGS:-}
+  timeout -k 5 "$left" python3 -m medddpm sweep --preset "$preset" --configs "$c" --out "$work" \
+    --time-limit $((left - 30)) ${SWEEP_ARGS:-}
   pack
 done

@@ -78,6 +78,7 @@ def test_a_killed_sweep_resumes_without_duplicated_or_lost_rows(tmp_path):
     (["--preset", "brats", "--size", "32x32x24"], "24 is not"),
     (["--preset", "brats", "--data", "mni"], "preset brats is a model of 4 label channels; the data has 3"),
     (["--configs", "best-ckpt+checkpointing=maybe"], "checkpointing must be a bool"),
+    (["--time-limit", "0"], "expected a positive integer, got 0"),
 ])
 def test_bad_sweep_parameters_fail_before_any_work(args, message, tmp_path):
     p = sweep(*args, "--out", str(tmp_path / "data"), cache=tmp_path / "cache")
@@ -124,3 +125,28 @@ def test_brats_preset_and_batch_reach_the_producer_notebook(tmp_path):
     assert run["sample_steps"] == 20 and len(read_table(folder / "quality.parquet")) == 3
     assert bookdata.runs(tmp_path / "data", variants=True)["folder"].tolist() == ["cpu/opt1-ckpt@brats-b2"]
     assert bookdata.runs(tmp_path / "data").empty, "the main pages read the main preset at batch 1 only"
+
+
+def test_nsight_compute_gets_what_the_time_limit_leaves(tmp_path):
+    """Nsight Compute runs last: under --time-limit it gets what the other phases left, at most
+    --ncu-timeout, and is skipped (with why) when too little is left to start it."""
+    import pandas as pd
+
+    from medddpm import measure
+
+    def make(**kw):
+        return measure.Measurement("baseline", "smoke", device="cpu", out=str(tmp_path / "data"), ncu_timeout=300,
+                                   **kw)
+
+    assert make().ncu_budget() == 300
+    m = make(time_limit=400)
+    assert m.ncu_budget() == 300  # plenty left: ncu_timeout caps it
+    m._t0 -= 200  # 200 s spent by the earlier phases
+    assert 400 - 200 - measure.FINISH_S - 2 <= m.ncu_budget() <= 400 - 200 - measure.FINISH_S
+    m._t0 -= 150
+    m.tables["kernels"] = pd.DataFrame({"kernel": ["k"], "category": ["convolution"], "total_us": [1.0], "calls": [1]})
+    assert m.counters() is None
+    status = m.profiler_status["ncu"]
+    assert status["status"] == "skipped" and "of the run's 400 s time limit" in status["message"], status
+    with pytest.raises(ValueError, match="time_limit"):
+        make(time_limit=0)
