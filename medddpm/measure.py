@@ -359,7 +359,7 @@ class Measurement:
                 self.profiler_status["ncu"] = {"status": "skipped", "message": "needs the torch.profiler ranking"}
                 return None
             budget = self.ncu_budget()
-            if budget < NCU_MIN_S:
+            if self.time_limit is not None and budget < NCU_MIN_S:
                 self.profiler_status["ncu"] = {"status": "skipped", "message": f"{budget} s left of the run's "
                                                f"{self.time_limit} s time limit (Nsight Compute needs {NCU_MIN_S} s)"}
                 return None

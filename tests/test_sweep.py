@@ -135,16 +135,20 @@ def test_nsight_compute_gets_what_the_time_limit_leaves(tmp_path):
     from medddpm import measure
 
     def make(**kw):
-        return measure.Measurement("baseline", "smoke", device="cpu", out=str(tmp_path / "data"), ncu_timeout=300,
-                                   **kw)
+        return measure.Measurement("baseline", "smoke", device="cpu", out=str(tmp_path / "data"), **{"ncu_timeout": 300} | kw)
 
     assert make().ncu_budget() == 300
+    kernels = pd.DataFrame({"kernel": ["k"], "category": ["convolution"], "total_us": [1.0], "calls": [1]})
+    short = make(ncu_timeout=30)  # a short timeout asked for, no time limit: ncu is tried, not skipped for time
+    short.tables["kernels"] = kernels
+    short.counters()
+    assert short.ncu_budget() == 30 and "time limit" not in short.profiler_status["ncu"]["message"]
     m = make(time_limit=400)
     assert m.ncu_budget() == 300  # plenty left: ncu_timeout caps it
     m._t0 -= 200  # 200 s spent by the earlier phases
     assert 400 - 200 - measure.FINISH_S - 2 <= m.ncu_budget() <= 400 - 200 - measure.FINISH_S
     m._t0 -= 150
-    m.tables["kernels"] = pd.DataFrame({"kernel": ["k"], "category": ["convolution"], "total_us": [1.0], "calls": [1]})
+    m.tables["kernels"] = kernels
     assert m.counters() is None
     status = m.profiler_status["ncu"]
     assert status["status"] == "skipped" and "of the run's 400 s time limit" in status["message"], status
