@@ -135,7 +135,8 @@ def test_nsight_compute_gets_what_the_time_limit_leaves(tmp_path):
     from medddpm import measure
 
     def make(**kw):
-        return measure.Measurement("baseline", "smoke", device="cpu", out=str(tmp_path / "data"), **{"ncu_timeout": 300} | kw)
+        return measure.Measurement("baseline", "smoke", device="cpu", out=str(tmp_path / "data"),
+                                   **{"ncu_timeout": 300} | kw)
 
     assert make().ncu_budget() == 300
     kernels = pd.DataFrame({"kernel": ["k"], "category": ["convolution"], "total_us": [1.0], "calls": [1]})
