@@ -8,9 +8,7 @@ import time
 from typing import Callable
 
 import torch
-# Text bars, not tqdm.auto: with ipywidgets installed (the explorers) tqdm.auto draws widget bars, and
-# under papermill every update became a widget message (the producer sampled 15x slower).
-from tqdm import tqdm
+from tqdm import tqdm  # text bars: tqdm.auto draws ipywidgets bars, a message per update under papermill
 
 from .configs import Config, get_config
 from .data import make_brats_case, make_mni_pair, one_hot_condition

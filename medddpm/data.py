@@ -32,9 +32,7 @@ from nibabel.spatialimages import HeaderDataError
 from scipy import ndimage
 from scipy.spatial.transform import Rotation
 from torch.utils.data import Dataset
-# Text bars, not tqdm.auto: with ipywidgets installed (the explorers) tqdm.auto draws widget bars, and
-# under papermill every update became a widget message (the producer sampled 15x slower).
-from tqdm import tqdm
+from tqdm import tqdm  # text bars: tqdm.auto draws ipywidgets bars, a message per update under papermill
 
 from .storage import atomic_write
 

@@ -13,9 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-# Text bars, not tqdm.auto: with ipywidgets installed (the explorers) tqdm.auto draws widget bars, and
-# under papermill every update became a widget message (the producer sampled 15x slower).
-from tqdm import tqdm
+from tqdm import tqdm  # text bars: tqdm.auto draws ipywidgets bars, a message per update under papermill
 
 
 def cosine_betas(timesteps: int, *, s: float = 0.008, max_beta: float = 0.999) -> torch.Tensor:

@@ -145,8 +145,8 @@ def select_kernels(kernels: pd.DataFrame, *, coverage: float = 0.8) -> list[str]
     longest first (by total time where `calls` is absent).
 
     Nsight Compute's cost grows with the launches it replays (about 2 s each at 128^3 on the H200), so a
-    kernel of many short launches comes last: opt1's layout conversions are 381 launches a step for 10%
-    of its time; 80% by total time took 708 launches a step, 80% by time per launch 377.
+    kernel of many short launches comes last: in data/nvidia-h200/opt1, layout conversions are 398
+    launches a step for 10% of its time; 80% by total time takes 698 launches a step, by time per launch 369.
     """
     t = _kernel_times(kernels)
     total = t.sum()

@@ -19,9 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-# Text bars, not tqdm.auto: with ipywidgets installed (the explorers) tqdm.auto draws widget bars, and
-# under papermill every update became a widget message (the producer sampled 15x slower).
-from tqdm import tqdm
+from tqdm import tqdm  # text bars: tqdm.auto draws ipywidgets bars, a message per update under papermill
 
 from .configs import Config, parse_config_list
 from .env import device_name, gpu_slug, pick_device

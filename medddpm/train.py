@@ -8,9 +8,7 @@ import time
 from pathlib import Path
 
 import torch
-# Text bars, not tqdm.auto: with ipywidgets installed (the explorers) tqdm.auto draws widget bars, and
-# under papermill every update became a widget message (the producer sampled 15x slower).
-from tqdm import tqdm
+from tqdm import tqdm  # text bars: tqdm.auto draws ipywidgets bars, a message per update under papermill
 
 from .configs import Config
 from .engine import Engine

@@ -163,6 +163,7 @@ def test_pin_layout_pins_every_convolution_input_and_keeps_the_values(monkeypatc
     loss, grad = _loss_and_grads(pinned, spec)
     assert len(seen) >= 2, "the pass runs on the forward and on the backward graph"
     assert all(n > 0 and left == 0 for n, left, _ in seen), seen
+    assert seen[-1][2] > 0, "the graphs had inputs to pin (the stem's input, slices of skip gradients)"
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
 
