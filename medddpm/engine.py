@@ -59,7 +59,7 @@ class Engine:
         torch.manual_seed(seed)
 
         model = UNet3D(spec, attention=config.attention, recompute_attention=config.recompute_attention,
-                       upsample=config.upsample, checkpointing=config.checkpointing)
+                       upsample=config.upsample, checkpointing=config.checkpointing, group_norm=config.group_norm)
         self.model = model.to(self.device, memory_format=self.run.memory_format)
         self.denoiser = self._compile(self.model) if self.run.compile else self.model
         self.diffusion = GaussianDiffusion(timesteps=timesteps).to(self.device)

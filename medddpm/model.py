@@ -123,16 +123,59 @@ def zero_init(module: nn.Module) -> nn.Module:
     return module
 
 
+GROUP_NORM_KINDS = ("aten", "chunked")
+STAT_CHUNKS = 256  # voxel chunks of the first statistics pass: rows enough to fill the GPU at every level
+
+
+def group_norm_chunked(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                       eps: float) -> torch.Tensor:
+    """F.group_norm(x, ...) computed from per-channel statistics, for channels-last activations.
+
+    Inductor lowers F.group_norm to one reduction per (sample, group) over C/G x D*H*W elements: 32
+    rows for a whole 128^3 volume, read with a stride of C in NDHWC memory. Here the first pass is
+    a var_mean per channel over chunks of voxels, (B, K, n, C) -> (B, K, C): thousands of rows, each
+    read along the contiguous channel axis. Chunks and channels of a group then combine by the law
+    of total variance (equal counts: var = mean of variances + variance of means; Chan et al. 1979),
+    as exact as a one-pass Welford. The output is x * scale + shift with per-channel scale and shift,
+    as PyTorch's own GroupNorm kernel computes it. Statistics in x's dtype: call it on float32.
+    """
+    b, c, *spatial = x.shape
+    assert c % groups == 0, f"{c} channels do not split into {groups} groups"
+    voxels = math.prod(spatial)
+    k = math.gcd(voxels, STAT_CHUNKS)
+    xt = x.permute(0, *range(2, x.ndim), 1).reshape(b, k, voxels // k, c)  # a view when x is channels-last
+    var, mean = torch.var_mean(xt, dim=2, correction=0)  # (B, K, C)
+    var, mean = var.view(b, k, groups, c // groups), mean.view(b, k, groups, c // groups)
+    g_mean = mean.mean(dim=(1, 3), keepdim=True)  # (B, 1, G, 1)
+    g_var = var.mean(dim=(1, 3), keepdim=True) + (mean - g_mean).square().mean(dim=(1, 3), keepdim=True)
+    scale = torch.rsqrt(g_var + eps).expand(b, 1, groups, c // groups).reshape(b, c)
+    if weight is not None:
+        scale = scale * weight
+    shift = -g_mean.expand(b, 1, groups, c // groups).reshape(b, c) * scale
+    if bias is not None:
+        shift = shift + bias
+    per_channel = (b, c) + (1,) * len(spatial)
+    return x * scale.view(per_channel) + shift.view(per_channel)
+
+
 class GroupNorm32(nn.GroupNorm):
-    """GroupNorm whose statistics are computed in float32 (or wider) whatever the activation dtype."""
+    """GroupNorm whose statistics are computed in float32 (or wider) whatever the activation dtype.
+
+    `kind="chunked"`: the same function through `group_norm_chunked` (for compiled channels-last runs)."""
+
+    def __init__(self, num_groups: int, num_channels: int, *, kind: str = "aten"):
+        assert kind in GROUP_NORM_KINDS, f"group norm kind must be one of {GROUP_NORM_KINDS}, got {kind!r}"
+        super().__init__(num_groups, num_channels)
+        self.kind = kind
 
     def forward(self, x):
         dtype = torch.promote_types(x.dtype, torch.float32)  # bf16 -> fp32; a float64 model (tests) stays float64
-        return F.group_norm(x.to(dtype), self.num_groups, self.weight, self.bias, self.eps).to(x.dtype)
+        fn = group_norm_chunked if self.kind == "chunked" else F.group_norm
+        return fn(x.to(dtype), self.num_groups, self.weight, self.bias, self.eps).to(x.dtype)
 
 
-def norm(channels: int) -> nn.GroupNorm:
-    return GroupNorm32(32, channels)
+def norm(channels: int, *, kind: str = "aten") -> nn.GroupNorm:
+    return GroupNorm32(32, channels, kind=kind)
 
 
 def timestep_embedding(t: torch.Tensor, dim: int, *, max_period: float) -> torch.Tensor:
@@ -149,11 +192,12 @@ def timestep_embedding(t: torch.Tensor, dim: int, *, max_period: float) -> torch
 class ResBlock(nn.Module):
     """GN-SiLU-Conv, add projected time embedding, GN-SiLU-Conv(zero); 1x1x1 skip if widths differ."""
 
-    def __init__(self, ch_in: int, ch_out: int, *, emb_dim: int):
+    def __init__(self, ch_in: int, ch_out: int, *, emb_dim: int, norm_kind: str = "aten"):
         super().__init__()
-        self.in_layers = nn.Sequential(norm(ch_in), nn.SiLU(), nn.Conv3d(ch_in, ch_out, 3, padding=1))
+        self.in_layers = nn.Sequential(norm(ch_in, kind=norm_kind), nn.SiLU(), nn.Conv3d(ch_in, ch_out, 3, padding=1))
         self.emb_layers = nn.Sequential(nn.SiLU(), nn.Linear(emb_dim, ch_out))
-        self.out_layers = nn.Sequential(norm(ch_out), nn.SiLU(), zero_init(nn.Conv3d(ch_out, ch_out, 3, padding=1)))
+        self.out_layers = nn.Sequential(norm(ch_out, kind=norm_kind), nn.SiLU(),
+                                        zero_init(nn.Conv3d(ch_out, ch_out, 3, padding=1)))
         self.skip = nn.Identity() if ch_in == ch_out else nn.Conv3d(ch_in, ch_out, 1)
 
     def forward(self, x, emb):
@@ -165,12 +209,12 @@ class ResBlock(nn.Module):
 class Attention(nn.Module):
     """Single-head self-attention over all D*H*W voxels, as 1x1 projections on (B, C, N)."""
 
-    def __init__(self, ch: int, *, kind: str = "math", recompute: bool = True):
+    def __init__(self, ch: int, *, kind: str = "math", recompute: bool = True, norm_kind: str = "aten"):
         super().__init__()
         if kind not in ATTENTION_KINDS:
             raise ValueError(f"attention kind must be one of {ATTENTION_KINDS}, got {kind!r}")
         self.kind, self.recompute = kind, recompute
-        self.norm = norm(ch)
+        self.norm = norm(ch, kind=norm_kind)
         self.qkv = nn.Conv1d(ch, 3 * ch, 1)
         self.proj_out = zero_init(nn.Conv1d(ch, ch, 1))
 
@@ -273,13 +317,15 @@ class UNet3D(nn.Module):
     `recompute_attention`, whose inner checkpoint would only recompute attention a second time."""
 
     def __init__(self, spec: ModelSpec = ModelSpec(), *, attention: str = "math", recompute_attention: bool = True,
-                 upsample: str = "interpolate", checkpointing: bool = False):
+                 upsample: str = "interpolate", checkpointing: bool = False, group_norm: str = "aten"):
         super().__init__()
         self.spec = spec
         self.checkpointing = checkpointing
         ch = spec.base_channels
         emb_dim = 4 * ch
-        attn = lambda c: Attention(c, kind=attention, recompute=recompute_attention and not checkpointing)  # noqa: E731
+        attn = lambda c: Attention(c, kind=attention, recompute=recompute_attention and not checkpointing,  # noqa: E731
+                                   norm_kind=group_norm)
+        res = lambda c_in, c_out: ResBlock(c_in, c_out, emb_dim=emb_dim, norm_kind=group_norm)  # noqa: E731
 
         self.time_embed = nn.Sequential(nn.Linear(spec.time_dim, emb_dim), nn.SiLU(), nn.Linear(emb_dim, emb_dim))
         self.stem = nn.Conv3d(spec.in_channels, ch, 3, padding=1)
@@ -289,7 +335,7 @@ class UNet3D(nn.Module):
         for level, mult in enumerate(spec.mult):
             for _ in range(spec.num_res_blocks):
                 out = mult * spec.base_channels
-                self.down.append(Level(ResBlock(ch, out, emb_dim=emb_dim), attn(out) if ds in spec.attention_ds else None))
+                self.down.append(Level(res(ch, out), attn(out) if ds in spec.attention_ds else None))
                 ch = out
                 skips.append(ch)
             if level != len(spec.mult) - 1:
@@ -297,20 +343,21 @@ class UNet3D(nn.Module):
                 skips.append(ch)
                 ds *= 2
 
-        self.middle = nn.ModuleList([ResBlock(ch, ch, emb_dim=emb_dim), attn(ch), ResBlock(ch, ch, emb_dim=emb_dim)])
+        self.middle = nn.ModuleList([res(ch, ch), attn(ch), res(ch, ch)])
 
         self.up = nn.ModuleList()
         for level, mult in reversed(list(enumerate(spec.mult))):
             for i in range(spec.num_res_blocks + 1):
                 out = mult * spec.base_channels
-                res = ResBlock(ch + skips.pop(), out, emb_dim=emb_dim)
+                block = res(ch + skips.pop(), out)
                 ch = out
                 up = Upsample(ch, kind=upsample) if level and i == spec.num_res_blocks else None
-                self.up.append(Level(res, attn(ch) if ds in spec.attention_ds else None, up))
+                self.up.append(Level(block, attn(ch) if ds in spec.attention_ds else None, up))
             ds //= 2 if level else 1
         assert not skips, "every encoder activation must feed a decoder block"
 
-        self.out = nn.Sequential(norm(ch), nn.SiLU(), zero_init(nn.Conv3d(ch, spec.image_channels, 3, padding=1)))
+        self.out = nn.Sequential(norm(ch, kind=group_norm), nn.SiLU(),
+                                 zero_init(nn.Conv3d(ch, spec.image_channels, 3, padding=1)))
 
     def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         spec = self.spec

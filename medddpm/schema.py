@@ -49,6 +49,7 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "upsample": (S, "interpolate | separable (trilinear 2x as per-axis sums)"),
         "checkpointing": (B, "activation checkpointing per U-Net block"),
         "pin_layout": (B, "channels-last 3D pinned at every convolution input of compiled graphs (as requested)"),
+        "group_norm": (S, "aten | chunked (GroupNorm statistics per channel over voxel chunks, then per group)"),
         "not_applicable": (S, "JSON: switches that could not apply on this device, with why"),
         "backend_flags": (S, "JSON: fp32 math modes read back after setting them"),
         "preset": (S, "smoke | paper | brats"),
@@ -174,6 +175,7 @@ ADDED: dict[str, dict[str, object]] = {
         "gpu_total_bytes": -1,
         "gpu_other_bytes": -1,
         "pin_layout": False,  # the switch came with session 3's layout pass
+        "group_norm": "aten",  # the switch came in session 4; before it, always F.group_norm
     },
     "kernels": {"op": ""},  # which operator launched a kernel: recorded since session 3 (not known before)
 }
