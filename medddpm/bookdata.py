@@ -138,14 +138,75 @@ def runs(root: str | os.PathLike | None = None, *, variants: bool = False) -> pd
             raise DataError(f"{folder}: run.parquet says {slug}/{name}, the folder says "
                             f"{folder.parent.name}/{folder.name}")
         if variants or name == config:
-            frames.append(df.assign(folder=str(folder.relative_to(root))))
+            frames.append(df.assign(folder=str(folder.relative_to(root)), redefined=redefined(df.iloc[0])))
     if not frames:
-        return schema.empty("run").assign(folder=pd.Series(dtype="str"))
+        return schema.empty("run").assign(folder=pd.Series(dtype="str"), redefined=pd.Series(dtype="str"))
     out = pd.concat(frames, ignore_index=True)
     dup = out["run_id"][out["run_id"].duplicated()]
     if len(dup):
         raise DataError(f"run_id {dup.iloc[0]} appears in more than one folder")
     return _sort(out)
+
+
+def redefined(row) -> str:
+    """The switches in which a run differs from its configuration's current definition, as recorded
+    ('pin_layout=False, group_norm=aten'), or '' (a configuration such as `best` gains levers as they
+    are measured; a run from before keeps its name, and its page says how it was set)."""
+    from .configs import ConfigError, get_config
+
+    try:
+        now = get_config(row["config"]).flags
+    except ConfigError:
+        return ""
+    return ", ".join(f"{k}={row[k]}" for k, v in now.items() if k in row and row[k] != v)
+
+
+def kept_runs(root: str | os.PathLike | None = None) -> pd.DataFrame:
+    """Runs kept one level down, in folders that are not runs (``data/<gpu>/tuning/<run>/``,
+    ``reference/<run>/``): a configuration measured under an earlier definition, or with one lever
+    changed. No page compares them with the main runs; `lever_ladder` lines them up."""
+    root = Path(root) if root is not None else data_root()
+    frames = []
+    for folder in scan(root).not_runs:
+        for path in sorted(folder.glob("*/run.parquet")):
+            df = _read(path, "run")
+            if len(df) != 1:
+                raise DataError(f"{path}: {len(df)} rows, expected 1")
+            frames.append(df.assign(folder=str(path.parent.relative_to(root)), redefined=redefined(df.iloc[0])))
+    if not frames:
+        return schema.empty("run").assign(folder=pd.Series(dtype="str"), redefined=pd.Series(dtype="str"))
+    return _sort(pd.concat(frames, ignore_index=True))
+
+
+def lever_ladder(run: pd.DataFrame, kept: pd.DataFrame, config: str = "best") -> pd.DataFrame:
+    """Per GPU, `config` as it gained levers: its main run and the kept runs of the same configuration
+    (``best``, ``best+pin_layout=true``, ...) on the same preset at batch 1, those that differ from
+    today's definition in the most switches first (the slower first among equals). `ran_with`:
+    the switches in which a run differs from today's definition; `added`: what changed from the row
+    before, with `gain` = previous / this step time. A kept run whose timing finished counts whatever
+    failed after it (`status`)."""
+    cols = ["gpu_slug", "folder", "git_commit", "status", "train_median_ms", "train_p10_ms", "train_p90_ms", "ran_with", "added",
+            "gain"]
+    now = CONFIGS[config].flags
+    rows = []
+    for main in run[(run["config"] == config) & (run["status"] == "ok")].itertuples():
+        same = kept[(kept["gpu_slug"] == main.gpu_slug) & (kept["preset"] == main.preset) & (kept["batch"] == 1)
+                    & (kept["train_median_ms"] > 0) & (kept["config"].str.split("+").str[0] == config)]
+        chain = pd.concat([same, run.loc[[main.Index]]])
+        # furthest from today's definition first; among equals, the slower first
+        chain["_far"] = [sum(r[k] != v for k, v in now.items()) for r in chain.to_dict("records")]
+        chain = chain.sort_values(["_far", "train_median_ms"], ascending=False)
+        prev = None
+        for r in chain.to_dict("records"):
+            rows.append({"gpu_slug": r["gpu_slug"], "folder": r["folder"], "git_commit": r["git_commit"],
+                         "status": r["status"], "train_median_ms": r["train_median_ms"], "train_p10_ms": r["train_p10_ms"],
+                         "train_p90_ms": r["train_p90_ms"],
+                         "ran_with": ", ".join(f"{k}={r[k]}" for k, v in now.items() if r[k] != v),
+                         "added": "" if prev is None else ", ".join(f"{k}: {prev[k]} -> {r[k]}" for k in now
+                                                                    if r[k] != prev[k]),
+                         "gain": math.nan if prev is None else prev["train_median_ms"] / r["train_median_ms"]})
+            prev = r
+    return pd.DataFrame(rows, columns=cols)
 
 
 def load(table: str, root: str | os.PathLike | None = None, *, variants: bool = False) -> pd.DataFrame:
@@ -796,12 +857,13 @@ def memory_runs(run: pd.DataFrame) -> pd.DataFrame:
     """Finished runs with a measured device peak (not a CPU's), one row each, sizes in GiB."""
     cols = ["gpu_slug", "model", "preset", "shape", "batch", "config", "label", "checkpointing", "precision_used",
             "compile", "cuda_graphs", "parameters", "peak_gib", "reserved_gib", "other_gib", "total_gib",
-            "sample_peak_gib", "train_median_ms", "folder"]
+            "sample_peak_gib", "train_median_ms", "redefined", "folder"]
     ok = run[(run["status"] == "ok") & (run["peak_mem_bytes"] >= 0)].copy()
     if ok.empty:
         return pd.DataFrame(columns=cols)
     ok["model"] = model_label(ok)
-    ok["label"] = ok["config"] + np.where(ok["batch"] == 1, "", " (batch " + ok["batch"].astype(str) + ")")
+    ok["label"] = (ok["config"] + np.where(ok["batch"] == 1, "", " (batch " + ok["batch"].astype(str) + ")")
+                   + np.where(ok["redefined"] == "", "", " [as run: " + ok["redefined"] + "]"))
 
     def gib(col):
         return ok[col].where(ok[col] >= 0) / _GIB
@@ -968,16 +1030,16 @@ def memory_targets(mem: pd.DataFrame, targets=MEMORY_TARGETS, *, configs=tuple(C
                            and (c.checkpointing or not t.checkpointing_only)]
                 rows.append(row | {"verdict": NOT_YET if missing else FAILS, "config": low["config"],
                                    "peak_gib": low["peak_gib"], "train_median_ms": low["train_median_ms"],
-                                   "evidence": f"the lowest peak, {low['config']}'s, is {low['peak_gib']:.2f} GiB"
+                                   "evidence": f"the lowest peak, {low['label']}'s, is {low['peak_gib']:.2f} GiB"
                                                + measured + (f"; not measured: {', '.join(missing)}" if missing else "")})
                 continue
             best = under.loc[under["train_median_ms"].idxmin()]
             fastest = g.loc[g["train_median_ms"].idxmin()]
             note = ("" if fastest["config"] == best["config"] else
-                    f"; the fastest overall, {fastest['config']}, needs {fastest['peak_gib']:.2f} GiB")
+                    f"; the fastest overall, {fastest['label']}, needs {fastest['peak_gib']:.2f} GiB")
             rows.append(row | {"verdict": HOLDS, "config": best["config"], "peak_gib": best["peak_gib"],
                                "train_median_ms": best["train_median_ms"],
-                               "evidence": f"{best['config']}: {best['peak_gib']:.2f} GiB at {best['train_median_ms']:.4g} "
+                               "evidence": f"{best['label']}: {best['peak_gib']:.2f} GiB at {best['train_median_ms']:.4g} "
                                            f"ms a micro-step{note}" + measured})
     return pd.DataFrame(rows, columns=cols)
 

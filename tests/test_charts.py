@@ -316,6 +316,41 @@ def test_bench_json_is_read_from_non_run_folders(real, tmp_path):
         bd.bench_runs(root)
 
 
+def _kept(root: Path, folder: str, config: str, ms: float, **flags) -> None:
+    """A copy of cpu/best as a run of `config` with `flags`, kept at data/cpu/<folder>."""
+    dest = root / "cpu" / folder
+    shutil.copytree(root / "cpu" / "best", dest)
+    df = schema.read_table(dest / "run.parquet", "run")
+    df[list(flags)] = list(flags.values())
+    df[["config", "run_id", "train_median_ms"]] = [config, f"cpu/{folder}/x", ms]
+    schema.write_table(df, dest / "run.parquet", "run")
+
+
+def test_kept_runs_line_up_as_best_gained_its_levers(real, tmp_path):
+    if not (REAL / "cpu" / "best" / "run.parquet").is_file():
+        pytest.skip("no data/cpu/best run")
+    root = _tree(tmp_path)
+    shutil.copytree(REAL / "cpu" / "best", root / "cpu" / "best")
+    best = bd.runs(root).set_index("config").loc["best"]
+    assert best["redefined"] == "" and best["group_norm"] == "chunked"
+    t = best["train_median_ms"]
+    _kept(root, "notes/old", "best", 3 * t, pin_layout=False, group_norm="aten", upsample="interpolate")
+    _kept(root, "notes/pin", "best+pin_layout=true", 2 * t, group_norm="aten", upsample="interpolate")
+    _kept(root, "notes/sep", "best", 2.5 * t, pin_layout=False, group_norm="aten")  # one switch more than pin
+    assert sorted(bd.runs(root)["config"]) == ["baseline", "best"], "kept runs are not main runs"
+    kept = bd.kept_runs(root).set_index("folder")
+    assert kept.loc["cpu/notes/old", "redefined"] == "upsample=interpolate, pin_layout=False, group_norm=aten"
+    assert kept.loc["cpu/notes/pin", "redefined"] == "upsample=interpolate, group_norm=aten"
+    ladder = bd.lever_ladder(bd.runs(root), bd.kept_runs(root))
+    assert ladder["folder"].tolist() == ["cpu/notes/old", "cpu/notes/sep", "cpu/notes/pin", "cpu/best"]
+    assert ladder["added"].tolist() == ["", "upsample: interpolate -> separable",
+                                        "upsample: separable -> interpolate, pin_layout: False -> True",
+                                        "upsample: interpolate -> separable, group_norm: aten -> chunked"]
+    np.testing.assert_allclose(ladder["gain"].iloc[1:], [3 / 2.5, 2.5 / 2, 2.0])
+    assert ladder.loc[3, "ran_with"] == ""
+    assert bd.lever_ladder(bd.runs(root), bd.kept_runs(root), config="opt1").empty
+
+
 def test_ncu_coverage_says_what_the_counters_stand_for(real):
     cov = bd.ncu_coverage(real)
     if cov.empty:

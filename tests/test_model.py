@@ -1,9 +1,10 @@
 import pytest
 import torch
+import torch.nn.functional as F
 
 from medddpm.diffusion import GaussianDiffusion, cosine_betas
 from medddpm.flops import count
-from medddpm.model import Attention, ModelSpec, UNet3D, count_parameters, format_size, parse_size
+from medddpm.model import Attention, ModelSpec, UNet3D, count_parameters, format_size, group_norm_chunked, parse_size
 
 
 def test_reference_parameter_count_and_flops():
@@ -219,3 +220,56 @@ def test_saved_activations_match_the_known_figures():
     assert abs(head / 17.0 - 1) < 0.01, head
     assert abs(brats / 65.0 - 1) < 0.01, brats
     assert saved_activation_bytes(PRESETS["brats"].spec(), checkpointing=True) / 2**30 < 0.2 * brats
+
+
+# ------------------------------------------------------------------------------ chunked GroupNorm
+
+
+@pytest.mark.parametrize("shape, layout", [((2, 64, 8, 12, 10), torch.channels_last_3d),
+                                           ((1, 96, 5, 7, 3), torch.contiguous_format),  # 105 voxels: 1 chunk
+                                           ((2, 32, 16, 16, 16), torch.channels_last_3d)])  # 256 chunks of 16
+@pytest.mark.parametrize("affine", [True, False])
+def test_chunked_group_norm_is_group_norm(shape, layout, affine):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=g, dtype=torch.float64) * 3 + 5).to(memory_format=layout).requires_grad_()
+    w, b = (torch.randn(shape[1], generator=g, dtype=torch.float64, requires_grad=True) if affine else None
+            for _ in range(2))
+    up = torch.randn(shape, generator=g, dtype=torch.float64)
+    leaves = [t for t in (x, w, b) if t is not None]
+    want = F.group_norm(x, 32, w, b, 1e-5)
+    got = group_norm_chunked(x, 32, w, b, 1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for gw, gg in zip(torch.autograd.grad((want * up).sum(), leaves), torch.autograd.grad((got * up).sum(), leaves)):
+        torch.testing.assert_close(gg, gw, rtol=1e-10, atol=1e-11)
+    assert got.is_contiguous(memory_format=layout), "the output keeps the input's layout"
+
+
+def test_chunked_group_norm_in_float32_keeps_large_means():
+    """Statistics from chunk means and variances: no E[x^2] - E[x]^2 cancellation on an offset input
+    (that would lose the variance 1e-4 under float32's rounding of 1e4). Both float32 forms are limited
+    by x's own rounding at 100 (7.6e-6, 7.6e-4 of the std): the chunked one stays within 3x of aten's."""
+    x = torch.randn(1, 32, 16, 16, 16, generator=torch.Generator().manual_seed(1)) * 0.01 + 100.0
+    want = F.group_norm(x.double(), 32, eps=1e-5)
+    aten = (F.group_norm(x, 32, eps=1e-5).double() - want).abs().max()
+    chunked = (group_norm_chunked(x, 32, None, None, 1e-5).double() - want).abs().max()
+    assert chunked < 3 * aten and chunked < 1e-2, (chunked, aten)
+    with pytest.raises(AssertionError, match="do not split into 32 groups"):
+        group_norm_chunked(torch.zeros(1, 48, 2, 2, 2), 32, None, None, 1e-5)
+
+
+def test_group_norm_kinds_give_the_same_model(tiny_spec):
+    torch.manual_seed(0)
+    aten = UNet3D(tiny_spec).double()
+    for p in aten.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    chunked = UNet3D(tiny_spec, group_norm="chunked").double()
+    chunked.load_state_dict(aten.state_dict())
+    x, t = torch.randn(2, 4, 16, 16, 16, dtype=torch.float64), torch.tensor([3, 180])
+    ya, yb = aten(x, t), chunked(x, t)
+    torch.testing.assert_close(yb, ya, rtol=1e-10, atol=1e-12)
+    ya.square().sum().backward()
+    yb.square().sum().backward()
+    for (name, pa), pb in zip(aten.named_parameters(), chunked.parameters()):
+        torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-8, atol=1e-12, msg=name)
+    with pytest.raises(AssertionError, match="group norm kind must be one of"):
+        UNet3D(tiny_spec, group_norm="welford")
