@@ -172,6 +172,9 @@ def kept_runs(root: str | os.PathLike | None = None) -> pd.DataFrame:
             df = _read(path, "run")
             if len(df) != 1:
                 raise DataError(f"{path}: {len(df)} rows, expected 1")
+            if df.loc[0, "gpu_slug"] != folder.parent.name:
+                raise DataError(f"{path}: run.parquet says {df.loc[0, 'gpu_slug']}, the folder is under "
+                                f"{folder.parent.name}")
             frames.append(df.assign(folder=str(path.parent.relative_to(root)), redefined=redefined(df.iloc[0])))
     if not frames:
         return schema.empty("run").assign(folder=pd.Series(dtype="str"), redefined=pd.Series(dtype="str"))

@@ -37,6 +37,7 @@ class Config:
     checkpointing: bool = False  # activation checkpointing per U-Net block: keep block inputs, recompute the rest
     pin_layout: bool = False  # compiled graphs: channels-last 3D pinned at every convolution input (medddpm.layout)
     group_norm: GroupNormKind = "aten"  # "chunked": statistics per channel over voxel chunks, then per group (model.py)
+    pad_channels: bool = False  # stem and output convolutions zero-padded to 8 channels (cuDNN's aligned kernels)
     description: str = field(default="", compare=False)
 
     def __post_init__(self):

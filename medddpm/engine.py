@@ -59,7 +59,8 @@ class Engine:
         torch.manual_seed(seed)
 
         model = UNet3D(spec, attention=config.attention, recompute_attention=config.recompute_attention,
-                       upsample=config.upsample, checkpointing=config.checkpointing, group_norm=config.group_norm)
+                       upsample=config.upsample, checkpointing=config.checkpointing, group_norm=config.group_norm,
+                       pad_channels=config.pad_channels)
         self.model = model.to(self.device, memory_format=self.run.memory_format)
         self.denoiser = self._compile(self.model) if self.run.compile else self.model
         self.diffusion = GaussianDiffusion(timesteps=timesteps).to(self.device)

@@ -178,6 +178,26 @@ def norm(channels: int, *, kind: str = "aten") -> nn.GroupNorm:
     return GroupNorm32(32, channels, kind=kind)
 
 
+ALIGN_CHANNELS = 8  # bf16 channels per 16-byte vector: cuDNN's Hopper kernels want C and K multiples of it
+
+
+class PaddedConv3d(nn.Conv3d):
+    """nn.Conv3d (same parameters) computed with its in- and out-channels zero-padded to a multiple of
+    `ALIGN_CHANNELS`, then the extra outputs dropped: the same numbers. For the stem (4 or 8 channels
+    in) and the output (1 or 4 out) of the U-Net, which cuDNN otherwise runs with slower sm80
+    "indexed" kernels on the H200 (data/nvidia-h200/NOTES.md)."""
+
+    def forward(self, x):
+        pin, pout = -self.in_channels % ALIGN_CHANNELS, -self.out_channels % ALIGN_CHANNELS
+        if not (pin or pout):
+            return super().forward(x)
+        fmt = torch.channels_last_3d if x.is_contiguous(memory_format=torch.channels_last_3d) else torch.contiguous_format
+        x = F.pad(x, (0, 0) * 3 + (0, pin)).contiguous(memory_format=fmt)  # (W, H, D, C) pairs from the last dim
+        w = F.pad(self.weight, (0, 0) * 3 + (0, pin, 0, pout))  # (kW, kH, kD, C_in, C_out)
+        b = F.pad(self.bias, (0, pout)) if self.bias is not None else None
+        return F.conv3d(x, w, b, self.stride, self.padding, self.dilation, self.groups)[:, : self.out_channels]
+
+
 def timestep_embedding(t: torch.Tensor, dim: int, *, max_period: float) -> torch.Tensor:
     """(B,) timesteps -> (B, dim) sinusoidal features [cos | sin]."""
     half = dim // 2
@@ -317,7 +337,8 @@ class UNet3D(nn.Module):
     `recompute_attention`, whose inner checkpoint would only recompute attention a second time."""
 
     def __init__(self, spec: ModelSpec = ModelSpec(), *, attention: str = "math", recompute_attention: bool = True,
-                 upsample: str = "interpolate", checkpointing: bool = False, group_norm: str = "aten"):
+                 upsample: str = "interpolate", checkpointing: bool = False, group_norm: str = "aten",
+                 pad_channels: bool = False):
         super().__init__()
         self.spec = spec
         self.checkpointing = checkpointing
@@ -328,7 +349,8 @@ class UNet3D(nn.Module):
         res = lambda c_in, c_out: ResBlock(c_in, c_out, emb_dim=emb_dim, norm_kind=group_norm)  # noqa: E731
 
         self.time_embed = nn.Sequential(nn.Linear(spec.time_dim, emb_dim), nn.SiLU(), nn.Linear(emb_dim, emb_dim))
-        self.stem = nn.Conv3d(spec.in_channels, ch, 3, padding=1)
+        conv = PaddedConv3d if pad_channels else nn.Conv3d  # the U-Net's two narrow convolutions
+        self.stem = conv(spec.in_channels, ch, 3, padding=1)
 
         self.down = nn.ModuleList()
         skips, ds = [ch], 1
@@ -357,7 +379,7 @@ class UNet3D(nn.Module):
         assert not skips, "every encoder activation must feed a decoder block"
 
         self.out = nn.Sequential(norm(ch, kind=group_norm), nn.SiLU(),
-                                 zero_init(nn.Conv3d(ch, spec.image_channels, 3, padding=1)))
+                                 zero_init(conv(ch, spec.image_channels, 3, padding=1)))
 
     def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         spec = self.spec

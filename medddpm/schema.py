@@ -50,6 +50,7 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "checkpointing": (B, "activation checkpointing per U-Net block"),
         "pin_layout": (B, "channels-last 3D pinned at every convolution input of compiled graphs (as requested)"),
         "group_norm": (S, "aten | chunked (GroupNorm statistics per channel over voxel chunks, then per group)"),
+        "pad_channels": (B, "stem and output convolutions zero-padded to 8 channels"),
         "not_applicable": (S, "JSON: switches that could not apply on this device, with why"),
         "backend_flags": (S, "JSON: fp32 math modes read back after setting them"),
         "preset": (S, "smoke | paper | brats"),
@@ -176,6 +177,7 @@ ADDED: dict[str, dict[str, object]] = {
         "gpu_other_bytes": -1,
         "pin_layout": False,  # the switch came with session 3's layout pass
         "group_norm": "aten",  # the switch came in session 4; before it, always F.group_norm
+        "pad_channels": False,  # the switch came in session 4
     },
     "kernels": {"op": ""},  # which operator launched a kernel: recorded since session 3 (not known before)
 }

@@ -282,7 +282,7 @@ def _add_fake_gpu(data: Path) -> str:
     src = sources[0]
     dst = data / FAKE_SLUG
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".*"))
-    for path in dst.glob("*/*.parquet"):
+    for path in dst.rglob("*.parquet"):  # runs, scaling tables, and runs kept in tuning/ or reference/
         table = "scaling" if path.parent.name == SCALING_DIR else path.stem  # scaling/<config>.parquet
         df = read_table(path, table)
         if "run_id" in df:

@@ -6,6 +6,7 @@ really ran, and hand-made Nsight Compute rows, so that every chart and every cla
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -236,9 +237,12 @@ def test_claims_on_a_gpu_follow_the_data(real):
 def test_claims_use_bench_timings_where_no_sweep(real):
     if real.bench.empty:
         pytest.skip("no bench JSON in data/")
-    table = bd.claims(real)
-    row = table[(table["gpu_slug"] == "nvidia-h200") & (table["claim_id"] == "tf32-time")].iloc[0]
-    assert row["verdict"] == bd.HOLDS and "bench JSON" in row["evidence"]
+    # the H200's sweep of baseline and opt1 taken away: the timing claim falls back to the bench files
+    swept = (real.run["gpu_slug"] == "nvidia-h200") & real.run["config"].isin(["baseline", "opt1"])
+    for data, source in ((real, "sweep"), (dataclasses.replace(real, run=real.run[~swept]), "bench JSON")):
+        table = bd.claims(data)
+        row = table[(table["gpu_slug"] == "nvidia-h200") & (table["claim_id"] == "tf32-time")].iloc[0]
+        assert row["verdict"] == bd.HOLDS and f"ms, {source})" in row["evidence"], row["evidence"]
 
 
 def test_summaries_and_checks(two):
@@ -349,6 +353,9 @@ def test_kept_runs_line_up_as_best_gained_its_levers(real, tmp_path):
     np.testing.assert_allclose(ladder["gain"].iloc[1:], [3 / 2.5, 2.5 / 2, 2.0])
     assert ladder.loc[3, "ran_with"] == ""
     assert bd.lever_ladder(bd.runs(root), bd.kept_runs(root), config="opt1").empty
+    shutil.copytree(root / "cpu" / "notes", root / "other-gpu" / "notes")
+    with pytest.raises(bd.DataError, match="run.parquet says cpu, the folder is under other-gpu"):
+        bd.kept_runs(root)
 
 
 def test_ncu_coverage_says_what_the_counters_stand_for(real):

@@ -80,6 +80,7 @@ def test_train_then_sample_on_embedded_data(tmp_path, monkeypatch, capsys):
     (["info", "--preset", "brats", "--mask-channels", "3"], "preset brats is a model of 4 label channels"),
     (["train", "--checkpointing", "maybe", "--out", "x"], "expected true or false"),
     (["train", "--group-norm", "welford", "--out", "x"], "invalid choice: 'welford'"),
+    (["train", "--pad-channels", "8", "--out", "x"], "expected true or false"),
     (["bench", "--configs", "best+group_norm=welford"], "group_norm must be one of ('aten', 'chunked')"),
 ])
 def test_bad_input_fails_with_one_clear_line(args, message, tmp_path):

@@ -273,3 +273,24 @@ def test_group_norm_kinds_give_the_same_model(tiny_spec):
         torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-8, atol=1e-12, msg=name)
     with pytest.raises(AssertionError, match="group norm kind must be one of"):
         UNet3D(tiny_spec, group_norm="welford")
+
+
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last_3d])
+def test_padded_narrow_convolutions_give_the_same_model(tiny_spec, layout):
+    torch.manual_seed(0)
+    plain = UNet3D(tiny_spec).double()
+    for p in plain.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    padded = UNet3D(tiny_spec, pad_channels=True).double()
+    padded.load_state_dict(plain.state_dict())  # the same parameters: checkpoints load either way
+    assert count_parameters(padded) == count_parameters(plain)
+    assert type(padded.stem).__name__ == "PaddedConv3d" and padded.stem.in_channels == 4
+    plain, padded = plain.to(memory_format=layout), padded.to(memory_format=layout)
+    x, t = torch.randn(2, 4, 16, 16, 16, dtype=torch.float64).to(memory_format=layout), torch.tensor([3, 180])
+    ya, yb = plain(x, t), padded(x, t)
+    assert yb.shape == ya.shape == (2, 1, 16, 16, 16)
+    torch.testing.assert_close(yb, ya, rtol=1e-12, atol=1e-14)
+    ya.square().sum().backward()
+    yb.square().sum().backward()
+    for (name, pa), pb in zip(plain.named_parameters(), padded.parameters()):
+        torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-10, atol=1e-13, msg=name)
