@@ -155,10 +155,14 @@ def redefined(row) -> str:
     from .configs import ConfigError, get_config
 
     try:
-        now = get_config(row["config"]).flags
+        return _differs(row, get_config(row["config"]).flags)
     except ConfigError:
         return ""
-    return ", ".join(f"{k}={row[k]}" for k, v in now.items() if k in row and row[k] != v)
+
+
+def _differs(row, flags: dict) -> str:
+    """'pin_layout=False, group_norm=aten': the switches in which a run's row differs from `flags`."""
+    return ", ".join(f"{k}={row[k]}" for k, v in flags.items() if k in row and row[k] != v)
 
 
 def kept_runs(root: str | os.PathLike | None = None) -> pd.DataFrame:
@@ -188,8 +192,8 @@ def lever_ladder(run: pd.DataFrame, kept: pd.DataFrame, config: str = "best") ->
     the switches in which a run differs from today's definition; `added`: what changed from the row
     before, with `gain` = previous / this step time. A kept run whose timing finished counts whatever
     failed after it (`status`)."""
-    cols = ["gpu_slug", "folder", "git_commit", "status", "train_median_ms", "train_p10_ms", "train_p90_ms", "ran_with", "added",
-            "gain"]
+    cols = ["gpu_slug", "folder", "git_commit", "status", "train_median_ms", "train_p10_ms", "train_p90_ms",
+            "ran_with", "added", "gain"]
     now = CONFIGS[config].flags
     rows = []
     for main in run[(run["config"] == config) & (run["status"] == "ok")].itertuples():
@@ -201,13 +205,10 @@ def lever_ladder(run: pd.DataFrame, kept: pd.DataFrame, config: str = "best") ->
         chain = chain.sort_values(["_far", "train_median_ms"], ascending=False)
         prev = None
         for r in chain.to_dict("records"):
-            rows.append({"gpu_slug": r["gpu_slug"], "folder": r["folder"], "git_commit": r["git_commit"],
-                         "status": r["status"], "train_median_ms": r["train_median_ms"], "train_p10_ms": r["train_p10_ms"],
-                         "train_p90_ms": r["train_p90_ms"],
-                         "ran_with": ", ".join(f"{k}={r[k]}" for k, v in now.items() if r[k] != v),
-                         "added": "" if prev is None else ", ".join(f"{k}: {prev[k]} -> {r[k]}" for k in now
-                                                                    if r[k] != prev[k]),
-                         "gain": math.nan if prev is None else prev["train_median_ms"] / r["train_median_ms"]})
+            rows.append({k: r[k] for k in cols[:7]} | {
+                "ran_with": _differs(r, now),
+                "added": "" if prev is None else ", ".join(f"{k}: {prev[k]} -> {r[k]}" for k in now if r[k] != prev[k]),
+                "gain": math.nan if prev is None else prev["train_median_ms"] / r["train_median_ms"]})
             prev = r
     return pd.DataFrame(rows, columns=cols)
 
