@@ -135,7 +135,19 @@ def test_checkpointing_composes_with_torch_compile():
     assert float((grad - ref_grad).norm() / ref_grad.norm()) < 1e-4
 
 
-def test_pin_layout_pins_every_convolution_input_and_keeps_the_values(monkeypatch):
+@pytest.fixture
+def fresh_inductor():
+    """Compile for real: Inductor's on-disk caches (kept across processes) would hand back a graph
+    compiled before, without running the graph passes. The config modules' own patch(): pytest's
+    monkeypatch deletes their entries on undo, which breaks every later compile in the process."""
+    import torch._functorch.config
+    import torch._inductor.config
+
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+
+
+def test_pin_layout_pins_every_convolution_input_and_keeps_the_values(monkeypatch, fresh_inductor):
     """The post-grad pass (medddpm.layout) leaves no 5-D convolution input of the forward or backward
     graph without channels-last strides, and the step computes the same loss and gradients."""
     from medddpm import layout
@@ -152,9 +164,6 @@ def test_pin_layout_pins_every_convolution_input_and_keeps_the_values(monkeypatc
                          self.pinned))
 
     monkeypatch.setattr(layout, "PinChannelsLast", Checked)
-    # compile for real: Inductor's caches (kept across processes) would hand back a graph compiled before
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     spec = ModelSpec(size=8, mask_channels=3, base_channels=32, channel_mult=(1, 2), attention_ds=(2,))
     plain = _randomized(spec, CONFIGS["compile"].with_flags(precision="fp32"))
     pinned = _randomized(spec, CONFIGS["compile"].with_flags(precision="fp32", pin_layout=True))
