@@ -63,13 +63,15 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    "chunks, then per group (fast for compiled channels-last 3D)")
     g.add_argument("--pad-channels", type=_bool, metavar="BOOL",
                    help="stem and output convolutions zero-padded to 8 channels (the same numbers)")
+    g.add_argument("--cudnn-try-all", type=_bool, metavar="BOOL",
+                   help="cuDNN autotuning tries every algorithm (benchmark_limit 0)")
     g.add_argument("--checkpointing", type=_bool, metavar="BOOL", help="activation checkpointing per U-Net block")
     g.add_argument("--pin-layout", type=_bool, metavar="BOOL",
                    help="compiled graphs: channels-last 3D pinned at every convolution input")
 
 
 _OVERRIDES = ("precision", "channels_last", "compile", "cuda_graphs", "fused_adam", "recompute_attention", "attention",
-              "upsample", "checkpointing", "pin_layout", "group_norm", "pad_channels")
+              "upsample", "checkpointing", "pin_layout", "group_norm", "pad_channels", "cudnn_try_all")
 
 
 def _config_from(args):

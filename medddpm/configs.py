@@ -38,6 +38,7 @@ class Config:
     pin_layout: bool = False  # compiled graphs: channels-last 3D pinned at every convolution input (medddpm.layout)
     group_norm: GroupNormKind = "aten"  # "chunked": statistics per channel over voxel chunks, then per group (model.py)
     pad_channels: bool = False  # stem and output convolutions zero-padded to 8 channels (cuDNN's aligned kernels)
+    cudnn_try_all: bool = False  # cuDNN autotuning tries every algorithm (benchmark_limit 0), not PyTorch's first 10
     description: str = field(default="", compare=False)
 
     def __post_init__(self):
@@ -142,6 +143,7 @@ class Resolved:
     cuda_graphs: bool
     fused_adam: bool
     pin_layout: bool
+    cudnn_try_all: bool
     not_applicable: dict[str, str]  # flag -> why it is off on this device
 
     @property
@@ -168,17 +170,27 @@ def resolve(config: Config, device: torch.device | str) -> Resolved:
     pin = config.pin_layout and config.compile and config.channels_last
     if config.pin_layout and not pin:
         na["pin_layout"] = "pins channels-last in compiled graphs: needs compile and channels_last"
+    try_all = config.cudnn_try_all and device.type == "cuda"
+    if config.cudnn_try_all and not try_all:
+        na["cudnn_try_all"] = "cuDNN autotuning needs a CUDA device"
     return Resolved(config, device, precision, config.channels_last, config.compile, graphs, config.fused_adam, pin,
-                    na)
+                    try_all, na)
 
 
-def set_precision_flags(precision: str) -> dict[str, str]:
+DEFAULT_BENCHMARK_LIMIT = torch.backends.cudnn.benchmark_limit  # PyTorch's: 10 (None in a build without cuDNN)
+
+
+def set_precision_flags(precision: str, *, cudnn_try_all: bool = False) -> dict[str, str]:
     """Set the process-wide FP32 math mode for cuDNN convolutions and matmuls, and verify it took.
 
     PyTorch's default leaves cuDNN TF32 on (and matmul TF32 off), so an unmodified "FP32" run
     already uses TF32 convolutions: strict fp32 must turn both off. bf16 keeps TF32 on for the
     few fp32 operations autocast leaves in fp32. Uses the `fp32_precision` API (torch >= 2.9):
     mixing it with the legacy `allow_tf32` switches raises in current PyTorch.
+
+    `cudnn_try_all`: cuDNN's autotuner (`benchmark`) times every algorithm its heuristics offer
+    (`benchmark_limit = 0`) instead of the first `DEFAULT_BENCHMARK_LIMIT`: a longer first step, maybe
+    faster kernels.
     """
     want = "ieee" if precision == "fp32" else "tf32"
     torch.backends.cudnn.conv.fp32_precision = want
@@ -189,4 +201,7 @@ def set_precision_flags(precision: str) -> dict[str, str]:
     if set(got.values()) != {want}:
         raise RuntimeError(f"could not set fp32 math mode to {want!r}: {got}")
     torch.backends.cudnn.benchmark = True
+    if DEFAULT_BENCHMARK_LIMIT is not None:
+        torch.backends.cudnn.benchmark_limit = 0 if cudnn_try_all else DEFAULT_BENCHMARK_LIMIT
+        got["cudnn_benchmark_limit"] = str(torch.backends.cudnn.benchmark_limit)
     return got

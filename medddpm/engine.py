@@ -55,7 +55,7 @@ class Engine:
         self.spec, self.config = spec, config
         self.run: Resolved = resolve(config, device)
         self.device = self.run.device
-        self.backend_flags = set_precision_flags(self.run.precision)
+        self.backend_flags = set_precision_flags(self.run.precision, cudnn_try_all=self.run.cudnn_try_all)
         torch.manual_seed(seed)
 
         model = UNet3D(spec, attention=config.attention, recompute_attention=config.recompute_attention,
@@ -117,7 +117,7 @@ class Engine:
 
     def activate(self) -> None:
         """Re-apply this configuration's process-wide math modes (another Engine may have changed them)."""
-        self.backend_flags = set_precision_flags(self.run.precision)
+        self.backend_flags = set_precision_flags(self.run.precision, cudnn_try_all=self.run.cudnn_try_all)
 
     def loss(self, x0: torch.Tensor, cond: torch.Tensor, **kw) -> torch.Tensor:
         with self.autocast():

@@ -51,6 +51,7 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "pin_layout": (B, "channels-last 3D pinned at every convolution input of compiled graphs (as requested)"),
         "group_norm": (S, "aten | chunked (GroupNorm statistics per channel over voxel chunks, then per group)"),
         "pad_channels": (B, "stem and output convolutions zero-padded to 8 channels"),
+        "cudnn_try_all": (B, "cuDNN autotuning tried every algorithm (benchmark_limit 0; as requested)"),
         "not_applicable": (S, "JSON: switches that could not apply on this device, with why"),
         "backend_flags": (S, "JSON: fp32 math modes read back after setting them"),
         "preset": (S, "smoke | paper | brats"),
@@ -177,7 +178,8 @@ ADDED: dict[str, dict[str, object]] = {
         "gpu_other_bytes": -1,
         "pin_layout": False,  # the switch came with session 3's layout pass
         "group_norm": "aten",  # the switch came in session 4; before it, always F.group_norm
-        "pad_channels": False,  # the switch came in session 4
+        "pad_channels": False,  # the switches came in session 4
+        "cudnn_try_all": False,
     },
     "kernels": {"op": ""},  # which operator launched a kernel: recorded since session 3 (not known before)
 }

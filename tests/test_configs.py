@@ -65,11 +65,31 @@ def test_gpu_only_switches_are_not_applicable_on_cpu():
     assert resolve(CONFIGS["best"], "cuda").not_applicable == {}
 
 
+MATH_MODES = ("cudnn_conv_fp32_precision", "matmul_fp32_precision")
+
+
 def test_strict_fp32_turns_both_tf32_switches_off_and_tf32_on():
-    assert set(set_precision_flags("fp32").values()) == {"ieee"}
+    assert {set_precision_flags("fp32")[k] for k in MATH_MODES} == {"ieee"}
     assert torch.backends.cudnn.conv.fp32_precision == "ieee" and torch.backends.cuda.matmul.fp32_precision == "ieee"
-    assert set(set_precision_flags("tf32").values()) == {"tf32"}
+    assert {set_precision_flags("tf32")[k] for k in MATH_MODES} == {"tf32"}
     set_precision_flags("fp32")
+
+
+def test_cudnn_try_all_lifts_the_autotuning_limit_and_puts_it_back(monkeypatch):
+    from medddpm import configs
+
+    assert "cudnn_try_all" in resolve(get_config("best+cudnn_try_all=true"), "cpu").not_applicable
+    assert resolve(get_config("best+cudnn_try_all=true"), "cuda").cudnn_try_all
+    before = torch.backends.cudnn.benchmark_limit
+    monkeypatch.setattr(configs, "DEFAULT_BENCHMARK_LIMIT", 10)  # a CUDA build's default (None without cuDNN)
+    try:
+        assert set_precision_flags("tf32", cudnn_try_all=True)["cudnn_benchmark_limit"] == "0"
+        assert torch.backends.cudnn.benchmark_limit == 0
+        assert set_precision_flags("tf32")["cudnn_benchmark_limit"] == "10"  # the next engine's default again
+    finally:
+        if before is not None:
+            torch.backends.cudnn.benchmark_limit = before
+        set_precision_flags("fp32")
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
