@@ -120,6 +120,14 @@ def _read(path: Path, table: str) -> pd.DataFrame:
         raise DataError(f"{path}: {str(e).splitlines()[0]}") from None
 
 
+def _read_run(path: Path) -> pd.DataFrame:
+    """A run.parquet, validated, with its one row and what differs from its configuration's definition."""
+    df = _read(path, "run")
+    if len(df) != 1:
+        raise DataError(f"{path}: {len(df)} rows, expected 1")
+    return df.assign(redefined=redefined(df.iloc[0]))
+
+
 def runs(root: str | os.PathLike | None = None, *, variants: bool = False) -> pd.DataFrame:
     """The run table of every run (one row each), with its folder relative to the data root.
 
@@ -128,9 +136,7 @@ def runs(root: str | os.PathLike | None = None, *, variants: bool = False) -> pd
     root = Path(root) if root is not None else data_root()
     frames = []
     for folder in scan(root).runs:
-        df = _read(folder / "run.parquet", "run")
-        if len(df) != 1:
-            raise DataError(f"{folder / 'run.parquet'}: {len(df)} rows, expected 1")
+        df = _read_run(folder / "run.parquet")
         slug, config = df.loc[0, "gpu_slug"], df.loc[0, "config"]
         batch = int(df.loc[0, "batch"])  # -1: a run that failed before recording it (older rows), batch 1 then
         name = schema.run_folder(config, df.loc[0, "preset"], batch if batch > 0 else 1)
@@ -138,7 +144,7 @@ def runs(root: str | os.PathLike | None = None, *, variants: bool = False) -> pd
             raise DataError(f"{folder}: run.parquet says {slug}/{name}, the folder says "
                             f"{folder.parent.name}/{folder.name}")
         if variants or name == config:
-            frames.append(df.assign(folder=str(folder.relative_to(root)), redefined=redefined(df.iloc[0])))
+            frames.append(df.assign(folder=str(folder.relative_to(root))))
     if not frames:
         return schema.empty("run").assign(folder=pd.Series(dtype="str"), redefined=pd.Series(dtype="str"))
     out = pd.concat(frames, ignore_index=True)
@@ -173,13 +179,11 @@ def kept_runs(root: str | os.PathLike | None = None) -> pd.DataFrame:
     frames = []
     for folder in scan(root).not_runs:
         for path in sorted(folder.glob("*/run.parquet")):
-            df = _read(path, "run")
-            if len(df) != 1:
-                raise DataError(f"{path}: {len(df)} rows, expected 1")
+            df = _read_run(path)
             if df.loc[0, "gpu_slug"] != folder.parent.name:
                 raise DataError(f"{path}: run.parquet says {df.loc[0, 'gpu_slug']}, the folder is under "
                                 f"{folder.parent.name}")
-            frames.append(df.assign(folder=str(path.parent.relative_to(root)), redefined=redefined(df.iloc[0])))
+            frames.append(df.assign(folder=str(path.parent.relative_to(root))))
     if not frames:
         return schema.empty("run").assign(folder=pd.Series(dtype="str"), redefined=pd.Series(dtype="str"))
     return _sort(pd.concat(frames, ignore_index=True))

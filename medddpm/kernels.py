@@ -3,10 +3,10 @@
 `profile_kernels(step, device=...)` profiles a few calls of `step` and returns one row per
 (kernel, pass, operator that launched it): device time, launches, share of the profiled time, a
 category and whether the name says tensor cores. Passes come from the `record_function` ranges
-"forward", "backward" and "optimizer" that `Engine._step` opens; a kernel belongs to the range its *launch* (the CPU-side
-runtime call, linked to the kernel by its CUPTI correlation id) falls in, by time, on any thread:
-autograd launches backward kernels from its own device thread, so nesting under the range's
-operator tree would miss them. Kernels replayed by a CUDA graph carry the correlation id of their
+"forward", "backward" and "optimizer" that `Engine._step` opens; a kernel belongs to the range its
+*launch* (the CPU-side runtime call, linked to the kernel by its CUPTI correlation id) falls in, by
+time, on any thread: autograd launches backward kernels from its own device thread, so nesting under
+the range's operator tree would miss them. Kernels replayed by a CUDA graph carry the correlation id of their
 `cudaGraphLaunch` and get the pass "graph". On a CPU there are no kernels: the rows are aten
 operators with their self CPU time, attributed the same way.
 
