@@ -183,16 +183,20 @@ def cmd_sample(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from .bench import bench_train
+    from .bench import bench_sample, bench_train
     from .env import environment, pick_device
 
+    if args.reference and args.phase == "sample":
+        raise ValueError("--reference times training steps only; drop it or use --phase train")
     configs = parse_config_list(args.configs)
     device = pick_device(args.device)
     spec = _spec(args)
     if args.reference and not (Path(args.reference) / "diffusion_model" / "unet.py").is_file():
         raise FileNotFoundError(f"{args.reference}: not a clone of mobaidoctor/med-ddpm (no diffusion_model/unet.py)")
     results = {"environment": environment(device), "spec": spec.__dict__ | {"mult": list(spec.mult)}, "runs": []}
-    jobs = [lambda c=c: bench_train(spec, c, device=device, warmup=args.warmup, steps=args.steps, seed=args.seed)
+    bench = bench_sample if args.phase == "sample" else bench_train
+    jobs = [lambda c=c: bench(spec, c, device=device, warmup=args.warmup, steps=args.steps, seed=args.seed,
+                              kernels=args.kernels or 0)
             for c in configs]
     if args.reference:
         from .reference import bench_reference
@@ -204,11 +208,18 @@ def cmd_bench(args) -> None:
         results["runs"].append(job())
         if args.json:  # after every run, atomically: a later failure keeps what was measured
             atomic_write(args.json, lambda f: f.write(json.dumps(results, indent=1).encode()))
-    print(f"{'run':<22}{'median ms':>10}{'p10':>9}{'p90':>9}{'peak GiB':>10}{'first warm-up s':>17}")
+    print(f"{args.phase} steps")
+    print(f"{'run':<40}{'median ms':>10}{'p10':>9}{'p90':>9}{'peak GiB':>10}{'first warm-up s':>17}")
     for r in results["runs"]:
         mem = r["peak_mem_bytes"] / 2**30 if r["peak_mem_bytes"] else float("nan")
-        print(f"{r['config']:<22}{r['median_ms']:>10.1f}{r['p10_ms']:>9.1f}{r['p90_ms']:>9.1f}{mem:>10.2f}"
+        print(f"{r['config']:<40}{r['median_ms']:>10.1f}{r['p10_ms']:>9.1f}{r['p90_ms']:>9.1f}{mem:>10.2f}"
               f"{(r['warmup_ms'] or [float('nan')])[0] / 1e3:>17.1f}")
+    for r in results["runs"]:
+        if "category_us" in r:
+            cats = ", ".join(f"{k} {v / 1e3:.2f}" for k, v in r["category_us"].items())
+            print(f"{r['config']}: kernels {r['kernel_us'] / 1e3:.2f} ms a step ({cats})")
+            for k in r["top_kernels"]:
+                print(f"  {k['total_us'] / 1e3:8.3f} ms {k['calls']:6.0f}x  {k['category']:<13} {k['short_name']}")
 
 
 def cmd_scale(args) -> None:
@@ -297,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_sample)
 
-    p = sub.add_parser("bench", help="time training micro-steps (fwd + bwd + Adam) per configuration")
+    p = sub.add_parser("bench", help="time training micro-steps (fwd + bwd + Adam) or denoising steps per configuration")
     _add_model_args(p)
     p.add_argument("--configs", default="paper", help="paper, all, or comma-separated names")
     p.add_argument("--warmup", type=_positive, default=5)
@@ -306,6 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device")
     p.add_argument("--reference", help="path to a clone of the reference mobaidoctor/med-ddpm, timed alongside")
     p.add_argument("--reference-precisions", default="fp32,tf32")
+    p.add_argument("--phase", choices=("train", "sample"), default="train",
+                   help="train: forward + backward + Adam; sample: one denoising step (a full sample is 250)")
+    p.add_argument("--kernels", type=_positive, metavar="N",
+                   help="after the timing, profile two more steps: device time by kernel category and the top N kernels")
     p.add_argument("--json", help="write all timings to this JSON file")
     p.set_defaults(func=cmd_bench)
 

@@ -77,8 +77,29 @@ def real_batch(spec: ModelSpec, *, seed: int = 0, batch: int = 1) -> tuple[torch
     return image, cond
 
 
+def kernel_summary(step: Callable[[], object], *, device: torch.device, top: int, steps: int = 2) -> dict:
+    """Device time per step by kernel category and the `top` kernels, from `steps` more steps under
+    torch.profiler (after the timing: profiling is kept apart from it). Microseconds per step."""
+    from .kernels import profile_kernels
+
+    k = profile_kernels(step, device=device, steps=steps, warmup=0)
+    per_kernel = (k.groupby(["short_name", "category"], as_index=False)[["calls", "total_us"]].sum()
+                  .sort_values("total_us", ascending=False, ignore_index=True))
+    per_kernel[["calls", "total_us"]] = per_kernel[["calls", "total_us"]] / steps
+    by_category = (k.groupby("category")["total_us"].sum() / steps).sort_values(ascending=False)
+    return {"kernel_us": float(k["total_us"].sum() / steps), "category_us": by_category.to_dict(),
+            "top_kernels": per_kernel.head(top).to_dict("records")}
+
+
+def _result(engine: Engine, result: dict) -> dict:
+    if engine.capture_peak_bytes is not None:  # a CUDA graph's memory was allocated at its capture
+        result["peak_mem_bytes"] = max(result["peak_mem_bytes"], engine.capture_peak_bytes)
+    return result | {"config": engine.config.name, "not_applicable": engine.run.not_applicable,
+                     "backend_flags": engine.backend_flags}
+
+
 def bench_train(spec: ModelSpec, config: Config | str, *, device: torch.device, warmup: int = 5,
-                steps: int = 30, batch: int = 1, seed: int = 0, progress: bool = True) -> dict:
+                steps: int = 30, batch: int = 1, seed: int = 0, kernels: int = 0, progress: bool = True) -> dict:
     """Median time of one micro-step (forward + backward + Adam step) for one configuration."""
     config = get_config(config)
     engine = Engine(spec, config, device=device, seed=seed, ema=False)
@@ -87,10 +108,29 @@ def bench_train(spec: ModelSpec, config: Config | str, *, device: torch.device, 
     losses = []
     result = time_steps(lambda: losses.append(engine.step((x0, c))), device=device, warmup=warmup, steps=steps,
                         desc=config.name, progress=progress)
-    if engine.capture_peak_bytes is not None:  # a CUDA graph's memory was allocated at its capture
-        result["peak_mem_bytes"] = max(result["peak_mem_bytes"], engine.capture_peak_bytes)
     result["loss"] = torch.stack(losses).float().cpu().tolist()
-    result["config"] = config.name
-    result["not_applicable"] = engine.run.not_applicable
-    result["backend_flags"] = engine.backend_flags
-    return result
+    if kernels:
+        result |= kernel_summary(lambda: engine.step((x0, c)), device=engine.device, top=kernels)
+    return _result(engine, result)
+
+
+def bench_sample(spec: ModelSpec, config: Config | str, *, device: torch.device, warmup: int = 5,
+                 steps: int = 30, batch: int = 1, seed: int = 0, timesteps: int = 250, kernels: int = 0,
+                 progress: bool = True) -> dict:
+    """Median time of one denoising step (`Engine.denoise_step`: the model's forward without gradients
+    and the ancestral update), at the middle of the schedule; a full sample is `timesteps` of them."""
+    config = get_config(config)
+    engine = Engine(spec, config, device=device, seed=seed, ema=False, timesteps=timesteps)
+    engine.model.eval()
+    _, cond = real_batch(spec, seed=seed, batch=batch)
+    c = engine.prepare(cond)
+    g = torch.Generator(engine.device).manual_seed(seed)
+    x, noise = (torch.randn((batch, spec.image_channels, *spec.shape), device=engine.device, generator=g)
+                for _ in range(2))
+    t = torch.full((batch,), timesteps // 2, device=engine.device, dtype=torch.long)
+    step = lambda: engine.denoise_step(x, c, t, noise)  # noqa: E731
+    result = time_steps(step, device=engine.device, warmup=warmup, steps=steps, desc=f"{config.name} sample",
+                        progress=progress)
+    if kernels:
+        result |= kernel_summary(step, device=engine.device, top=kernels)
+    return _result(engine, result | {"sample_total_s": result["median_ms"] * timesteps / 1e3})

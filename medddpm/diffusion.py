@@ -8,7 +8,9 @@ posterior q(x_{t-1} | x_t, x0).
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -84,14 +86,18 @@ class GaussianDiffusion(nn.Module):
 
     @torch.no_grad()
     def sample(self, model: nn.Module, cond: torch.Tensor, *, image_channels: int = 1,
-               generator: torch.Generator | None = None, progress: bool = True, step_callback=None) -> torch.Tensor:
-        """Generate images for the label maps `cond` (B, mask_channels, D, H, W); returns (B, C, D, H, W)."""
+               generator: torch.Generator | None = None, progress: bool = True, step_callback=None,
+               step: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+        """Generate images for the label maps `cond` (B, mask_channels, D, H, W); returns (B, C, D, H, W).
+
+        `step(x, cond, t, noise)` replaces `p_step(model, ...)` (`Engine.denoise_step` replays a CUDA graph)."""
+        step = step or functools.partial(self.p_step, model)
         b, _, *spatial = cond.shape
         shape = (b, image_channels, *spatial)
         x = torch.randn(shape, device=cond.device, generator=generator)
         for i in tqdm(reversed(range(self.timesteps)), total=self.timesteps, desc="sampling", disable=not progress):
             t = torch.full((b,), i, device=cond.device, dtype=torch.long)
-            x = self.p_step(model, x, cond, t, torch.randn(shape, device=cond.device, generator=generator))
+            x = step(x, cond, t, torch.randn(shape, device=cond.device, generator=generator))
             if step_callback is not None:
                 step_callback(i)
         return x

@@ -70,8 +70,9 @@ class Engine:
         self.ema = EMA(self.model) if ema else None
         self.step_count = 0
         self._graph: torch.cuda.CUDAGraph | None = None
-        self.capture_peak_bytes: int | None = None  # allocated peak while the CUDA graph was captured
+        self.capture_peak_bytes: int | None = None  # allocated peak while the last CUDA graph was captured
         self._static: tuple[list[tuple[torch.Tensor, ...]], torch.Tensor] | None = None
+        self._denoise_graph: tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], torch.Tensor] | None = None
         self.ddp: torch.nn.parallel.DistributedDataParallel | None = None
         if ddp:
             self.wrap_ddp()
@@ -201,6 +202,50 @@ class Engine:
         if self.ema is not None:
             self.ema.update(self.model, self.step_count)
         return loss
+
+    # ---------------------------------------------------------------------------------- sampling
+
+    def _denoise(self, x: torch.Tensor, cond: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        with self.autocast(), torch.no_grad():
+            return self.diffusion.p_step(self.denoiser, x, cond, t, noise)
+
+    def _capture_denoise(self, inputs: tuple[torch.Tensor, ...]) -> None:
+        """Record one denoising step, as `_capture` records a training step (side-stream warm-up first)."""
+        static = tuple(v.clone() for v in inputs)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(3):  # compilation of the inference graph and cuDNN autotuning stay outside
+                self._denoise(*static)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self._denoise(*static)
+        self.capture_peak_bytes = torch.cuda.max_memory_allocated(self.device)
+        self._denoise_graph = graph, static, out
+
+    def denoise_step(self, x: torch.Tensor, cond: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """One ancestral step x_t -> x_{t-1} (`GaussianDiffusion.p_step`) without gradients, under the
+        configuration's autocast. With `cuda_graphs` the step is captured once per input shape and then
+        replayed: 250 steps of one sample launch 250 graphs instead of some 150 kernels each."""
+        if not self.run.cuda_graphs:
+            return self._denoise(x, cond, t, noise)
+        inputs = (x, cond, t, noise)
+        if self._denoise_graph is None or [v.shape for v in self._denoise_graph[1]] != [v.shape for v in inputs]:
+            self._capture_denoise(inputs)
+        graph, static, out = self._denoise_graph
+        for dst, src in zip(static, inputs, strict=True):
+            dst.copy_(src, non_blocking=True)
+        graph.replay()
+        return out.clone()  # the next replay overwrites `out`
+
+    def sample(self, cond: torch.Tensor, *, image_channels: int, generator: torch.Generator | None = None,
+               progress: bool = True, step_callback=None) -> torch.Tensor:
+        """Ancestral sampling (`GaussianDiffusion.sample`) with this configuration's denoising step."""
+        return self.diffusion.sample(self.denoiser, cond, image_channels=image_channels, generator=generator,
+                                     progress=progress, step_callback=step_callback, step=self.denoise_step)
 
     # -------------------------------------------------------------------------------- checkpoints
 

@@ -63,9 +63,7 @@ def generate(engine: Engine, labels: np.ndarray, *, seed: int = 0, progress: boo
         raise DataError(f"label map has label {int(labels.max())} but the model knows {spec.mask_channels} classes")
     cond = engine.prepare(one_hot_condition(labels, num_classes=spec.mask_channels)[None])
     g = torch.Generator(engine.device).manual_seed(seed)
-    with engine.autocast():
-        x = engine.diffusion.sample(engine.denoiser, cond, image_channels=spec.image_channels, generator=g,
-                                    progress=progress)
+    x = engine.sample(cond, image_channels=spec.image_channels, generator=g, progress=progress)
     return x[0].float().cpu().numpy()
 
 

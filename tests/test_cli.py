@@ -66,6 +66,18 @@ def test_train_then_sample_on_embedded_data(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "gen" / "mask" / "sample_000.nii.gz").exists()
 
 
+def test_bench_times_denoising_steps_with_a_kernel_breakdown(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--phase", "sample", "--configs", "sdpa", "--size", "16", "--base-channels", "32",
+                 "--device", "cpu", "--warmup", "1", "--steps", "2", "--kernels", "3", "--json", str(out)]) == 0
+    (run_,) = json.loads(out.read_text())["runs"]
+    assert run_["config"] == "sdpa" and len(run_["step_ms"]) == 2
+    assert run_["sample_total_s"] == pytest.approx(run_["median_ms"] * 250 / 1e3)
+    assert len(run_["top_kernels"]) == 3 and "convolution" in run_["category_us"]
+    assert sum(run_["category_us"].values()) == pytest.approx(run_["kernel_us"])
+    assert "sample steps" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("args, message", [
     (["train", "--config", "opt3", "--out", "x"], "unknown configuration 'opt3'"),
     (["train", "--steps", "-5", "--out", "x"], "expected a positive integer, got -5"),
@@ -82,6 +94,8 @@ def test_train_then_sample_on_embedded_data(tmp_path, monkeypatch, capsys):
     (["train", "--group-norm", "welford", "--out", "x"], "invalid choice: 'welford'"),
     (["train", "--pad-channels", "8", "--out", "x"], "expected true or false"),
     (["bench", "--configs", "best+group_norm=welford"], "group_norm must be one of ('aten', 'chunked')"),
+    (["bench", "--phase", "sample", "--reference", "/some/med-ddpm"], "--reference times training steps only"),
+    (["bench", "--phase", "sample", "--kernels", "0"], "expected a positive integer, got 0"),
 ])
 def test_bad_input_fails_with_one_clear_line(args, message, tmp_path):
     out = run(*args, cwd=tmp_path)

@@ -198,3 +198,40 @@ def test_best_levers_compile_to_the_same_step():
         loss, grad = _loss_and_grads(_randomized(spec, base.with_flags(**flags)), spec)
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6, msg=str(flags))
         assert float((grad - ref_grad).norm() / ref_grad.norm()) < 1e-5, flags
+
+
+def test_engine_sample_is_the_diffusion_sampler(tiny_spec):
+    """Without CUDA graphs `Engine.sample` runs `GaussianDiffusion.sample` with the same model."""
+    engine = _randomized(tiny_spec, "sdpa")
+    _, c = random_batch(tiny_spec, seed=5)
+    cond = engine.prepare(c)
+    with torch.no_grad():
+        ours = engine.sample(cond, image_channels=1, generator=torch.Generator().manual_seed(0), progress=False)
+        with engine.autocast():
+            theirs = engine.diffusion.sample(engine.denoiser, cond, generator=torch.Generator().manual_seed(0),
+                                             progress=False)
+    assert ours.shape == (1, 1, *tiny_spec.shape)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_denoise_graph_replays_the_eager_step(tiny_spec):
+    """A captured denoising step gives what the eager step gives, for new inputs at every replay."""
+    from medddpm.measure import randomize_
+
+    engine = Engine(tiny_spec, "graphs", device="cuda", ema=False, seed=0)
+    randomize_(engine.model, seed=1)  # the zero-initialised output layer would hide the model
+    engine.model.eval()
+    _, c = random_batch(tiny_spec, seed=5)
+    cond = engine.prepare(c)
+    g = torch.Generator("cuda").manual_seed(0)
+    x = torch.randn((1, 1, *tiny_spec.shape), device="cuda", generator=g)
+    for step in (200, 120, 0):  # t = 0 drops the noise term: a different branch of the same graph
+        t = torch.full((1,), step, device="cuda", dtype=torch.long)
+        noise = torch.randn(x.shape, device="cuda", generator=g)
+        replayed = engine.denoise_step(x, cond, t, noise)
+        eager = engine._denoise(x, cond, t, noise)
+        torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
+        assert not torch.equal(replayed, x)
+        x = replayed
+    assert engine._denoise_graph is not None and engine.capture_peak_bytes > 0
