@@ -177,6 +177,32 @@ def test_pin_layout_pins_every_convolution_input_and_keeps_the_values(monkeypatc
     torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
 
 
+def test_pin_layout_holds_in_the_compiled_denoising_step(fresh_inductor):
+    """Without gradients Inductor may turn its layout optimization on, which drops the pinned strides
+    of 3-D convolutions (layout.compile_options): every convolution of the compiled denoising step
+    must still write channels-last, with the values of the unpinned step."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from medddpm.model import ModelSpec
+
+    torch._dynamo.reset()
+    spec = ModelSpec(size=8, mask_channels=3, base_channels=32, channel_mult=(1, 2), attention_ds=(2,))
+    # bf16 as in best (on this CPU an fp32 graph copies the weights NCDHW before Inductor's lowering)
+    plain, pinned = (_randomized(spec, CONFIGS["compile"].with_flags(pin_layout=p)) for p in (False, True))
+    _, c = random_batch(spec, seed=3)
+    x, noise = torch.randn((2, 1, *spec.shape), generator=torch.Generator().manual_seed(4))
+    inputs = (x[None], plain.prepare(c), torch.tensor([37]), noise[None])
+    ref = plain._denoise(*inputs)
+    out, code = run_and_get_code(pinned._denoise, *inputs)
+    strides = re.findall(r"extern_kernels\.convolution\(.*\n.*assert_size_stride\(\w+, \([\d, ]+\), \(([\d, ]+)\)",
+                         "\n".join(code))
+    assert len(strides) == sum(isinstance(m, torch.nn.Conv3d) for m in pinned.model.modules()), strides
+    assert all(s.split(", ")[1] == "1" for s in strides), f"convolutions writing NCDHW: {strides}"
+    torch.testing.assert_close(out, ref, rtol=0.02, atol=0.02)  # bf16 convolutions of other layouts
+
+
 def test_pin_layout_needs_compile_and_channels_last():
     from medddpm.configs import get_config, resolve
 
@@ -186,7 +212,7 @@ def test_pin_layout_needs_compile_and_channels_last():
 
 
 def test_best_levers_compile_to_the_same_step():
-    """best's model-side levers (chunked GroupNorm) and the unmeasured `pad_channels`, compiled with the
+    """best's model-side levers (chunked GroupNorm, padded stem and output channels), compiled with the
     layout pass: the same loss and gradients as the plain compiled step (fp32, so the comparison is tight)."""
     from medddpm.model import ModelSpec
 
