@@ -209,7 +209,8 @@ COST_METRICS = {
     "epoch_s": "one epoch (s)",
     "gpu_hours_100k": "100k steps (device-hours)",
     "energy_100k_kwh": "100k steps (kWh)",
-    "sample_total_s": "one full sample (s)",
+    "sample_s": "one full sample, 250 steps (s)",
+    "sample_total_s": "first sample in a process, with compilation (s)",
     "peak_mem_gib": "peak memory (GiB)",
     "achieved_tflops": "achieved TFLOP/s",
 }

@@ -18,6 +18,9 @@ from torch import nn
 from tqdm import tqdm  # text bars: tqdm.auto draws ipywidgets bars, a message per update under papermill
 
 
+TIMESTEPS = 250  # the reference's T, for training and for ancestral sampling
+
+
 def cosine_betas(timesteps: int, *, s: float = 0.008, max_beta: float = 0.999) -> torch.Tensor:
     steps = torch.arange(timesteps + 1, dtype=torch.float64)
     alpha_bar = torch.cos((steps / timesteps + s) / (1 + s) * math.pi / 2) ** 2
@@ -32,7 +35,7 @@ def _gather(buf: torch.Tensor, t: torch.Tensor, ndim: int) -> torch.Tensor:
 class GaussianDiffusion(nn.Module):
     """Holds the schedule; the denoiser is passed in, so one schedule serves a compiled model too."""
 
-    def __init__(self, *, timesteps: int = 250):
+    def __init__(self, *, timesteps: int = TIMESTEPS):
         super().__init__()
         if not isinstance(timesteps, int) or timesteps < 1:
             raise ValueError(f"timesteps must be a positive int, got {timesteps!r}")

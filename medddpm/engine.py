@@ -14,7 +14,7 @@ import torch
 from torch.profiler import record_function
 
 from .configs import Config, Resolved, get_config, resolve, set_precision_flags
-from .diffusion import GaussianDiffusion
+from .diffusion import TIMESTEPS, GaussianDiffusion
 from .layout import compile_options
 from .model import ModelSpec, UNet3D
 
@@ -50,7 +50,7 @@ class EMA:
 
 class Engine:
     def __init__(self, spec: ModelSpec, config: Config | str, *, device: torch.device | str = "cpu",
-                 lr: float = 1e-5, timesteps: int = 250, seed: int = 0, ema: bool = True, ddp: bool = False):
+                 lr: float = 1e-5, timesteps: int = TIMESTEPS, seed: int = 0, ema: bool = True, ddp: bool = False):
         config = get_config(config)
         self.spec, self.config = spec, config
         self.run: Resolved = resolve(config, device)

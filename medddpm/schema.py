@@ -91,7 +91,7 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "energy_100k_kwh": (F, "projected energy for 100k steps x 2 micro-steps"),
         "sample_steps": (I, "denoising steps in one sample (T)"),
         "sample_step_median_ms": (F, "median time of one denoising step"),
-        "sample_total_s": (F, "time of one full sample"),
+        "sample_total_s": (F, "wall time of the timed sample, the first in its process (compilation included)"),
         "sample_peak_mem_bytes": (I, "peak allocated device memory while sampling (-1 on a CPU)"),
         "profilers": (S, "JSON: profiler -> status and message"),
         "start_time": (S, "UTC start, ISO 8601"),
