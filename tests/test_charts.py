@@ -234,6 +234,21 @@ def test_claims_on_a_gpu_follow_the_data(real):
     assert v["tf32-time"] == bd.FAILS
 
 
+def test_channels_last_shift_falls_back_to_the_tf32_pair(real):
+    """Without opt2, the channels-last claim compares opt12 with opt1 and says so; without either pair
+    it is not measurable."""
+    k = real.kernels
+    h200 = k[k["gpu_slug"] == "nvidia-h200"]
+    if not {"opt1", "opt12"} <= set(h200["config"]) or "opt2" in set(h200["config"]):
+        pytest.skip("needs H200 kernel profiles of opt1 and opt12 and none of opt2")
+    table = bd.claims(real)
+    row = table[(table["gpu_slug"] == "nvidia-h200") & (table["claim_id"] == "cl-shift")].iloc[0]
+    assert row["verdict"] == bd.HOLDS and "(opt1)" in row["evidence"] and "(opt12)" in row["evidence"]
+    no_pair = dataclasses.replace(real, kernels=k[~((k["gpu_slug"] == "nvidia-h200") & (k["config"] == "opt12"))])
+    row = bd.claims(no_pair).query("gpu_slug == 'nvidia-h200' and claim_id == 'cl-shift'").iloc[0]
+    assert row["verdict"] == bd.NA and "opt1 and opt12" in row["evidence"]
+
+
 def test_claims_use_bench_timings_where_no_sweep(real):
     if real.bench.empty:
         pytest.skip("no bench JSON in data/")
