@@ -311,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_sample)
 
-    p = sub.add_parser("bench", help="time training micro-steps (fwd + bwd + Adam) or denoising steps per configuration")
+    p = sub.add_parser("bench", help="time training micro-steps (fwd + bwd + Adam) or denoising steps "
+                                     "per configuration")
     _add_model_args(p)
     p.add_argument("--configs", default="paper", help="paper, all, or comma-separated names")
     p.add_argument("--warmup", type=_positive, default=5)
@@ -323,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--phase", choices=("train", "sample"), default="train",
                    help="train: forward + backward + Adam; sample: one denoising step (a full sample is 250)")
     p.add_argument("--kernels", type=_positive, metavar="N",
-                   help="after the timing, profile two more steps: device time by kernel category and the top N kernels")
+                   help="after the timing, profile two more steps: device time by kernel category and the "
+                        "top N kernels")
     p.add_argument("--json", help="write all timings to this JSON file")
     p.set_defaults(func=cmd_bench)
 

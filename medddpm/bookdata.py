@@ -356,8 +356,8 @@ def step_summary(run: pd.DataFrame) -> pd.DataFrame:
     # A full sample once compiled and captured; sample_total_s is the first one in a process, which
     # compiles (and on the smoke preset runs fewer steps).
     ok["sample_s"] = ok["sample_step_median_ms"] * TIMESTEPS / 1e3
-    cols = ["gpu_slug", "device", "config", "preset", "size", "precision_used", "compile", "train_median_ms", "train_p10_ms",
-            "train_p90_ms", "speedup", "achieved_tflops", "dispatch_median_ms", "epoch_s", "gpu_hours_100k",
+    cols = ["gpu_slug", "device", "config", "preset", "size", "precision_used", "compile", "train_median_ms",
+            "train_p10_ms", "train_p90_ms", "speedup", "achieved_tflops", "dispatch_median_ms", "epoch_s", "gpu_hours_100k",
             "energy_per_step_j", "energy_100k_kwh", "mean_power_w", "sample_step_median_ms", "sample_s",
             "sample_total_s", "peak_mem_gib", "peak_reserved_gib", "warmup_s", "first_step_s", "flops_per_step"]
     return _sort(ok[cols])
