@@ -41,6 +41,16 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {value:g}")
+    return value
+
+
 def _add_model_args(p: argparse.ArgumentParser, *, mask_default: int | None = 3) -> None:
     p.add_argument("--preset", choices=PRESET_NAMES, help="the model of a measurement preset (brats: the BraTS "
                                                           "setting); --size and --base-channels override it")
@@ -65,13 +75,16 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    help="stem and output convolutions zero-padded to 8 channels (the same numbers)")
     g.add_argument("--cudnn-try-all", type=_bool, metavar="BOOL",
                    help="cuDNN autotuning tries every algorithm (benchmark_limit 0)")
+    g.add_argument("--memory-budget", type=_fraction, metavar="F",
+                   help="compiled graphs: activations kept for backward, as a fraction of the partitioner's "
+                        "default (0 to 1; less recomputes more)")
     g.add_argument("--checkpointing", type=_bool, metavar="BOOL", help="activation checkpointing per U-Net block")
     g.add_argument("--pin-layout", type=_bool, metavar="BOOL",
                    help="compiled graphs: channels-last 3D pinned at every convolution input")
 
 
 _OVERRIDES = ("precision", "channels_last", "compile", "cuda_graphs", "fused_adam", "recompute_attention", "attention",
-              "upsample", "checkpointing", "pin_layout", "group_norm", "pad_channels", "cudnn_try_all")
+              "upsample", "checkpointing", "pin_layout", "group_norm", "pad_channels", "cudnn_try_all", "memory_budget")
 
 
 def _config_from(args):

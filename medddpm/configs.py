@@ -39,6 +39,9 @@ class Config:
     group_norm: GroupNormKind = "aten"  # "chunked": statistics per channel over voxel chunks, then per group (model.py)
     pad_channels: bool = False  # stem and output convolutions zero-padded to 8 channels (cuDNN's aligned kernels)
     cudnn_try_all: bool = False  # cuDNN autotuning tries every algorithm (benchmark_limit 0), not PyTorch's first 10
+    # compiled graphs: activations AOTAutograd's partitioner may keep, as a fraction of what it keeps by
+    # default (functorch's activation_memory_budget; 0 = recompute the whole compiled region in backward)
+    memory_budget: float = 1.0
     description: str = field(default="", compare=False)
 
     def __post_init__(self):
@@ -49,6 +52,9 @@ class Config:
                 raise ConfigError(f"config flag {f.name} must be a bool, got {value!r}")
             if hint is str and not isinstance(value, str):
                 raise ConfigError(f"config field {f.name} must be a str, got {value!r}")
+            if hint is float and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0.0 <= value <= 1.0):
+                raise ConfigError(f"config flag {f.name} must be a number from 0 to 1, got {value!r}")
             if get_args(hint) and value not in get_args(hint):
                 raise ConfigError(f"config flag {f.name} must be one of {get_args(hint)}, got {value!r}")
 
@@ -98,6 +104,9 @@ CONFIGS: dict[str, Config] = {c.name: c for c in [
 PAPER = ("baseline", "opt1", "opt2", "opt12")
 
 
+_HINTS = get_type_hints(Config)
+
+
 def get_config(name: str | Config) -> Config:
     if isinstance(name, Config):
         return name
@@ -115,6 +124,11 @@ def get_config(name: str | Config) -> Config:
         if not eq or not key:
             raise ConfigError(f"bad switch {change!r} in {name!r}; expected FLAG=VALUE")
         flags[key] = {"true": True, "false": False}.get(value.lower(), value)
+        if _HINTS.get(key) is float:
+            try:
+                flags[key] = float(value)
+            except ValueError:
+                raise ConfigError(f"config flag {key} must be a number from 0 to 1, got {value!r}") from None
     return CONFIGS[base].with_flags(name=name, **flags)
 
 
@@ -146,6 +160,7 @@ class Resolved:
     fused_adam: bool
     pin_layout: bool
     cudnn_try_all: bool
+    memory_budget: float
     not_applicable: dict[str, str]  # flag -> why it is off on this device
 
     @property
@@ -175,8 +190,11 @@ def resolve(config: Config, device: torch.device | str) -> Resolved:
     try_all = config.cudnn_try_all and device.type == "cuda"
     if config.cudnn_try_all and not try_all:
         na["cudnn_try_all"] = "cuDNN autotuning needs a CUDA device"
+    budget = config.memory_budget if config.compile else 1.0
+    if budget != config.memory_budget:
+        na["memory_budget"] = "a budget for the compiled graphs' partitioner: needs compile"
     return Resolved(config, device, precision, config.channels_last, config.compile, graphs, config.fused_adam, pin,
-                    try_all, na)
+                    try_all, budget, na)
 
 
 DEFAULT_BENCHMARK_LIMIT = torch.backends.cudnn.benchmark_limit  # PyTorch's: 10 (None in a build without cuDNN)

@@ -48,6 +48,30 @@ class EMA:
         torch._foreach_copy_(self.params, [p.to(self.params[0].device) for p in state["params"]])
 
 
+class BudgetedInductor:
+    """Inductor with AOTAutograd's activation memory budget (`memory_budget`) set while it partitions
+    the joint graph into forward and backward: the budget is functorch's config, which
+    `torch.compile(options=...)` cannot carry, and a config patch around the first call would let
+    Dynamo hand the graph of an engine compiled before to one of another budget. Equal budgets and
+    options compare equal (Dynamo's backend match, pytorch/pytorch#168373)."""
+
+    def __init__(self, budget: float, options: dict):
+        self.budget, self.options = budget, options
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        import torch._functorch.config
+        from torch._inductor.compile_fx import compile_fx
+
+        with torch._functorch.config.patch(activation_memory_budget=self.budget):
+            return compile_fx(gm, example_inputs, config_patches=self.options)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, BudgetedInductor) and (self.budget, self.options) == (other.budget, other.options)
+
+    def __hash__(self) -> int:
+        return hash(self.budget)
+
+
 class Engine:
     def __init__(self, spec: ModelSpec, config: Config | str, *, device: torch.device | str = "cpu",
                  lr: float = 1e-5, timesteps: int = TIMESTEPS, seed: int = 0, ema: bool = True, ddp: bool = False):
@@ -103,7 +127,10 @@ class Engine:
     def _compile(self, module: torch.nn.Module):
         # dynamic=False: a run trains one volume shape; after other shapes in one process, automatic
         # dynamic shapes would trace symbolic sizes, which checkpointed blocks fail to lower (torch 2.13 CPU)
-        return torch.compile(module, dynamic=False, options=compile_options(pin_layout=self.run.pin_layout))
+        options = compile_options(pin_layout=self.run.pin_layout)
+        if self.run.memory_budget < 1.0:
+            return torch.compile(module, dynamic=False, backend=BudgetedInductor(self.run.memory_budget, options))
+        return torch.compile(module, dynamic=False, options=options)
 
     def autocast(self):
         dtype = self.run.autocast_dtype

@@ -52,6 +52,8 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "group_norm": (S, "aten | chunked (GroupNorm statistics per channel over voxel chunks, then per group)"),
         "pad_channels": (B, "stem and output convolutions zero-padded to 8 channels"),
         "cudnn_try_all": (B, "cuDNN autotuning tried every algorithm (benchmark_limit 0; as requested)"),
+        "memory_budget": (F, "activations the compiled graphs' partitioner may keep, as a fraction of its default "
+                             "(as requested; 1 = PyTorch's default)"),
         "not_applicable": (S, "JSON: switches that could not apply on this device, with why"),
         "backend_flags": (S, "JSON: fp32 math modes read back after setting them"),
         "preset": (S, "smoke | paper | brats"),
@@ -180,6 +182,7 @@ ADDED: dict[str, dict[str, object]] = {
         "group_norm": "aten",  # the switch came in session 4; before it, always F.group_norm
         "pad_channels": False,  # the switches came in session 4
         "cudnn_try_all": False,
+        "memory_budget": 1.0,  # the switch came in session 5
     },
     "kernels": {"op": ""},  # which operator launched a kernel: recorded since session 3 (not known before)
 }

@@ -96,6 +96,7 @@ def test_bench_times_denoising_steps_with_a_kernel_breakdown(tmp_path, capsys):
     (["bench", "--configs", "best+group_norm=welford"], "group_norm must be one of ('aten', 'chunked')"),
     (["bench", "--phase", "sample", "--reference", "/some/med-ddpm"], "--reference times training steps only"),
     (["bench", "--phase", "sample", "--kernels", "0"], "expected a positive integer, got 0"),
+    (["train", "--memory-budget", "1.5", "--out", "x"], "expected a number from 0 to 1, got 1.5"),
 ])
 def test_bad_input_fails_with_one_clear_line(args, message, tmp_path):
     out = run(*args, cwd=tmp_path)

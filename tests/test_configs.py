@@ -33,6 +33,9 @@ def test_checkpointed_configurations_are_their_twins_plus_checkpointing():
     (dict(channels_last="yes"), "channels_last must be a bool"),
     (dict(compile=1), "compile must be a bool"),
     (dict(attention="flash"), "attention must be one of"),
+    (dict(memory_budget=1.5), "memory_budget must be a number from 0 to 1"),
+    (dict(memory_budget=True), "memory_budget must be a number from 0 to 1"),
+    (dict(memory_budget="half"), "memory_budget must be a number from 0 to 1"),
 ])
 def test_wrong_flag_types_are_refused(bad, message):
     with pytest.raises(ConfigError, match=message):
@@ -48,6 +51,16 @@ def test_unknown_names_are_refused_before_any_work():
         CONFIGS["baseline"].with_flags(turbo=True)
     assert [c.name for c in parse_config_list("paper")] == list(PAPER)
     assert len(parse_config_list("all")) == len(CONFIGS)
+
+
+def test_memory_budget_is_a_number_in_a_name_and_needs_compile():
+    c = get_config("best+memory_budget=0.25")
+    assert c.memory_budget == 0.25 and c.name == "best+memory_budget=0.25"
+    with pytest.raises(ConfigError, match="memory_budget must be a number from 0 to 1, got 'most'"):
+        get_config("best+memory_budget=most")
+    assert resolve(c, "cpu").memory_budget == 0.25
+    r = resolve(get_config("opt1+memory_budget=0.5"), "cpu")
+    assert r.memory_budget == 1.0 and "needs compile" in r.not_applicable["memory_budget"]
 
 
 def test_with_flags_composes_and_names_the_change():

@@ -203,6 +203,31 @@ def test_pin_layout_holds_in_the_compiled_denoising_step(fresh_inductor):
     torch.testing.assert_close(out, ref, rtol=0.02, atol=0.02)  # bf16 convolutions of other layouts
 
 
+def test_memory_budget_keeps_fewer_activations_for_the_same_step(fresh_inductor, tiny_spec):
+    """A partitioner budget of 0 makes the compiled step keep fewer bytes for backward (it recomputes
+    more) and compute the same loss and gradients. Engines of other budgets in the same process compile
+    their own graphs (a budget set around the call instead would reuse the first engine's)."""
+    torch._dynamo.reset()
+    spec = tiny_spec  # 16^3: at 8^3 the tensors any plan keeps (inputs, conv outputs) are most of the bytes
+    results = {}
+    for budget in (1.0, 0.0, 1.0):
+        engine = _randomized(spec, CONFIGS["compile"].with_flags(precision="fp32", memory_budget=budget))
+        saved = {}
+
+        def pack(t):
+            saved[id(t)] = t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss, grad = _loss_and_grads(engine, spec)
+        results.setdefault(budget, []).append((sum(saved.values()), loss, grad))
+    (full, loss, grad), (full_again, *_) = results[1.0]
+    ((less, less_loss, less_grad),) = results[0.0]
+    assert full_again == full and less < 0.5 * full, (full, less)
+    torch.testing.assert_close(less_loss, loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(less_grad, grad, rtol=1e-5, atol=1e-7)
+
+
 def test_pin_layout_needs_compile_and_channels_last():
     from medddpm.configs import get_config, resolve
 
