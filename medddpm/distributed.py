@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gc
 import os
 import sys
 from pathlib import Path
@@ -51,6 +52,14 @@ def is_main() -> bool:
 
 
 def cleanup() -> None:
+    """Destroy the process group; call it after letting go of the DDP model.
+
+    If a DDP Reducer holds the last reference to a gloo group, the group dies in the Reducer's
+    destructor, which joins the group's worker threads with the GIL held, while a worker finishing its
+    last work waits for the GIL: the rank hangs at exit (pytorch/pytorch#56297; seen in CI, one rank
+    of two stuck in `~ProcessGroupGloo` under `~Reducer`). Destroyed from here instead, the group goes
+    through its Python binding, which releases the GIL first (pytorch/pytorch#154976)."""
+    gc.collect()  # DDP's hooks make reference cycles: the Reducer goes only with a collection
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -80,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     data = _open_data(args)
     spec = _spec(args, data.mask_channels, getattr(data, "image_channels", 1))
     rank, world, _, device = init_from_env(args.backend)
+    engine = None
     try:
         engine = train(spec, config, data, out_dir=args.out, steps=args.steps, device=device,
                        grad_accum=args.grad_accum, lr=args.lr, seed=args.seed, save_every=args.save_every,
@@ -88,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"trained {engine.step_count} steps on {world} ranks ({dist.get_backend()}); "
                   f"checkpoint in {Path(args.out) / 'checkpoint.pt'}", file=sys.stderr)
     finally:
+        engine = None  # the DDP model first, then the group (cleanup)
         cleanup()
     return 0
 

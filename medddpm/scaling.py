@@ -129,6 +129,7 @@ def _worker(argv: list[str] | None = None) -> int:
     steps = args.steps or preset.steps
     warmup = preset.warmup if args.warmup is None else args.warmup
     rank, world, _, device = init_from_env()
+    engine = None
     try:
         start = dt.datetime.now(dt.timezone.utc)
         data = open_dataset("mni", size=preset.size, seed=args.seed)
@@ -155,6 +156,7 @@ def _worker(argv: list[str] | None = None) -> int:
             print(f"scale: {world} rank(s) -> {path}", file=sys.stderr)
         dist.barrier()
     finally:
+        engine = None  # the DDP model first, then the group (distributed.cleanup)
         cleanup()
     return 0
 
