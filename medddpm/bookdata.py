@@ -167,9 +167,14 @@ def redefined(row) -> str:
         return ""
 
 
+def _changed(row, flags: dict) -> dict:
+    """The switches in which a run's row differs from `flags`, with the row's values."""
+    return {k: row[k] for k, v in flags.items() if k in row and row[k] != v}
+
+
 def _differs(row, flags: dict) -> str:
     """'pin_layout=False, group_norm=aten': the switches in which a run's row differs from `flags`."""
-    return ", ".join(f"{k}={row[k]}" for k, v in flags.items() if k in row and row[k] != v)
+    return ", ".join(f"{k}={v}" for k, v in _changed(row, flags).items())
 
 
 def kept_runs(root: str | os.PathLike | None = None) -> pd.DataFrame:
@@ -206,7 +211,7 @@ def lever_ladder(run: pd.DataFrame, kept: pd.DataFrame, config: str = "best") ->
                     & (kept["train_median_ms"] > 0) & (kept["config"].str.split("+").str[0] == config)]
         chain = pd.concat([same, run.loc[[main.Index]]])
         # furthest from today's definition first; among equals, the slower first
-        chain["_far"] = [sum(r[k] != v for k, v in now.items()) for r in chain.to_dict("records")]
+        chain["_far"] = [len(_changed(r, now)) for r in chain.to_dict("records")]
         chain = chain.sort_values(["_far", "train_median_ms"], ascending=False)
         prev = None
         for r in chain.to_dict("records"):
@@ -357,8 +362,8 @@ def step_summary(run: pd.DataFrame) -> pd.DataFrame:
     # compiles (and on the smoke preset runs fewer steps).
     ok["sample_s"] = ok["sample_step_median_ms"] * TIMESTEPS / 1e3
     cols = ["gpu_slug", "device", "config", "preset", "size", "precision_used", "compile", "train_median_ms",
-            "train_p10_ms", "train_p90_ms", "speedup", "achieved_tflops", "dispatch_median_ms", "epoch_s", "gpu_hours_100k",
-            "energy_per_step_j", "energy_100k_kwh", "mean_power_w", "sample_step_median_ms", "sample_s",
+            "train_p10_ms", "train_p90_ms", "speedup", "achieved_tflops", "dispatch_median_ms", "epoch_s",
+            "gpu_hours_100k", "energy_per_step_j", "energy_100k_kwh", "mean_power_w", "sample_step_median_ms", "sample_s",
             "sample_total_s", "peak_mem_gib", "peak_reserved_gib", "warmup_s", "first_step_s", "flops_per_step"]
     return _sort(ok[cols])
 

@@ -37,7 +37,7 @@ class Config:
     checkpointing: bool = False  # activation checkpointing per U-Net block: keep block inputs, recompute the rest
     pin_layout: bool = False  # compiled graphs: channels-last 3D pinned at every convolution input (medddpm.layout)
     group_norm: GroupNormKind = "aten"  # "chunked": statistics per channel over voxel chunks, then per group (model.py)
-    pad_channels: bool = False  # stem and output convolutions zero-padded to 8 channels (cuDNN's aligned kernels)
+    pad_channels: bool = False  # stem and output convolutions zero-padded to 8 channels (model.PaddedConv3d)
     cudnn_try_all: bool = False  # cuDNN autotuning tries every algorithm (benchmark_limit 0), not PyTorch's first 10
     # compiled graphs: activations AOTAutograd's partitioner may keep, as a fraction of what it keeps by
     # default (functorch's activation_memory_budget; 0 = recompute the whole compiled region in backward)

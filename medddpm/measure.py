@@ -299,9 +299,8 @@ class Measurement:
 
             mark(None)
             t0 = time.perf_counter()
-            with torch.no_grad():
-                engine.sample(cond, image_channels=self.spec.image_channels,
-                              generator=torch.Generator(self.device).manual_seed(0), step_callback=mark)
+            engine.sample(cond, image_channels=self.spec.image_channels,  # no_grad: GaussianDiffusion.sample
+                          generator=torch.Generator(self.device).manual_seed(0), step_callback=mark)
             if cuda:
                 torch.cuda.synchronize(self.device)
                 times = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]

@@ -184,14 +184,15 @@ ALIGN_CHANNELS = 8  # bf16 channels per 16-byte vector: cuDNN's Hopper kernels w
 class PaddedConv3d(nn.Conv3d):
     """nn.Conv3d (same parameters) computed with its in- and out-channels zero-padded to a multiple of
     `ALIGN_CHANNELS`, then the extra outputs dropped: the same numbers. For the stem (4 or 8 channels
-    in) and the output (1 or 4 out) of the U-Net, which cuDNN otherwise runs with slower sm80
-    "indexed" kernels on the H200 (data/nvidia-h200/NOTES.md)."""
+    in) and the output (1 or 4 out) of the U-Net. Aimed at cuDNN's sm80 "indexed" kernels; on the H200
+    those stayed, and what went is the stem input's layout conversion (data/nvidia-h200/NOTES.md)."""
 
     def forward(self, x):
         pin, pout = -self.in_channels % ALIGN_CHANNELS, -self.out_channels % ALIGN_CHANNELS
         if not (pin or pout):
             return super().forward(x)
-        fmt = torch.channels_last_3d if x.is_contiguous(memory_format=torch.channels_last_3d) else torch.contiguous_format
+        cl = torch.channels_last_3d
+        fmt = cl if x.is_contiguous(memory_format=cl) else torch.contiguous_format
         x = F.pad(x, (0, 0) * 3 + (0, pin)).contiguous(memory_format=fmt)  # (W, H, D, C) pairs from the last dim
         w = F.pad(self.weight, (0, 0) * 3 + (0, pin, 0, pout))  # (kW, kH, kD, C_in, C_out)
         b = F.pad(self.bias, (0, pout)) if self.bias is not None else None
