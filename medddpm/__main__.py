@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -202,14 +203,28 @@ def cmd_bench(args) -> None:
     if args.reference and args.phase == "sample":
         raise ValueError("--reference times training steps only; drop it or use --phase train")
     configs = parse_config_list(args.configs)
+    if args.memory_snapshot:
+        if args.phase != "train":
+            raise ValueError("--memory-snapshot records a training step; drop it or use --phase train")
+        graphed = [c.name for c in configs if c.cuda_graphs]
+        if graphed:
+            raise ValueError(f"--memory-snapshot: {', '.join(graphed)} replay a CUDA graph, which allocates nothing; "
+                             f"add +cuda_graphs=false to the name")
+        Path(args.memory_snapshot).mkdir(parents=True, exist_ok=True)
     device = pick_device(args.device)
+    if args.memory_snapshot and device.type != "cuda":
+        raise ValueError(f"--memory-snapshot records the CUDA caching allocator; {device} has none")
     spec = _spec(args)
     if args.reference and not (Path(args.reference) / "diffusion_model" / "unet.py").is_file():
         raise FileNotFoundError(f"{args.reference}: not a clone of mobaidoctor/med-ddpm (no diffusion_model/unet.py)")
     results = {"environment": environment(device), "spec": spec.__dict__ | {"mult": list(spec.mult)}, "runs": []}
     bench = bench_sample if args.phase == "sample" else bench_train
+
+    def snapshot(c):  # a file name of letters, digits, '_', '.' and '-' (best+memory_budget=0 -> best_memory_budget_0)
+        return Path(args.memory_snapshot) / ("memory-" + re.sub(r"[^\w.-]", "_", c.name) + ".pickle")
+
     jobs = [lambda c=c: bench(spec, c, device=device, warmup=args.warmup, steps=args.steps, seed=args.seed,
-                              kernels=args.kernels or 0)
+                              kernels=args.kernels or 0, **({"snapshot": snapshot(c)} if args.memory_snapshot else {}))
             for c in configs]
     if args.reference:
         from .reference import bench_reference
@@ -339,6 +354,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernels", type=_positive, metavar="N",
                    help="after the timing, profile two more steps: device time by kernel category and the "
                         "top N kernels")
+    p.add_argument("--memory-snapshot", metavar="DIR",
+                   help="after the timing, one more step with the allocator's history on, saved as "
+                        "DIR/memory-<config>.pickle (read it at pytorch.org/memory_viz); configurations without "
+                        "CUDA graphs only")
     p.add_argument("--json", help="write all timings to this JSON file")
     p.set_defaults(func=cmd_bench)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -92,6 +93,25 @@ def kernel_summary(step: Callable[[], object], *, device: torch.device, top: int
             "top_kernels": per_kernel.head(top).to_dict("records")}
 
 
+def memory_snapshot(step: Callable[[], object], *, device: torch.device, path: str | Path) -> None:
+    """One more step with the CUDA caching allocator's history on, saved as a pickle that
+    https://pytorch.org/memory_viz reads (`torch.cuda.memory._dump_snapshot`): which tensors are live at
+    the peak, with the Python frames that allocated them. After the timing. A step replayed from a CUDA
+    graph allocates nothing: take it from a configuration with `cuda_graphs=false`."""
+    if device.type != "cuda":
+        raise ValueError(f"a memory snapshot needs a CUDA device, not {device}")
+    torch.cuda.synchronize(device)
+    torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
+    try:
+        step()
+        torch.cuda.synchronize(device)
+        tmp = Path(path).with_name(Path(path).name + ".partial")
+        torch.cuda.memory._dump_snapshot(str(tmp))
+        tmp.replace(path)
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
 def _result(engine: Engine, result: dict) -> dict:
     if engine.capture_peak_bytes is not None:  # a CUDA graph's memory was allocated at its capture
         result["peak_mem_bytes"] = max(result["peak_mem_bytes"], engine.capture_peak_bytes)
@@ -100,8 +120,10 @@ def _result(engine: Engine, result: dict) -> dict:
 
 
 def bench_train(spec: ModelSpec, config: Config | str, *, device: torch.device, warmup: int = 5,
-                steps: int = 30, batch: int = 1, seed: int = 0, kernels: int = 0, progress: bool = True) -> dict:
-    """Median time of one micro-step (forward + backward + Adam step) for one configuration."""
+                steps: int = 30, batch: int = 1, seed: int = 0, kernels: int = 0, snapshot: str | Path | None = None,
+                progress: bool = True) -> dict:
+    """Median time of one micro-step (forward + backward + Adam step) for one configuration; `snapshot`:
+    then the allocator's history over one more step, to that file (`memory_snapshot`)."""
     config = get_config(config)
     engine = Engine(spec, config, device=device, seed=seed, ema=False)
     image, cond = real_batch(spec, seed=seed, batch=batch)
@@ -112,6 +134,8 @@ def bench_train(spec: ModelSpec, config: Config | str, *, device: torch.device, 
     result["loss"] = torch.stack(losses).float().cpu().tolist()
     if kernels:
         result |= kernel_summary(lambda: engine.step((x0, c)), device=engine.device, top=kernels)
+    if snapshot:
+        memory_snapshot(lambda: engine.step((x0, c)), device=engine.device, path=snapshot)
     return _result(engine, result)
 
 
