@@ -79,13 +79,17 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--memory-budget", type=_fraction, metavar="F",
                    help="compiled graphs: activations kept for backward, as a fraction of the partitioner's "
                         "default (0 to 1; less recomputes more)")
+    g.add_argument("--recompute-pointwise", type=_bool, metavar="BOOL",
+                   help="compiled graphs: a reused pointwise result is recomputed in each kernel that reads it, "
+                        "not stored in float32")
     g.add_argument("--checkpointing", type=_bool, metavar="BOOL", help="activation checkpointing per U-Net block")
     g.add_argument("--pin-layout", type=_bool, metavar="BOOL",
                    help="compiled graphs: channels-last 3D pinned at every convolution input")
 
 
 _OVERRIDES = ("precision", "channels_last", "compile", "cuda_graphs", "fused_adam", "recompute_attention", "attention",
-              "upsample", "checkpointing", "pin_layout", "group_norm", "pad_channels", "cudnn_try_all", "memory_budget")
+              "upsample", "checkpointing", "pin_layout", "group_norm", "pad_channels", "cudnn_try_all", "memory_budget",
+              "recompute_pointwise")
 
 
 def _config_from(args):

@@ -42,6 +42,9 @@ class Config:
     # compiled graphs: activations AOTAutograd's partitioner may keep, as a fraction of what it keeps by
     # default (functorch's activation_memory_budget; 0 = recompute the whole compiled region in backward)
     memory_budget: float = 1.0
+    # compiled graphs: a reused pointwise result (a GroupNorm-SiLU chain in backward) is recomputed in each
+    # kernel that reads it instead of being written out in float32 (Inductor's realize thresholds raised)
+    recompute_pointwise: bool = False
     description: str = field(default="", compare=False)
 
     def __post_init__(self):
@@ -161,6 +164,7 @@ class Resolved:
     pin_layout: bool
     cudnn_try_all: bool
     memory_budget: float
+    recompute_pointwise: bool
     not_applicable: dict[str, str]  # flag -> why it is off on this device
 
     @property
@@ -193,8 +197,11 @@ def resolve(config: Config, device: torch.device | str) -> Resolved:
     budget = config.memory_budget if config.compile else 1.0
     if budget != config.memory_budget:
         na["memory_budget"] = "a budget for the compiled graphs' partitioner: needs compile"
+    recompute = config.recompute_pointwise and config.compile
+    if config.recompute_pointwise and not recompute:
+        na["recompute_pointwise"] = "an Inductor fusion choice: needs compile"
     return Resolved(config, device, precision, config.channels_last, config.compile, graphs, config.fused_adam, pin,
-                    try_all, budget, na)
+                    try_all, budget, recompute, na)
 
 
 DEFAULT_BENCHMARK_LIMIT = torch.backends.cudnn.benchmark_limit  # PyTorch's: 10 (None in a build without cuDNN)

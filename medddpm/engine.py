@@ -48,6 +48,14 @@ class EMA:
         torch._foreach_copy_(self.params, [p.to(self.params[0].device) for p in state["params"]])
 
 
+# `recompute_pointwise`. Inductor stores a pointwise result that several kernels read when its expression
+# reads more than `realize_reads_threshold` (4) buffers or holds more than `realize_opcount_threshold` (30)
+# operations (ir.StorageBox.should_realize_on_reuse). A GroupNorm-SiLU chain in backward (x, its group
+# statistics, weight and bias) is both, so each GroupNorm's backward wrote a float32 copy of the voxels and read
+# it back: 1 GiB at 128 channels of 128^3. Raised, each kernel recomputes the chain from the bf16 input.
+RECOMPUTE_POINTWISE = {"realize_reads_threshold": 100, "realize_opcount_threshold": 1000}
+
+
 class BudgetedInductor:
     """Inductor with AOTAutograd's activation memory budget (`memory_budget`) set while it partitions
     the joint graph into forward and backward: the budget is functorch's config, which
@@ -127,7 +135,8 @@ class Engine:
     def _compile(self, module: torch.nn.Module):
         # dynamic=False: a run trains one volume shape; after other shapes in one process, automatic
         # dynamic shapes would trace symbolic sizes, which checkpointed blocks fail to lower (torch 2.13 CPU)
-        options = compile_options(pin_layout=self.run.pin_layout)
+        options = compile_options(pin_layout=self.run.pin_layout) | (RECOMPUTE_POINTWISE if self.run.recompute_pointwise
+                                                                     else {})
         if self.run.memory_budget < 1.0:
             return torch.compile(module, dynamic=False, backend=BudgetedInductor(self.run.memory_budget, options))
         return torch.compile(module, dynamic=False, options=options)

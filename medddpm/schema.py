@@ -54,6 +54,8 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "cudnn_try_all": (B, "cuDNN autotuning tried every algorithm (benchmark_limit 0; as requested)"),
         "memory_budget": (F, "activations the compiled graphs' partitioner may keep, as a fraction of its default "
                              "(as requested; 1 = PyTorch's default)"),
+        "recompute_pointwise": (B, "compiled graphs recompute a reused pointwise result in each kernel that reads it, "
+                                   "not store it (as requested)"),
         "not_applicable": (S, "JSON: switches that could not apply on this device, with why"),
         "backend_flags": (S, "JSON: fp32 math modes read back after setting them"),
         "preset": (S, "smoke | paper | brats"),
@@ -183,6 +185,7 @@ ADDED: dict[str, dict[str, object]] = {
         "pad_channels": False,  # the switches came in session 4
         "cudnn_try_all": False,
         "memory_budget": 1.0,  # the switch came in session 5
+        "recompute_pointwise": False,  # the switch came in session 6
     },
     "kernels": {"op": ""},  # which operator launched a kernel: recorded since session 3 (not known before)
 }
