@@ -97,6 +97,10 @@ def test_bench_times_denoising_steps_with_a_kernel_breakdown(tmp_path, capsys):
     (["bench", "--phase", "sample", "--reference", "/some/med-ddpm"], "--reference times training steps only"),
     (["bench", "--phase", "sample", "--kernels", "0"], "expected a positive integer, got 0"),
     (["train", "--memory-budget", "1.5", "--out", "x"], "expected a number from 0 to 1, got 1.5"),
+    (["train", "--recompute-pointwise", "always", "--out", "x"], "expected true or false"),
+    (["bench", "--configs", "best", "--memory-snapshot", "snaps"], "best replay a CUDA graph, which allocates nothing"),
+    (["bench", "--phase", "sample", "--configs", "compile", "--memory-snapshot", "snaps"], "records a training step"),
+    (["bench", "--configs", "compile", "--memory-snapshot", "snaps", "--device", "cpu"], "cpu has none"),
 ])
 def test_bad_input_fails_with_one_clear_line(args, message, tmp_path):
     out = run(*args, cwd=tmp_path)

@@ -63,6 +63,14 @@ def test_memory_budget_is_a_number_in_a_name_and_needs_compile():
     assert r.memory_budget == 1.0 and "needs compile" in r.not_applicable["memory_budget"]
 
 
+def test_recompute_pointwise_needs_compile():
+    assert resolve(get_config("best+recompute_pointwise=true"), "cpu").recompute_pointwise
+    r = resolve(get_config("opt1+recompute_pointwise=true"), "cpu")
+    assert not r.recompute_pointwise and "needs compile" in r.not_applicable["recompute_pointwise"]
+    with pytest.raises(ConfigError, match="recompute_pointwise must be a bool"):
+        CONFIGS["best"].with_flags(recompute_pointwise="yes")
+
+
 def test_with_flags_composes_and_names_the_change():
     c = CONFIGS["opt1"].with_flags(channels_last=True)
     assert c.flags == CONFIGS["opt12"].flags and c.name == "opt1+channels_last=True"
