@@ -214,10 +214,11 @@ def cmd_bench(args) -> None:
         if graphed:
             raise ValueError(f"--memory-snapshot: {', '.join(graphed)} replay a CUDA graph, which allocates nothing; "
                              f"add +cuda_graphs=false to the name")
-        Path(args.memory_snapshot).mkdir(parents=True, exist_ok=True)
     device = pick_device(args.device)
-    if args.memory_snapshot and device.type != "cuda":
-        raise ValueError(f"--memory-snapshot records the CUDA caching allocator; {device} has none")
+    if args.memory_snapshot:
+        if device.type != "cuda":
+            raise ValueError(f"--memory-snapshot records the CUDA caching allocator; {device} has none")
+        Path(args.memory_snapshot).mkdir(parents=True, exist_ok=True)
     spec = _spec(args)
     if args.reference and not (Path(args.reference) / "diffusion_model" / "unet.py").is_file():
         raise FileNotFoundError(f"{args.reference}: not a clone of mobaidoctor/med-ddpm (no diffusion_model/unet.py)")

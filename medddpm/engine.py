@@ -135,8 +135,9 @@ class Engine:
     def _compile(self, module: torch.nn.Module):
         # dynamic=False: a run trains one volume shape; after other shapes in one process, automatic
         # dynamic shapes would trace symbolic sizes, which checkpointed blocks fail to lower (torch 2.13 CPU)
-        options = compile_options(pin_layout=self.run.pin_layout) | (RECOMPUTE_POINTWISE if self.run.recompute_pointwise
-                                                                     else {})
+        options = compile_options(pin_layout=self.run.pin_layout)
+        if self.run.recompute_pointwise:
+            options |= RECOMPUTE_POINTWISE
         if self.run.memory_budget < 1.0:
             return torch.compile(module, dynamic=False, backend=BudgetedInductor(self.run.memory_budget, options))
         return torch.compile(module, dynamic=False, options=options)
