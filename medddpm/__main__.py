@@ -222,7 +222,8 @@ def cmd_bench(args) -> None:
     spec = _spec(args)
     if args.reference and not (Path(args.reference) / "diffusion_model" / "unet.py").is_file():
         raise FileNotFoundError(f"{args.reference}: not a clone of mobaidoctor/med-ddpm (no diffusion_model/unet.py)")
-    results = {"environment": environment(device), "spec": spec.__dict__ | {"mult": list(spec.mult)}, "runs": []}
+    results = {"environment": environment(device), "spec": spec.__dict__ | {"mult": list(spec.mult)},
+               "phase": args.phase, "runs": []}
     bench = bench_sample if args.phase == "sample" else bench_train
 
     def snapshot(c):  # a file name of letters, digits, '_', '.' and '-' (best+memory_budget=0 -> best_memory_budget_0)

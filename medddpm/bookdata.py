@@ -300,15 +300,21 @@ def scaling_summary(df: pd.DataFrame) -> pd.DataFrame:
     return _sort(out[cols], "world_size")
 
 
-BENCH_COLUMNS = ["gpu_slug", "source", "config", "implementation", "median_ms", "p10_ms", "p90_ms", "steps",
-                 "peak_mem_gib", "fp32_math", "torch", "cudnn", "time_utc", "size", "mask_channels", "base_channels"]
+BENCH_COLUMNS = ["gpu_slug", "source", "phase", "config", "implementation", "median_ms", "p10_ms", "p90_ms", "steps",
+                 "peak_mem_gib", "fp32_math", "git_commit", "torch", "cudnn", "time_utc", "size", "mask_channels",
+                 "base_channels"]
+BENCH_PHASES = ("train", "sample")
 
 
-def bench_runs(root: str | os.PathLike | None = None) -> pd.DataFrame:
+def bench_runs(root: str | os.PathLike | None = None, *, phase: str | None = "train") -> pd.DataFrame:
     """Raw `python -m medddpm bench` timings (JSON) kept in folders that are not runs.
 
     These come before the measurement pipeline (no kernels, counters or quality): the book shows them
-    apart and uses them for timing claims only where a GPU has no sweep yet."""
+    apart and uses them for timing claims only where a GPU has no sweep yet. `phase`: "train" (a
+    micro-step, the default), "sample" (a denoising step) or None for both; a file written before the
+    bench recorded its phase is a sampling one if its runs carry `sample_s` (`sample_total_s` before)."""
+    if phase is not None and phase not in BENCH_PHASES:
+        raise ValueError(f"phase must be one of {BENCH_PHASES} or None, got {phase!r}")
     cols = BENCH_COLUMNS
     root = Path(root) if root is not None else data_root()
     rows = []
@@ -328,14 +334,17 @@ def bench_runs(root: str | os.PathLike | None = None) -> pd.DataFrame:
             for r in doc["runs"]:
                 name = r["config"]
                 ref = name.startswith("reference-")
+                kind = doc.get("phase", "sample" if {"sample_s", "sample_total_s"} & set(r) else "train")
+                if phase is not None and kind != phase:
+                    continue
                 rows.append({
-                    "gpu_slug": folder.parent.name, "source": str(path.relative_to(root)),
+                    "gpu_slug": folder.parent.name, "source": str(path.relative_to(root)), "phase": kind,
                     "config": {"reference-fp32": "baseline", "reference-tf32": "opt1"}.get(name, name),
                     "implementation": "reference (mobaidoctor/med-ddpm)" if ref else "ours",
                     "median_ms": r["median_ms"], "p10_ms": r["p10_ms"], "p90_ms": r["p90_ms"],
                     "steps": len(r["step_ms"]), "peak_mem_gib": r["peak_mem_bytes"] / 2**30,
                     "fp32_math": r.get("backend_flags", {}).get("cudnn_conv_fp32_precision", ""),
-                    "torch": env.get("torch", ""), "cudnn": str(env.get("cudnn", "")),
+                    "git_commit": env.get("git_commit", ""), "torch": env.get("torch", ""), "cudnn": str(env.get("cudnn", "")),
                     "time_utc": env.get("time_utc", ""), "size": spec.get("size"),
                     "mask_channels": spec.get("mask_channels"), "base_channels": spec.get("base_channels"),
                 })

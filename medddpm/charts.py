@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 import altair as alt
 import numpy as np
@@ -232,17 +233,23 @@ def cost(summary: pd.DataFrame) -> alt.Chart:
 
 
 def bench(bench_df: pd.DataFrame) -> alt.Chart:
-    """Raw bench timings kept beside the data (ours and the reference implementation); GPU dropdown."""
+    """Raw bench timings kept beside the data (ours and the reference implementation), a bar per
+    configuration and file: a name's switches are those of its file's commit, so files are not pooled.
+    Training micro-steps only (`bookdata.bench_runs`' default); GPU dropdown."""
     if bench_df.empty:
         return _empty("no bench timings in the data")
-    g = (bench_df.groupby(["gpu_slug", "config", "implementation"], as_index=False)
-         .agg(median_ms=("median_ms", "median"), lo=("median_ms", "min"), hi=("median_ms", "max"),
-              runs=("median_ms", "size"), steps=("steps", "max"), peak_mem_gib=("peak_mem_gib", "max")))
+    assert set(bench_df["phase"]) == {"train"}, "a denoising step is not a micro-step: pass training rows"
+    g = (bench_df.groupby(["gpu_slug", "source", "git_commit", "config", "implementation"], as_index=False)
+         .agg(median_ms=("median_ms", "median"), lo=("p10_ms", "min"), hi=("p90_ms", "max"),
+              steps=("steps", "max"), peak_mem_gib=("peak_mem_gib", "max")))
+    g["run"] = g["config"] + " · " + g["source"].map(lambda s: Path(s).stem)
+    order = {c: i for i, c in enumerate(_configs_in(g))}
+    runs = g.sort_values(["config", "source"], key=lambda s: s.map(order) if s.name == "config" else s)["run"]
     df = _light(g)
     gpu = _gpu_param(df)
     pick = alt.selection_point(fields=["implementation"], bind="legend")
     return alt.Chart(df).transform_filter(alt.datum.gpu_slug == gpu).mark_bar().encode(
-        y=alt.Y("config:N", sort=_configs_in(df), title=None),
+        y=alt.Y("run:N", sort=list(dict.fromkeys(runs)), title=None),
         yOffset=alt.YOffset("implementation:N"),
         x=alt.X("median_ms:Q", title="median micro-step time (ms)"),
         color=alt.Color("config:N", scale=config_color(df["config"]), legend=None),
@@ -250,9 +257,9 @@ def bench(bench_df: pd.DataFrame) -> alt.Chart:
                                                 legend=alt.Legend(symbolType="square", symbolFillColor="#4c78a8"),
                                                 title="implementation (click)"), alt.value(0.08)),
         tooltip=["gpu_slug:N", "config:N", "implementation:N", alt.Tooltip("median_ms:Q", format=".4g"),
-                 alt.Tooltip("lo:Q", title="lowest run median", format=".4g"),
-                 alt.Tooltip("hi:Q", title="highest run median", format=".4g"), "runs:Q", "steps:Q",
-                 alt.Tooltip("peak_mem_gib:Q", title="peak allocated GiB", format=".3g")],
+                 alt.Tooltip("lo:Q", title="p10 ms", format=".4g"), alt.Tooltip("hi:Q", title="p90 ms", format=".4g"),
+                 "steps:Q", alt.Tooltip("peak_mem_gib:Q", title="peak allocated GiB", format=".3g"),
+                 alt.Tooltip("source:N", title="file"), alt.Tooltip("git_commit:N", title="commit")],
     ).add_params(gpu, pick).properties(
         width="container", height=alt.Step(14), title="Bench timings (python -m medddpm bench)")
 

@@ -327,8 +327,18 @@ def test_bench_json_is_read_from_non_run_folders(real, tmp_path):
                       "peak_mem_bytes": 2**30}]}
     (root / "cpu" / "notes" / "bench.json").write_text(json.dumps(good))
     (root / "cpu" / "notes" / "package.json").write_text(json.dumps({"name": "not a bench file"}))
+    sampled = {**good, "runs": [{**good["runs"][0], "config": "best", "sample_s": 0.5}]}  # before "phase" was kept
+    (root / "cpu" / "notes" / "bench-sample.json").write_text(json.dumps(sampled))
+    (root / "cpu" / "notes" / "bench-sample-2.json").write_text(json.dumps({**sampled, "phase": "sample"}))
     b = bd.bench_runs(root)
-    assert b[["gpu_slug", "config", "median_ms"]].values.tolist() == [["cpu", "opt1", 2.0]]
+    assert b[["gpu_slug", "phase", "config", "median_ms"]].values.tolist() == [["cpu", "train", "opt1", 2.0]]
+    assert sorted(bd.bench_runs(root, phase="sample")["source"]) == ["cpu/notes/bench-sample-2.json",
+                                                                      "cpu/notes/bench-sample.json"]
+    assert len(bd.bench_runs(root, phase=None)) == 3
+    with pytest.raises(AssertionError, match="not a micro-step"):
+        charts.bench(bd.bench_runs(root, phase=None))
+    with pytest.raises(ValueError, match="phase must be one of"):
+        bd.bench_runs(root, phase="training")
     del good["runs"][0]["median_ms"]
     (root / "cpu" / "notes" / "bench.json").write_text(json.dumps(good))
     with pytest.raises(bd.DataError, match=r"bench.json: a bench run lacks \['median_ms'\]"):
