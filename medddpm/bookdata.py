@@ -344,7 +344,8 @@ def bench_runs(root: str | os.PathLike | None = None, *, phase: str | None = "tr
                     "median_ms": r["median_ms"], "p10_ms": r["p10_ms"], "p90_ms": r["p90_ms"],
                     "steps": len(r["step_ms"]), "peak_mem_gib": r["peak_mem_bytes"] / 2**30,
                     "fp32_math": r.get("backend_flags", {}).get("cudnn_conv_fp32_precision", ""),
-                    "git_commit": env.get("git_commit", ""), "torch": env.get("torch", ""), "cudnn": str(env.get("cudnn", "")),
+                    "git_commit": env.get("git_commit", ""), "torch": env.get("torch", ""),
+                    "cudnn": str(env.get("cudnn", "")),
                     "time_utc": env.get("time_utc", ""), "size": spec.get("size"),
                     "mask_channels": spec.get("mask_channels"), "base_channels": spec.get("base_channels"),
                 })
