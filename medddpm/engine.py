@@ -9,6 +9,7 @@ this one object.
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import torch
 from torch.profiler import record_function
@@ -180,6 +181,27 @@ class Engine:
             self.opt.zero_grad(set_to_none=True)
         return total
 
+    def _graphed(self, fn: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """`fn` warmed up three times on a side stream (cuDNN autotuning and compilation happen there,
+        outside the graph), then captured; its output is the graph's static output. The allocated peak
+        during the capture is kept as `capture_peak_bytes`."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        # The graph gets a private memory pool: hand the warm-up's cached blocks back first, so that
+        # the reserved memory is the graph's pool plus what stays live, not that twice over.
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+        self.capture_peak_bytes = torch.cuda.max_memory_allocated(self.device)
+        return graph, out
+
     def _capture(self, batches):
         """Warm up on a side stream, then record one whole step (PyTorch's recipe for whole-network
         capture, docs 'CUDA semantics' > 'CUDA Graphs'). Weights, optimizer state and RNG are put
@@ -192,21 +214,7 @@ class Engine:
         opt_state = {p: {k: v.detach().to("cpu", copy=True) for k, v in s.items()} for p, s in self.opt.state.items()}
         rng = torch.cuda.get_rng_state(self.device)
         static = [tuple(t.clone() for t in batch) for batch in batches]
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(3):  # cuDNN autotuning and compilation happen here, outside the graph
-                self._step(static)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        torch.cuda.synchronize(self.device)
-        # The graph gets a private memory pool: hand the warm-up's cached blocks back first, so that
-        # the reserved memory is the graph's pool plus what stays live, not that twice over.
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            loss = self._step(static)
-        self.capture_peak_bytes = torch.cuda.max_memory_allocated(self.device)
+        graph, loss = self._graphed(lambda: self._step(static))
         with torch.no_grad():
             for k, v in self.model.state_dict().items():
                 v.copy_(weights[k])
@@ -247,20 +255,9 @@ class Engine:
             return self.diffusion.p_step(self.denoiser, x, cond, t, noise)
 
     def _capture_denoise(self, inputs: tuple[torch.Tensor, ...]) -> None:
-        """Record one denoising step, as `_capture` records a training step (side-stream warm-up first)."""
+        """Record one denoising step, as `_capture` records a training step."""
         static = tuple(v.clone() for v in inputs)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(3):  # compilation of the inference graph and cuDNN autotuning stay outside
-                self._denoise(*static)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = self._denoise(*static)
-        self.capture_peak_bytes = torch.cuda.max_memory_allocated(self.device)
+        graph, out = self._graphed(lambda: self._denoise(*static))
         self._denoise_graph = graph, static, out
 
     def denoise_step(self, x: torch.Tensor, cond: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
