@@ -96,6 +96,9 @@ class Engine:
                        pad_channels=config.pad_channels)
         self.model = model.to(self.device, memory_format=self.run.memory_format)
         self.denoiser = self._compile(self.model) if self.run.compile else self.model
+        # Sampling saves nothing for a backward, so `recompute_pointwise` only adds work there: its graph
+        # keeps Inductor's thresholds (best's denoising step on the H200: 18.8 ms without, 20.6 ms with).
+        self._sampler = self._compile(self.model, recompute_pointwise=False) if self.run.recompute_pointwise else None
         self.diffusion = GaussianDiffusion(timesteps=timesteps).to(self.device)
         # capturable keeps Adam's step counter on the device, which graph replay requires.
         self.opt = torch.optim.Adam(self.model.parameters(), lr=lr, fused=True if self.run.fused_adam else None,
@@ -133,11 +136,11 @@ class Engine:
 
     # ------------------------------------------------------------------------------------ helpers
 
-    def _compile(self, module: torch.nn.Module):
+    def _compile(self, module: torch.nn.Module, *, recompute_pointwise: bool | None = None):
         # dynamic=False: a run trains one volume shape; after other shapes in one process, automatic
         # dynamic shapes would trace symbolic sizes, which checkpointed blocks fail to lower (torch 2.13 CPU)
         options = compile_options(pin_layout=self.run.pin_layout)
-        if self.run.recompute_pointwise:
+        if self.run.recompute_pointwise if recompute_pointwise is None else recompute_pointwise:
             options |= RECOMPUTE_POINTWISE
         if self.run.memory_budget < 1.0:
             return torch.compile(module, dynamic=False, backend=BudgetedInductor(self.run.memory_budget, options))
@@ -250,9 +253,14 @@ class Engine:
 
     # ---------------------------------------------------------------------------------- sampling
 
+    @property
+    def sampler(self):
+        """The denoiser that sampling calls: the training one, compiled without `recompute_pointwise`."""
+        return self.denoiser if self._sampler is None else self._sampler
+
     def _denoise(self, x: torch.Tensor, cond: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         with self.autocast(), torch.no_grad():
-            return self.diffusion.p_step(self.denoiser, x, cond, t, noise)
+            return self.diffusion.p_step(self.sampler, x, cond, t, noise)
 
     def _capture_denoise(self, inputs: tuple[torch.Tensor, ...]) -> None:
         """Record one denoising step, as `_capture` records a training step."""
@@ -278,7 +286,7 @@ class Engine:
     def sample(self, cond: torch.Tensor, *, image_channels: int, generator: torch.Generator | None = None,
                progress: bool = True, step_callback=None) -> torch.Tensor:
         """Ancestral sampling (`GaussianDiffusion.sample`) with this configuration's denoising step."""
-        return self.diffusion.sample(self.denoiser, cond, image_channels=image_channels, generator=generator,
+        return self.diffusion.sample(self.sampler, cond, image_channels=image_channels, generator=generator,
                                      progress=progress, step_callback=step_callback, step=self.denoise_step)
 
     # -------------------------------------------------------------------------------- checkpoints

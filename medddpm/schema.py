@@ -54,8 +54,8 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "cudnn_try_all": (B, "cuDNN autotuning tried every algorithm (benchmark_limit 0; as requested)"),
         "memory_budget": (F, "activations the compiled graphs' partitioner may keep, as a fraction of its default "
                              "(as requested; 1 = PyTorch's default)"),
-        "recompute_pointwise": (B, "compiled graphs recompute a reused pointwise result in each kernel that reads it, "
-                                   "not store it (as requested)"),
+        "recompute_pointwise": (B, "compiled training graphs recompute a reused pointwise result in each kernel "
+                                   "that reads it, not store it (as requested)"),
         "not_applicable": (S, "JSON: switches that could not apply on this device, with why"),
         "backend_flags": (S, "JSON: fp32 math modes read back after setting them"),
         "preset": (S, "smoke | paper | brats"),
