@@ -82,6 +82,8 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-pointwise", type=_bool, metavar="BOOL",
                    help="compiled graphs: a reused pointwise result is recomputed in each kernel that reads it, "
                         "not stored in float32")
+    g.add_argument("--nd-tiling", type=_bool, metavar="BOOL",
+                   help="compiled graphs on a GPU: Triton kernels tiled over several dimensions (simpler indexing)")
     g.add_argument("--checkpointing", type=_bool, metavar="BOOL", help="activation checkpointing per U-Net block")
     g.add_argument("--pin-layout", type=_bool, metavar="BOOL",
                    help="compiled graphs: channels-last 3D pinned at every convolution input")
@@ -89,7 +91,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 _OVERRIDES = ("precision", "channels_last", "compile", "cuda_graphs", "fused_adam", "recompute_attention", "attention",
               "upsample", "checkpointing", "pin_layout", "group_norm", "pad_channels", "cudnn_try_all", "memory_budget",
-              "recompute_pointwise")
+              "recompute_pointwise", "nd_tiling")
 
 
 def _config_from(args):

@@ -45,6 +45,9 @@ class Config:
     # compiled graphs: a reused pointwise result (a GroupNorm-SiLU chain in backward) is recomputed in each
     # kernel that reads it instead of being written out in float32 (Inductor's realize thresholds raised)
     recompute_pointwise: bool = False
+    # compiled graphs on a GPU: Triton kernels tiled over as many dimensions as their views allow, which
+    # turns index divisions and modulos into sums (Inductor's triton.prefer_nd_tiling, pytorch/pytorch#132937)
+    nd_tiling: bool = False
     description: str = field(default="", compare=False)
 
     def __post_init__(self):
@@ -166,6 +169,7 @@ class Resolved:
     cudnn_try_all: bool
     memory_budget: float
     recompute_pointwise: bool
+    nd_tiling: bool
     not_applicable: dict[str, str]  # flag -> why it is off on this device
 
     @property
@@ -201,8 +205,11 @@ def resolve(config: Config, device: torch.device | str) -> Resolved:
     recompute = config.recompute_pointwise and config.compile
     if config.recompute_pointwise and not recompute:
         na["recompute_pointwise"] = "an Inductor fusion choice: needs compile"
+    nd = config.nd_tiling and config.compile and device.type == "cuda"
+    if config.nd_tiling and not nd:
+        na["nd_tiling"] = "tiles the Triton kernels of compiled graphs: needs compile and a CUDA device"
     return Resolved(config, device, precision, config.channels_last, config.compile, graphs, config.fused_adam, pin,
-                    try_all, budget, recompute, na)
+                    try_all, budget, recompute, nd, na)
 
 
 DEFAULT_BENCHMARK_LIMIT = torch.backends.cudnn.benchmark_limit  # PyTorch's: 10 (None in a build without cuDNN)

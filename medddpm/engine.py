@@ -57,6 +57,17 @@ class EMA:
 RECOMPUTE_POINTWISE = {"realize_reads_threshold": 100, "realize_opcount_threshold": 1000}
 
 
+def inductor_options(run: Resolved, *, recompute_pointwise: bool) -> dict:
+    """`torch.compile(options=...)` for a configuration as it runs; `recompute_pointwise` is passed apart
+    because the denoising step's graph leaves it out (`Engine.sampler`)."""
+    options = compile_options(pin_layout=run.pin_layout)
+    if recompute_pointwise:
+        options |= RECOMPUTE_POINTWISE
+    if run.nd_tiling:
+        options |= {"triton.prefer_nd_tiling": True}
+    return options
+
+
 class BudgetedInductor:
     """Inductor with AOTAutograd's activation memory budget (`memory_budget`) set while it partitions
     the joint graph into forward and backward: the budget is functorch's config, which
@@ -139,9 +150,8 @@ class Engine:
     def _compile(self, module: torch.nn.Module, *, recompute_pointwise: bool | None = None):
         # dynamic=False: a run trains one volume shape; after other shapes in one process, automatic
         # dynamic shapes would trace symbolic sizes, which checkpointed blocks fail to lower (torch 2.13 CPU)
-        options = compile_options(pin_layout=self.run.pin_layout)
-        if self.run.recompute_pointwise if recompute_pointwise is None else recompute_pointwise:
-            options |= RECOMPUTE_POINTWISE
+        recompute = self.run.recompute_pointwise if recompute_pointwise is None else recompute_pointwise
+        options = inductor_options(self.run, recompute_pointwise=recompute)
         if self.run.memory_budget < 1.0:
             return torch.compile(module, dynamic=False, backend=BudgetedInductor(self.run.memory_budget, options))
         return torch.compile(module, dynamic=False, options=options)

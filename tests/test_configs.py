@@ -71,6 +71,15 @@ def test_recompute_pointwise_needs_compile():
         CONFIGS["best"].with_flags(recompute_pointwise="yes")
 
 
+def test_nd_tiling_needs_compile_and_a_gpu():
+    assert resolve(get_config("best+nd_tiling=true"), "cuda").nd_tiling
+    for name, device, why in (("best+nd_tiling=true", "cpu", "CUDA device"), ("sdpa+nd_tiling=true", "cuda", "compile")):
+        r = resolve(get_config(name), device)
+        assert not r.nd_tiling and why in r.not_applicable["nd_tiling"], (name, device)
+    with pytest.raises(ConfigError, match="nd_tiling must be a bool"):
+        CONFIGS["best"].with_flags(nd_tiling=1)
+
+
 def test_with_flags_composes_and_names_the_change():
     c = CONFIGS["opt1"].with_flags(channels_last=True)
     assert c.flags == CONFIGS["opt12"].flags and c.name == "opt1+channels_last=True"
