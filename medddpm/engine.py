@@ -265,7 +265,8 @@ class Engine:
 
     @property
     def sampler(self):
-        """The denoiser that sampling calls: the training one, compiled without `recompute_pointwise`."""
+        """The denoiser that sampling calls: the training one, or with `recompute_pointwise` the same model
+        compiled a second time without it."""
         return self.denoiser if self._sampler is None else self._sampler
 
     def _denoise(self, x: torch.Tensor, cond: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

@@ -381,7 +381,7 @@ def test_inductor_options_carry_each_switch_and_inductor_accepts_them():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton kernels need a GPU")
-def test_nd_tiling_takes_index_arithmetic_out_of_the_group_norm_kernels():
+def test_nd_tiling_takes_index_arithmetic_out_of_the_group_norm_kernels(fresh_inductor):
     """The lever's premise, on the GPU: best's GroupNorm-SiLU on a channels-last 5-D bf16 activation
     compiles to Triton kernels with fewer integer divisions and modulos when tiled in ND, with the same values."""
     import re
