@@ -7,6 +7,7 @@ import os
 import platform
 import re
 import subprocess
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -72,3 +73,13 @@ def environment(device: torch.device) -> dict:
                                     "docker" if Path("/.dockerenv").exists() else ""),
         "time_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def compile_cache_counts() -> Counter:
+    """Hits, misses and bypasses of the on-disk compile caches (Inductor's FX graph cache, AOTAutograd's)
+    so far in this process, from Dynamo's counters. Subtract two of them for one phase's count: a first
+    step that compiled again what the machine had compiled before shows as misses."""
+    from torch._dynamo.utils import counters
+
+    return Counter({f"{group}.{key}": n for group in ("inductor", "aot_autograd")
+                    for key, n in counters[group].items() if "cache" in key})

@@ -28,7 +28,7 @@ from .bench import summarize, time_steps
 from .configs import Config, get_config
 from .data import EMBEDDED, open_dataset
 from .engine import Engine
-from .env import environment, gpu_slug, pick_device
+from .env import compile_cache_counts, environment, gpu_slug, pick_device
 from .flops import count
 from .model import ModelSpec, format_size, parse_size
 from .storage import atomic_write
@@ -227,6 +227,7 @@ class Measurement:
         with self.phase("train") as go:
             if not go:
                 return None
+            cache_before = compile_cache_counts()
             engine = self._engine()
             self.summary["not_applicable"] = engine.run.not_applicable
             self.summary["backend_flags"] = engine.backend_flags
@@ -239,6 +240,7 @@ class Measurement:
                 timing = time_steps(lambda: losses.append(engine.step((x0, cond))), device=self.device,
                                     warmup=self.warmup, steps=self.steps, desc=f"train {self.config.name}",
                                     on_timed_start=energy.start)
+            self.summary["compile_cache"] = dict(compile_cache_counts() - cache_before)
             peak, reserved = self._peaks()
             if engine.capture_peak_bytes is not None:  # CUDA graph: its memory was allocated at capture
                 peak = max(peak, engine.capture_peak_bytes)
@@ -433,12 +435,14 @@ class Measurement:
             "run_id": self.run_id, "precision_used": self.summary.get("precision_used", ""),
             "not_applicable": json.dumps(self.summary.get("not_applicable", {})),
             "backend_flags": json.dumps(self.summary.get("backend_flags", {})),
+            "compile_cache": json.dumps(self.summary["compile_cache"]) if "compile_cache" in self.summary else "",
             "size": max(self.spec.shape), "shape": "x".join(map(str, self.spec.shape)), "batch": self.batch,
             "image_channels": self.spec.image_channels, "mask_channels": self.spec.mask_channels,
             "num_res_blocks": self.spec.num_res_blocks,
             "warmup_steps": self.warmup, "timed_steps": self.steps, "profilers": json.dumps(self.profiler_status),
             "start_time": self.start.isoformat(timespec="seconds"), "duration_s": time.perf_counter() - self._t0,
-        } | {k: v for k, v in self.summary.items() if k not in ("not_applicable", "backend_flags", "precision_used")}
+        } | {k: v for k, v in self.summary.items()
+             if k not in ("not_applicable", "backend_flags", "precision_used", "compile_cache")}
         return self._write("run", pd.DataFrame([row]))
 
 

@@ -74,6 +74,8 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "timed_steps": (I, "timed micro-steps"),
         "warmup_s": (F, "wall time of all warm-up steps (compilation, cuDNN autotuning)"),
         "first_step_s": (F, "wall time of the first step alone"),
+        "compile_cache": (S, "JSON: hits, misses and bypasses of the on-disk compile caches (Inductor's FX graph "
+                             "cache, AOTAutograd's) in the training phase; {} without compile, '' not recorded"),
         "train_median_ms": (F, "median micro-step time (forward + backward + Adam)"),
         "train_p10_ms": (F, "10th percentile micro-step time"),
         "train_p90_ms": (F, "90th percentile micro-step time"),
@@ -189,6 +191,7 @@ ADDED: dict[str, dict[str, object]] = {
         "memory_budget": 1.0,  # the switch came in session 5
         "recompute_pointwise": False,  # the switch came in session 6
         "nd_tiling": False,  # the switch came in session 7
+        "compile_cache": "",  # recorded since session 7
     },
     "kernels": {"op": ""},  # which operator launched a kernel: recorded since session 3 (not known before)
 }

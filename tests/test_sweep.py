@@ -155,3 +155,30 @@ def test_nsight_compute_gets_what_the_time_limit_leaves(tmp_path):
     assert status["status"] == "skipped" and "of the run's 400 s time limit" in status["message"], status
     with pytest.raises(ValueError, match="time_limit"):
         make(time_limit=0)
+
+
+def test_a_run_records_what_the_compile_caches_did(tmp_path, monkeypatch):
+    """run.parquet says whether the training phase compiled or found its graphs in the on-disk caches: a
+    first step of minutes on a machine that compiled the same configuration before is a cache miss."""
+    import json
+
+    import torch
+
+    from medddpm import measure
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # empty: the first run compiles
+    caches = []
+    for i in range(2):
+        torch._dynamo.reset()
+        m = measure.Measurement("compile", "smoke", device="cpu", size=8, steps=1, warmup=1, profilers=(),
+                                out=str(tmp_path / f"data{i}"))
+        m.train()
+        caches.append(json.loads(m.finish().loc[0, "compile_cache"]))
+    first, second = caches
+    assert first.get("inductor.fxgraph_cache_miss", 0) >= 1 and "inductor.fxgraph_cache_hit" not in first, first
+    assert second.get("inductor.fxgraph_cache_hit", 0) >= 1 and "inductor.fxgraph_cache_miss" not in second, second
+    eager = measure.Measurement("baseline", "smoke", device="cpu", size=8, steps=1, warmup=0, profilers=(),
+                                out=str(tmp_path / "eager"))
+    assert eager.finish().loc[0, "compile_cache"] == "", "a phase that did not run recorded nothing"
+    eager.train()
+    assert json.loads(eager.finish().loc[0, "compile_cache"]) == {}
