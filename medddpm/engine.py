@@ -196,8 +196,9 @@ class Engine:
 
     def _graphed(self, fn: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """`fn` warmed up three times on a side stream (cuDNN autotuning and compilation happen there,
-        outside the graph), then captured; its output is the graph's static output. The allocated peak
-        during the capture is kept as `capture_peak_bytes`."""
+        outside the graph), then captured; its output is the graph's static output. Replays allocate
+        nothing (the graph's memory pool is set aside at capture), so the allocated peak during the
+        capture is the step's memory need: kept as `capture_peak_bytes`."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -216,12 +217,9 @@ class Engine:
         return graph, out
 
     def _capture(self, batches):
-        """Warm up on a side stream, then record one whole step (PyTorch's recipe for whole-network
-        capture, docs 'CUDA semantics' > 'CUDA Graphs'). Weights, optimizer state and RNG are put
-        back afterwards, in place, so capturing does not change the training trajectory.
-
-        Replays allocate nothing (the graph's memory pool is set aside at capture), so the peak the
-        allocator saw during the capture is the step's memory need: kept as `capture_peak_bytes`."""
+        """Record one whole step (`_graphed`: PyTorch's recipe for whole-network capture, docs 'CUDA
+        semantics' > 'CUDA Graphs'). Weights, optimizer state and RNG are put back afterwards, in place,
+        so capturing does not change the training trajectory."""
         # Host copies: device ones would sit beside the live weights and inflate the captured peak.
         weights = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
         opt_state = {p: {k: v.detach().to("cpu", copy=True) for k, v in s.items()} for p, s in self.opt.state.items()}

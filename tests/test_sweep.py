@@ -158,8 +158,8 @@ def test_nsight_compute_gets_what_the_time_limit_leaves(tmp_path):
 
 
 def test_a_run_records_what_the_compile_caches_did(tmp_path, monkeypatch):
-    """run.parquet says whether the training phase compiled or found its graphs in the on-disk caches: a
-    first step of minutes on a machine that compiled the same configuration before is a cache miss."""
+    """run.parquet says whether the training phase compiled or found its graphs in the on-disk caches, so a
+    slow first step says whether it compiled anew; the counts are the phase's, not the process's."""
     import json
 
     import torch
