@@ -84,6 +84,8 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                         "not stored in float32")
     g.add_argument("--nd-tiling", type=_bool, metavar="BOOL",
                    help="compiled graphs on a GPU: Triton kernels tiled over several dimensions (simpler indexing)")
+    g.add_argument("--coordinate-descent", type=_bool, metavar="BOOL",
+                   help="compiled graphs on a GPU: each Triton kernel's block sizes tuned by timing at its first run")
     g.add_argument("--checkpointing", type=_bool, metavar="BOOL", help="activation checkpointing per U-Net block")
     g.add_argument("--pin-layout", type=_bool, metavar="BOOL",
                    help="compiled graphs: channels-last 3D pinned at every convolution input")
@@ -91,7 +93,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 _OVERRIDES = ("precision", "channels_last", "compile", "cuda_graphs", "fused_adam", "recompute_attention", "attention",
               "upsample", "checkpointing", "pin_layout", "group_norm", "pad_channels", "cudnn_try_all", "memory_budget",
-              "recompute_pointwise", "nd_tiling")
+              "recompute_pointwise", "nd_tiling", "coordinate_descent")
 
 
 def _config_from(args):

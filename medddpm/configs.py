@@ -48,6 +48,9 @@ class Config:
     # compiled graphs on a GPU: Triton kernels tiled over as many dimensions as their views allow, which
     # turns index divisions and modulos into sums (Inductor's triton.prefer_nd_tiling, pytorch/pytorch#132937)
     nd_tiling: bool = False
+    # compiled graphs on a GPU: each Triton kernel's block sizes tuned at its first run by timing neighbouring
+    # configurations (Inductor's coordinate_descent_tuning) instead of taken from its size heuristics
+    coordinate_descent: bool = False
     description: str = field(default="", compare=False)
 
     def __post_init__(self):
@@ -170,6 +173,7 @@ class Resolved:
     memory_budget: float
     recompute_pointwise: bool
     nd_tiling: bool
+    coordinate_descent: bool
     not_applicable: dict[str, str]  # flag -> why it is off on this device
 
     @property
@@ -208,8 +212,11 @@ def resolve(config: Config, device: torch.device | str) -> Resolved:
     nd = config.nd_tiling and config.compile and device.type == "cuda"
     if config.nd_tiling and not nd:
         na["nd_tiling"] = "tiles the Triton kernels of compiled graphs: needs compile and a CUDA device"
+    tune = config.coordinate_descent and config.compile and device.type == "cuda"
+    if config.coordinate_descent and not tune:
+        na["coordinate_descent"] = "tunes the Triton kernels of compiled graphs: needs compile and a CUDA device"
     return Resolved(config, device, precision, config.channels_last, config.compile, graphs, config.fused_adam, pin,
-                    try_all, budget, recompute, nd, na)
+                    try_all, budget, recompute, nd, tune, na)
 
 
 DEFAULT_BENCHMARK_LIMIT = torch.backends.cudnn.benchmark_limit  # PyTorch's: 10 (None in a build without cuDNN)

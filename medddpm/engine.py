@@ -65,6 +65,8 @@ def inductor_options(run: Resolved, *, recompute_pointwise: bool) -> dict:
         options |= RECOMPUTE_POINTWISE
     if run.nd_tiling:
         options |= {"triton.prefer_nd_tiling": True}
+    if run.coordinate_descent:
+        options |= {"coordinate_descent_tuning": True}
     return options
 
 

@@ -71,13 +71,14 @@ def test_recompute_pointwise_needs_compile():
         CONFIGS["best"].with_flags(recompute_pointwise="yes")
 
 
-def test_nd_tiling_needs_compile_and_a_gpu():
-    assert resolve(get_config("best+nd_tiling=true"), "cuda").nd_tiling
-    for name, device, why in (("best+nd_tiling=true", "cpu", "CUDA device"), ("sdpa+nd_tiling=true", "cuda", "compile")):
+@pytest.mark.parametrize("flag", ["nd_tiling", "coordinate_descent"])
+def test_triton_kernel_switches_need_compile_and_a_gpu(flag):
+    assert getattr(resolve(get_config(f"best+{flag}=true"), "cuda"), flag)
+    for name, device, why in ((f"best+{flag}=true", "cpu", "CUDA device"), (f"sdpa+{flag}=true", "cuda", "compile")):
         r = resolve(get_config(name), device)
-        assert not r.nd_tiling and why in r.not_applicable["nd_tiling"], (name, device)
-    with pytest.raises(ConfigError, match="nd_tiling must be a bool"):
-        CONFIGS["best"].with_flags(nd_tiling=1)
+        assert not getattr(r, flag) and why in r.not_applicable[flag], (name, device)
+    with pytest.raises(ConfigError, match=f"{flag} must be a bool"):
+        CONFIGS["best"].with_flags(**{flag: 1})
 
 
 def test_with_flags_composes_and_names_the_change():
