@@ -12,6 +12,7 @@ from pathlib import Path
 from .configs import CONFIGS, ConfigError, get_config, parse_config_list, resolve
 from .data import DataError
 from .model import ModelSpec, format_size, parse_size
+from .ncu import COVERAGE
 from .storage import atomic_write
 
 PRESET_NAMES = ("smoke", "paper", "brats")  # measure.PRESETS, without importing the measurement stack
@@ -306,6 +307,28 @@ def cmd_sweep(args) -> None:
         print(f"{r['config']:<12}{r['status']:<14}{r['seconds']:>8.0f} s  {r['folder']}")
 
 
+def cmd_counters(args) -> None:
+    import time
+
+    from tqdm import tqdm
+
+    from .counters import add_counters, check_run
+    from .measure import NCU_MIN_S
+
+    for run in args.runs:  # every folder checked before any GPU work
+        check_run(run)
+    if args.check:
+        return
+    start = time.monotonic()
+    for run in tqdm(args.runs, desc="counters", unit="run"):
+        left = int(args.deadline - (time.monotonic() - start)) if args.deadline else args.timeout
+        if left < NCU_MIN_S:
+            print(f"{run}: not started, {left} s left of the {args.deadline} s deadline")
+            continue
+        status = add_counters(run, timeout_s=min(args.timeout, left), coverage=args.coverage, force=args.force)
+        print(f"{run}: ncu {status['status']}: {status['message']}; kept {status['kept']}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m medddpm", description="Med-DDPM training and profiling")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -420,6 +443,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=_positive, help="timed micro-steps per rank (default: the preset's)")
     p.add_argument("--warmup", type=int, help="untimed warm-up micro-steps (default: the preset's)")
     p.set_defaults(func=cmd_scale)
+
+    p = sub.add_parser("counters", help="Nsight Compute counters for runs already measured (GPU): a run's "
+                                        "ncu.parquet is replaced when the new counters cover more of its step")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run folders, e.g. data/nvidia-h200/bf16")
+    p.add_argument("--timeout", type=_positive, default=420, help="seconds Nsight Compute may take per run")
+    p.add_argument("--deadline", type=_positive, metavar="S",
+                   help="seconds for all runs: each gets what is left (at most --timeout)")
+    p.add_argument("--coverage", type=_fraction, default=COVERAGE,
+                   help="share of the step's kernel time to select for profiling")
+    p.add_argument("--force", action="store_true", help="keep the new counters even if they cover less")
+    p.add_argument("--check", action="store_true", help="only check that every folder can be given counters here")
+    p.set_defaults(func=cmd_counters)
 
     args = parser.parse_args(argv)
     try:

@@ -201,7 +201,8 @@ def lever_ladder(run: pd.DataFrame, kept: pd.DataFrame, config: str = "best") ->
     today's definition in the most switches first (the slower first among equals). `ran_with`:
     the switches in which a run differs from today's definition; `added`: what changed from the row
     before, with `gain` = previous / this step time. A kept run whose timing finished counts whatever
-    failed after it (`status`)."""
+    failed after it (`status`). Of runs with the same switches (a re-run after a change elsewhere, such
+    as sampling), only the main run, else the latest, stands on the ladder: it measures no lever."""
     cols = ["gpu_slug", "folder", "git_commit", "status", "train_median_ms", "train_p10_ms", "train_p90_ms",
             "ran_with", "added", "gain"]
     now = CONFIGS[config].flags
@@ -209,7 +210,8 @@ def lever_ladder(run: pd.DataFrame, kept: pd.DataFrame, config: str = "best") ->
     for main in run[(run["config"] == config) & (run["status"] == "ok")].itertuples():
         same = kept[(kept["gpu_slug"] == main.gpu_slug) & (kept["preset"] == main.preset) & (kept["batch"] == 1)
                     & (kept["train_median_ms"] > 0) & (kept["config"].str.split("+").str[0] == config)]
-        chain = pd.concat([same, run.loc[[main.Index]]])
+        chain = pd.concat([same, run.loc[[main.Index]]]).assign(_main=lambda d: d.index == main.Index)
+        chain = chain.sort_values(["_main", "start_time"]).drop_duplicates(list(now), keep="last")
         # furthest from today's definition first; among equals, the slower first
         chain["_far"] = [len(_changed(r, now)) for r in chain.to_dict("records")]
         chain = chain.sort_values(["_far", "train_median_ms"], ascending=False)
@@ -497,16 +499,20 @@ def ncu_by_run(ncu_df: pd.DataFrame) -> pd.DataFrame:
 def ncu_coverage(data: Data) -> pd.DataFrame:
     """Per run with counters: the share of step time (torch.profiler) of the kernels chosen for ncu,
     and of those it actually profiled. They differ when a chosen kernel never ran under ncu (cuDNN's
-    autotuner can pick other algorithms there): the counters stand for the second share only."""
+    autotuner can pick other algorithms there): the counters stand for the second share only. The
+    chosen share is the one the run recorded (runs before session 8 aimed at 80%)."""
     from . import ncu
 
+    aimed = {r["run_id"]: json.loads(r["profilers"] or "{}").get("ncu", {}).get("coverage")
+             for r in data.run[["run_id", "profilers"]].to_dict("records")}
     rows = []
     for run_id, g in data.ncu.groupby("run_id"):
         k = data.kernels[data.kernels["run_id"] == run_id]
         if k.empty:
             continue
+        selected = aimed.get(run_id) or ncu.covered(k, ncu.select_kernels(k, coverage=0.8))
         rows.append({"gpu_slug": g["gpu_slug"].iloc[0], "config": g["config"].iloc[0],
-                     "selected": ncu.covered(k, ncu.select_kernels(k)), "profiled": ncu.profiled_coverage(k, g),
+                     "selected": selected, "profiled": ncu.profiled_coverage(k, g),
                      "launches": g["kernel_id"].nunique()})
     return _sort(pd.DataFrame(rows, columns=["gpu_slug", "config", "selected", "profiled", "launches"]))
 

@@ -366,6 +366,9 @@ def test_kept_runs_line_up_as_best_gained_its_levers(real, tmp_path):
     _kept(root, "notes/old", "best", 3 * t, pin_layout=False, group_norm="aten", upsample="interpolate")
     _kept(root, "notes/pin", "best+pin_layout=true", 2 * t, group_norm="aten", upsample="interpolate")
     _kept(root, "notes/sep", "best", 2.5 * t, pin_layout=False, group_norm="aten")  # one switch more than pin
+    # re-runs of switches measured again later: off the ladder (the main run, else the latest, stands)
+    _kept(root, "notes/sep-before", "best", 2.7 * t, pin_layout=False, group_norm="aten", start_time="2000-01-01")
+    _kept(root, "notes/again", "best", 0.9 * t)
     assert sorted(bd.runs(root)["config"]) == ["baseline", "best"], "kept runs are not main runs"
     kept = bd.kept_runs(root).set_index("folder")
     assert kept.loc["cpu/notes/old", "redefined"] == "upsample=interpolate, pin_layout=False, group_norm=aten"

@@ -238,11 +238,11 @@ def test_metric_availability():
 
 def test_run_ncu_skipped_without_ncu(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    k = kernels_frame([("a", 80, "convolution"), ("b", 20, "gemm")])
+    k = kernels_frame([("a", 86, "convolution"), ("b", 14, "gemm")])
     df, status = ncu.run_ncu(kernels_df=k, config="opt1", preset="smoke", out_dir=tmp_path)
     assert df.empty and df.dtypes.to_dict() == expected_dtypes()
     assert status["status"] == "skipped" and "PATH" in status["message"]
-    assert status["selected_kernels"] == 1 and status["coverage"] == pytest.approx(0.8)
+    assert status["selected_kernels"] == 1 and status["coverage"] == pytest.approx(0.86)
     assert status["dropped_metrics"] == [] and status["report"].endswith(".ncu-rep")
 
 

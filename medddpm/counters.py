@@ -1,0 +1,81 @@
+"""Nsight Compute counters for a run already measured: `python -m medddpm counters data/<gpu>/<run>`.
+
+A sweep profiles with ncu last, in what is left of its time, so a slow configuration can end with
+counters for only part of its step (or none). Counting again needs no new timing: ncu runs its own
+process (`medddpm.capture`) anyway, and the kernels to profile come from the run's `kernels.parquet`.
+The new `ncu.parquet` replaces the old one only when it covers at least as much of the step (or
+with `force`), and the run row's `profilers` entry for ncu records the commit and time of the pass.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+
+import torch
+
+from . import schema
+from .bookdata import redefined
+from .env import device_name, git_commit, gpu_slug
+from .measure import NCU_REPORTS
+from .model import format_size, parse_size
+from .ncu import COVERAGE, run_ncu
+
+
+class CountersError(ValueError):
+    """A run folder that cannot be given counters here (one line, before any GPU work)."""
+
+
+def _profilers(run) -> dict:
+    try:
+        return json.loads(run["profilers"] or "{}")
+    except json.JSONDecodeError:
+        return {}
+
+
+def check_run(run_dir: str | Path, *, device: torch.device | str = "cuda"):
+    """The run's row, if `run_dir` is a finished run of this device's GPU under its configuration's
+    current switches; else CountersError."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "run.parquet").is_file():
+        raise CountersError(f"{run_dir}: no run.parquet here (expected a run folder such as data/nvidia-h200/opt1)")
+    run = schema.read_table(run_dir / "run.parquet", "run").iloc[0]
+    if run["status"] != "ok":
+        raise CountersError(f"{run_dir}: the run's status is {run['status']!r}; counters need a measured step")
+    if not (run_dir / "kernels.parquet").is_file():
+        raise CountersError(f"{run_dir}: no kernels.parquet (the torch.profiler ranking picks the kernels to count)")
+    if changed := redefined(run):
+        raise CountersError(f"{run_dir}: {run['config']} has been redefined since this run ({changed}); "
+                            "measure it again with `python -m medddpm sweep --force`")
+    device = torch.device(device)
+    here = gpu_slug(device_name(device)) if device.type != "cuda" or torch.cuda.is_available() else "no CUDA device"
+    if here != run["gpu_slug"]:
+        raise CountersError(f"{run_dir}: measured on {run['gpu_slug']}, this machine has {here}")
+    return run
+
+
+def add_counters(run_dir: str | Path, *, timeout_s: int = 420, coverage: float = COVERAGE, force: bool = False,
+                 device: torch.device | str = "cuda") -> dict:
+    """Profile the run's step with ncu and keep the result if it covers at least as much as the counters
+    the run has (any result with `force`). Returns ncu's status, with `kept` saying which table stayed."""
+    run_dir = Path(run_dir)
+    run = check_run(run_dir, device=device)
+    kernels = schema.read_table(run_dir / "kernels.parquet", "kernels")
+    profilers = _profilers(run)
+    before = profilers.get("ncu", {})
+    had = before.get("profiled_coverage", 0.0) if (run_dir / "ncu.parquet").is_file() else 0.0
+    df, status = run_ncu(kernels_df=kernels, config=run["config"], preset=run["preset"],
+                         size=format_size(parse_size(run["shape"])), batch=int(run["batch"]),
+                         out_dir=NCU_REPORTS / run["gpu_slug"] / run_dir.name, timeout_s=timeout_s, coverage=coverage)
+    status |= {"git_commit": git_commit(), "time_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+    got = status.get("profiled_coverage", 0.0)
+    if status["status"] != "ok" or (got < had and not force):
+        why = status["message"] if status["status"] != "ok" else f"covers {got:.1%}, the run's counters {had:.1%}"
+        return status | {"kept": f"the run's counters ({why})"}
+    # ncu.parquet first: a run row that names counters it does not have would be the worse half-state
+    schema.write_table(df.assign(run_id=run["run_id"]), run_dir / "ncu.parquet", "ncu")
+    row = schema.read_table(run_dir / "run.parquet", "run")
+    row.loc[0, "profilers"] = json.dumps(profilers | {"ncu": status})
+    schema.write_table(row, run_dir / "run.parquet", "run")
+    return status | {"kept": f"the new counters ({got:.1%} of the step; the run's covered {had:.1%})"}

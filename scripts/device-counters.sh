@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# For a time-limited GPU lease: Nsight Compute counters for runs already measured
+# (`python -m medddpm counters`), one run at a time until DEADLINE_S seconds after the script started;
+# after each, the run folders' run.parquet and ncu.parquet (and ncu's logs and CSVs) are packed into
+# $OUT, so that what was counted comes back even if the lease ends in the middle of the next one.
+# Usage: scripts/device-counters.sh DEADLINE_S RUN_DIR [RUN_DIR ...]   (e.g. data/nvidia-h200/bf16)
+#   COUNTERS_ARGS: more `python -m medddpm counters` flags, e.g. "--coverage 0.9".
+# Unpack here with: tar -xzf counters.tgz   (from the repository root)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+deadline=$1
+shift
+out=${OUT:-runs/out}
+mkdir -p "$out" runs/ncu
+python3 -m medddpm counters --check "$@" || exit 2  # every folder, before any profiling
+for run in "$@"; do
+  left=$((deadline - SECONDS))
+  if ((left < 120)); then
+    echo "device-counters: $run not started, $left s left"
+    continue
+  fi
+  echo "device-counters: $run, $left s left"
+  # shellcheck disable=SC2086 - COUNTERS_ARGS is a list of flags
+  timeout -k 5 "$left" python3 -m medddpm counters "$run" --timeout $((left - 20)) ${COUNTERS_ARGS:-}
+  tar -czf "$out/.counters.tgz" "${@/%//run.parquet}" "${@/%//ncu.parquet}" --ignore-failed-read 2>/dev/null
+  mv "$out/.counters.tgz" "$out/counters.tgz"
+  tar -czf "$out/.ncu.tgz" --exclude='*.ncu-rep' -C runs ncu && mv "$out/.ncu.tgz" "$out/ncu.tgz"
+done

@@ -1,0 +1,125 @@
+"""medddpm.counters: Nsight Compute counters added to a measured run, with a stand-in ncu that replays
+real H200 output (no GPU or ncu needed)."""
+
+import gzip
+import json
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from medddpm import ncu, schema
+from medddpm.__main__ import main
+from medddpm.counters import CountersError, add_counters, check_run
+
+FIX = Path(__file__).parent / "fixtures"
+DETAILS = FIX / "h200/ncu-opt1-size32-details.csv.gz"
+REAL = Path(__file__).parent.parent / "data" / "cpu" / "opt1"
+
+
+@pytest.fixture
+def run_dir(tmp_path) -> Path:
+    """data/cpu/opt1 with a step made of the fixture's first four kernels: 45, 36, 10 and 9% of it."""
+    if not (REAL / "run.parquet").is_file():
+        pytest.skip("no data/cpu/opt1 run")
+    dest = tmp_path / "cpu" / "opt1"
+    shutil.copytree(REAL, dest)
+    (dest / "ncu.parquet").unlink(missing_ok=True)
+    names = ncu.parse_details_csv(DETAILS).groupby("kernel_id")["kernel"].first().unique().tolist()
+    k = schema.read_table(dest / "kernels.parquet", "kernels").iloc[:1]
+    rows = [k.assign(kernel=n, total_us=t, calls=1, category="convolution") for n, t in
+            zip(names[:4], (45.0, 36.0, 10.0, 9.0))]
+    kernels = pd.concat(rows, ignore_index=True)
+    schema.write_table(kernels.assign(share=kernels["total_us"] / kernels["total_us"].sum()),
+                       dest / "kernels.parquet", "kernels")
+    return dest
+
+
+def fake_ncu(bin_dir: Path, details: Path) -> None:
+    """An `ncu` that writes the report it is asked for and exports `details` as its CSV."""
+    bin_dir.mkdir(exist_ok=True)
+    fake = bin_dir / "ncu"
+    fake.write_text("#!/bin/sh\ncase \"$1\" in --query-metrics) exit 1;; -i) gzip -dc " + str(details) + "; exit 0;; esac\n"
+                    "for a; do [ \"$prev\" = -o ] && touch \"$a\"; prev=$a; done\nexit 0\n")
+    fake.chmod(0o755)
+
+
+@pytest.fixture
+def stand_in(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:/usr/bin:/bin")
+    monkeypatch.setattr(ncu, "_cuda_available", lambda: True)
+    monkeypatch.setattr("medddpm.counters.NCU_REPORTS", tmp_path / "reports")
+    monkeypatch.setenv("MEDDDPM_GIT_COMMIT", "c0ffee")
+    return lambda details: fake_ncu(tmp_path / "bin", details)
+
+
+def only_kernels(tmp_path: Path, keep: int) -> Path:
+    """The fixture's CSV with only the launches of its first `keep` kernel names."""
+    df = ncu.parse_details_csv(DETAILS)
+    names = df.groupby("kernel_id")["kernel"].first().unique()[:keep]
+    lines = gzip.open(DETAILS, "rt").read().splitlines(keepends=True)
+    out = tmp_path / f"details-{keep}.csv.gz"
+    with gzip.open(out, "wt") as f:
+        f.writelines(line for i, line in enumerate(lines) if i == 0 or any(f'"{n}"' in line for n in names))
+    return out
+
+
+def test_counters_replace_a_run_s_only_when_they_cover_more(run_dir, stand_in, tmp_path):
+    run_id = schema.read_table(run_dir / "run.parquet", "run").loc[0, "run_id"]
+    stand_in(only_kernels(tmp_path, 2))
+    status = add_counters(run_dir, device="cpu", timeout_s=60)
+    assert status["status"] == "ok" and status["profiled_coverage"] == pytest.approx(0.81), status
+    assert status["selected_kernels"] == 3 and status["coverage"] == pytest.approx(0.91)  # 85% aimed at, not 80
+    table = schema.read_table(run_dir / "ncu.parquet", "ncu")
+    assert (table["run_id"] == run_id).all() and table["kernel"].nunique() == 2
+    recorded = json.loads(schema.read_table(run_dir / "run.parquet", "run").loc[0, "profilers"])
+    assert recorded["ncu"]["git_commit"] == "c0ffee" and recorded["ncu"]["profiled_coverage"] == pytest.approx(0.81)
+    assert recorded["torch"]["status"] == "ok"  # the rest of the row is untouched
+
+    stand_in(only_kernels(tmp_path, 1))  # covers less: the run keeps what it had
+    status = add_counters(run_dir, device="cpu", timeout_s=60)
+    assert "the run's counters" in status["kept"] and schema.read_table(run_dir / "ncu.parquet")["kernel"].nunique() == 2
+    status = add_counters(run_dir, device="cpu", timeout_s=60, force=True)
+    assert "new counters" in status["kept"] and schema.read_table(run_dir / "ncu.parquet")["kernel"].nunique() == 1
+
+    stand_in(DETAILS)  # every kernel: more than before
+    add_counters(run_dir, device="cpu", timeout_s=60)
+    assert schema.read_table(run_dir / "ncu.parquet")["kernel"].nunique() > 2
+
+
+def test_counters_refuse_what_they_cannot_count(run_dir, tmp_path):
+    with pytest.raises(CountersError, match="no run.parquet here"):
+        check_run(tmp_path / "nowhere", device="cpu")
+    with pytest.raises(CountersError, match="measured on cpu, this machine has no CUDA device|this machine has"):
+        check_run(run_dir, device="cuda")
+    run = schema.read_table(run_dir / "run.parquet", "run")
+    schema.write_table(run.assign(precision="fp32"), run_dir / "run.parquet", "run")
+    with pytest.raises(CountersError, match="opt1 has been redefined since this run \\(precision=fp32\\)"):
+        check_run(run_dir, device="cpu")
+    schema.write_table(run.assign(status="oom"), run_dir / "run.parquet", "run")
+    with pytest.raises(CountersError, match="status is 'oom'"):
+        check_run(run_dir, device="cpu")
+    schema.write_table(run, run_dir / "run.parquet", "run")
+    (run_dir / "kernels.parquet").unlink()
+    with pytest.raises(CountersError, match="no kernels.parquet"):
+        check_run(run_dir, device="cpu")
+
+
+def test_device_script_stops_on_a_bad_folder(run_dir, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    script = Path(__file__).parent.parent / "scripts" / "device-counters.sh"
+    env = os.environ | {"OUT": str(tmp_path / "out"), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", str(script), "300", str(tmp_path / "nowhere"), str(run_dir)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "no run.parquet here" in proc.stderr + proc.stdout, proc.stderr
+    assert not (tmp_path / "out" / "counters.tgz").exists()
+
+
+def test_counters_command_checks_every_folder_first(run_dir, tmp_path, capsys):
+    for runs, why in (([run_dir, tmp_path / "nowhere"], "this machine has"), ([tmp_path / "nowhere"], "no run.parquet")):
+        assert main(["counters", *map(str, runs)]) == 2  # one line, before any profiling
+        assert why in capsys.readouterr().err and not (run_dir / "ncu.parquet").exists()
