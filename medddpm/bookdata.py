@@ -380,6 +380,23 @@ def step_summary(run: pd.DataFrame) -> pd.DataFrame:
     return _sort(ok[cols])
 
 
+def gpu_busy(data: Data) -> pd.DataFrame:
+    """Per finished run with a kernel table: the device time of its kernels and copies in one step
+    (torch.profiler, profiled steps) beside the step's median time; `busy` is their ratio. Near 1 the
+    device never waits for the host, so a CUDA graph has no launch gap to close. The host's time to
+    issue a step (`dispatch_median_ms`) cannot tell that when steps run back to back: once the launch
+    queue is full the host waits for the device, and issues a step in the device's time. `busy` can
+    pass 1 a little where kernels overlap, or where the profiled steps ran slower than the timed ones."""
+    cols = ["gpu_slug", "device", "config", "train_median_ms", "dispatch_median_ms", "kernel_ms", "busy"]
+    k = data.kernels
+    ok = data.run[(data.run["status"] == "ok") & data.run["run_id"].isin(k["run_id"])].copy()
+    if ok.empty:
+        return pd.DataFrame(columns=cols)
+    per_step = k.groupby("run_id")["total_us"].sum() / k.groupby("run_id")["steps"].max() / 1e3
+    ok["device"], ok["kernel_ms"] = device_label(ok), ok["run_id"].map(per_step)
+    return _sort(ok.assign(busy=ok["kernel_ms"] / ok["train_median_ms"])[cols])
+
+
 def speedups(run: pd.DataFrame) -> pd.DataFrame:
     """Speedup of each configuration over the baseline of the same GPU (GPUs with a baseline only)."""
     s = step_summary(run)

@@ -461,11 +461,13 @@ def roofline(points: pd.DataFrame) -> alt.LayerChart:
 # ----------------------------------------------------------------------------------------- beyond
 
 
-def dispatch(summary: pd.DataFrame) -> alt.Chart:
-    """Host time to issue a step beside the device time of the step; GPU dropdown. Where the two are
-    equal the step is host-bound (or, on a CPU, they are the same clock)."""
-    metrics = {"train_median_ms": "device time per step", "dispatch_median_ms": "host time to issue it"}
-    df = _light(_fold(summary, metrics, ["gpu_slug", "device", "config"]))
+def gpu_busy(busy: pd.DataFrame) -> alt.Chart:
+    """A step's time beside the time its kernels keep the device busy (`bookdata.gpu_busy`); GPU dropdown.
+    Where the two are equal the device never waits for the host."""
+    if busy.empty:
+        return _empty("no run with a kernel table in the data")
+    metrics = {"train_median_ms": "step time", "kernel_ms": "kernel time in the step"}
+    df = _light(_fold(busy, metrics, ["gpu_slug", "device", "config", "busy", "dispatch_median_ms"]))
     gpu = _gpu_param(df)
     return alt.Chart(df).transform_filter(alt.datum.gpu_slug == gpu).mark_bar().encode(
         y=alt.Y("config:N", sort=_configs_in(df), title=None),
@@ -473,8 +475,10 @@ def dispatch(summary: pd.DataFrame) -> alt.Chart:
         x=alt.X("value:Q", title="median ms"),
         color=alt.Color("config:N", scale=config_color(df["config"]), legend=None),
         opacity=alt.Opacity("label:N", sort=list(metrics.values()), scale=alt.Scale(range=[1.0, 0.4]), title=None),
-        tooltip=["device:N", "config:N", alt.Tooltip("label:N", title="what"), alt.Tooltip("value:Q", format=".4g")],
-    ).add_params(gpu).properties(width="container", height=alt.Step(12), title="Device time and host dispatch time")
+        tooltip=["device:N", "config:N", alt.Tooltip("label:N", title="what"), alt.Tooltip("value:Q", format=".4g"),
+                 alt.Tooltip("busy:Q", title="busy share", format=".1%"),
+                 alt.Tooltip("dispatch_median_ms:Q", title="host issue time, back to back (ms)", format=".4g")],
+    ).add_params(gpu).properties(width="container", height=alt.Step(12), title="Step time and kernel time")
 
 
 # ---------------------------------------------------------------------------------------- quality

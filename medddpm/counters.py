@@ -20,7 +20,7 @@ from .bookdata import redefined
 from .env import device_name, git_commit, gpu_slug
 from .measure import NCU_REPORTS
 from .model import format_size, parse_size
-from .ncu import COVERAGE, run_ncu
+from .ncu import COVERAGE, profiled_coverage, run_ncu
 
 
 class CountersError(ValueError):
@@ -62,9 +62,8 @@ def add_counters(run_dir: str | Path, *, timeout_s: int = 420, coverage: float =
     run_dir = Path(run_dir)
     run = check_run(run_dir, device=device)
     kernels = schema.read_table(run_dir / "kernels.parquet", "kernels")
-    profilers = _profilers(run)
-    before = profilers.get("ncu", {})
-    had = before.get("profiled_coverage", 0.0) if (run_dir / "ncu.parquet").is_file() else 0.0
+    old = run_dir / "ncu.parquet"
+    had = profiled_coverage(kernels, schema.read_table(old, "ncu")) if old.is_file() else 0.0
     df, status = run_ncu(kernels_df=kernels, config=run["config"], preset=run["preset"],
                          size=format_size(parse_size(run["shape"])), batch=int(run["batch"]),
                          out_dir=NCU_REPORTS / run["gpu_slug"] / run_dir.name, timeout_s=timeout_s, coverage=coverage)
@@ -76,6 +75,6 @@ def add_counters(run_dir: str | Path, *, timeout_s: int = 420, coverage: float =
     # ncu.parquet first: a run row that names counters it does not have would be the worse half-state
     schema.write_table(df.assign(run_id=run["run_id"]), run_dir / "ncu.parquet", "ncu")
     row = schema.read_table(run_dir / "run.parquet", "run")
-    row.loc[0, "profilers"] = json.dumps(profilers | {"ncu": status})
+    row.loc[0, "profilers"] = json.dumps(_profilers(run) | {"ncu": status})
     schema.write_table(row, run_dir / "run.parquet", "run")
     return status | {"kept": f"the new counters ({got:.1%} of the step; the run's covered {had:.1%})"}

@@ -125,7 +125,7 @@ def all_charts(data: bd.Data) -> dict[str, alt.TopLevelMixin]:
         "stalls": charts.stalls(counters),
         "priorities": charts.priorities(bd.ncu_priorities(data)),
         "roofline": charts.roofline(bd.roofline_points(data.ncu)),
-        "dispatch": charts.dispatch(summary),
+        "gpu_busy": charts.gpu_busy(bd.gpu_busy(data)),
         "loss_curves": charts.loss_curves(data.quality),
         "loss_difference": charts.loss_difference(data.quality),
         "rel_err": charts.rel_err(bd.quality_summary(data), bd.QUALITY_REL_ERR),
@@ -415,3 +415,16 @@ def test_launching_ops_says_who_makes_the_copies():
     assert a["share"].tolist() == pytest.approx([0.8, 0.2])
     assert got.loc[got["config"] == "b", "op"].tolist() == [bd.UNRECORDED_OP]
     assert bd.launching_ops(k, n=1)["rank"].max() == 1 and bd.launching_ops(k.iloc[:0]).empty
+
+
+def test_gpu_busy_is_kernel_time_over_step_time(real):
+    run = real.run[real.run["status"] == "ok"].iloc[[0]].assign(train_median_ms=0.25, dispatch_median_ms=0.25)
+    k = real.kernels[real.kernels["run_id"] == run["run_id"].iloc[0]].iloc[:2].assign(total_us=[300.0, 100.0], steps=2)
+    data = bd.Data(run=run, steps=real.steps, kernels=k, ncu=real.ncu, quality=real.quality)
+    busy = bd.gpu_busy(data)
+    assert len(busy) == 1 and busy.loc[0, "kernel_ms"] == pytest.approx(0.2) and busy.loc[0, "busy"] == pytest.approx(0.8)
+    assert bd.gpu_busy(bd.Data(run=run, steps=real.steps, kernels=k.iloc[:0], ncu=real.ncu, quality=real.quality)).empty
+    # every real run: the kernel time stands beside its own step time
+    b = bd.gpu_busy(real)
+    np.testing.assert_allclose(b["busy"] * b["train_median_ms"], b["kernel_ms"])
+    assert b["busy"].between(0.3, 1.2).all(), b
