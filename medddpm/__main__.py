@@ -87,6 +87,8 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    help="compiled graphs on a GPU: Triton kernels tiled over several dimensions (simpler indexing)")
     g.add_argument("--coordinate-descent", type=_bool, metavar="BOOL",
                    help="compiled graphs on a GPU: each Triton kernel's block sizes tuned by timing at its first run")
+    g.add_argument("--combo-kernels", type=_bool, metavar="BOOL",
+                   help="compiled graphs on a GPU: independent kernels fused side by side (fewer launches)")
     g.add_argument("--checkpointing", type=_bool, metavar="BOOL", help="activation checkpointing per U-Net block")
     g.add_argument("--pin-layout", type=_bool, metavar="BOOL",
                    help="compiled graphs: channels-last 3D pinned at every convolution input")
@@ -94,7 +96,8 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 _OVERRIDES = ("precision", "channels_last", "compile", "cuda_graphs", "fused_adam", "recompute_attention", "attention",
               "upsample", "checkpointing", "pin_layout", "group_norm", "pad_channels", "cudnn_try_all", "memory_budget",
-              "recompute_pointwise", "nd_tiling", "coordinate_descent")
+              "recompute_pointwise", "nd_tiling", "coordinate_descent",
+              "combo_kernels")
 
 
 def _config_from(args):

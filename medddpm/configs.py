@@ -19,6 +19,11 @@ UpsampleKind = Literal["interpolate", "separable"]
 GroupNormKind = Literal["aten", "chunked"]
 
 
+# Switches that set one Inductor option for the Triton kernels of compiled graphs (GPU only)
+TRITON_OPTIONS = {"nd_tiling": "triton.prefer_nd_tiling", "coordinate_descent": "coordinate_descent_tuning",
+                  "combo_kernels": "combo_kernels"}
+
+
 class ConfigError(ValueError):
     """An unknown configuration or a flag of the wrong type or value (one line)."""
 
@@ -51,6 +56,9 @@ class Config:
     # compiled graphs on a GPU: each Triton kernel's block sizes tuned at its first run by timing neighbouring
     # configurations (Inductor's coordinate_descent_tuning) instead of taken from its size heuristics
     coordinate_descent: bool = False
+    # compiled graphs on a GPU: independent kernels fused side by side into one launch (Inductor's combo_kernels),
+    # fewer launches and so fewer gaps between them
+    combo_kernels: bool = False
     description: str = field(default="", compare=False)
 
     def __post_init__(self):
@@ -174,6 +182,7 @@ class Resolved:
     recompute_pointwise: bool
     nd_tiling: bool
     coordinate_descent: bool
+    combo_kernels: bool
     not_applicable: dict[str, str]  # flag -> why it is off on this device
 
     @property
@@ -209,14 +218,13 @@ def resolve(config: Config, device: torch.device | str) -> Resolved:
     recompute = config.recompute_pointwise and config.compile
     if config.recompute_pointwise and not recompute:
         na["recompute_pointwise"] = "an Inductor fusion choice: needs compile"
-    nd = config.nd_tiling and config.compile and device.type == "cuda"
-    if config.nd_tiling and not nd:
-        na["nd_tiling"] = "tiles the Triton kernels of compiled graphs: needs compile and a CUDA device"
-    tune = config.coordinate_descent and config.compile and device.type == "cuda"
-    if config.coordinate_descent and not tune:
-        na["coordinate_descent"] = "tunes the Triton kernels of compiled graphs: needs compile and a CUDA device"
+    triton = {f: getattr(config, f) and config.compile and device.type == "cuda" for f in TRITON_OPTIONS}
+    for f, on in triton.items():
+        if getattr(config, f) and not on:
+            na[f] = f"Inductor's {TRITON_OPTIONS[f]} shapes the Triton kernels of compiled graphs: needs compile and " \
+                    "a CUDA device"
     return Resolved(config, device, precision, config.channels_last, config.compile, graphs, config.fused_adam, pin,
-                    try_all, budget, recompute, nd, tune, na)
+                    try_all, budget, recompute, **triton, not_applicable=na)
 
 
 DEFAULT_BENCHMARK_LIMIT = torch.backends.cudnn.benchmark_limit  # PyTorch's: 10 (None in a build without cuDNN)

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from torch.profiler import record_function
 
-from .configs import Config, Resolved, get_config, resolve, set_precision_flags
+from .configs import TRITON_OPTIONS, Config, Resolved, get_config, resolve, set_precision_flags
 from .diffusion import TIMESTEPS, GaussianDiffusion
 from .layout import compile_options
 from .model import ModelSpec, UNet3D
@@ -63,11 +63,7 @@ def inductor_options(run: Resolved, *, recompute_pointwise: bool) -> dict:
     options = compile_options(pin_layout=run.pin_layout)
     if recompute_pointwise:
         options |= RECOMPUTE_POINTWISE
-    if run.nd_tiling:
-        options |= {"triton.prefer_nd_tiling": True}
-    if run.coordinate_descent:
-        options |= {"coordinate_descent_tuning": True}
-    return options
+    return options | {option: True for switch, option in TRITON_OPTIONS.items() if getattr(run, switch)}
 
 
 class BudgetedInductor:

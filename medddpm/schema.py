@@ -60,6 +60,8 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
                          "prefer_nd_tiling (as requested; GPU only)"),
         "coordinate_descent": (B, "Triton kernels of compiled graphs tuned at their first run, Inductor's "
                                   "coordinate_descent_tuning (as requested; GPU only)"),
+        "combo_kernels": (B, "independent kernels of compiled graphs fused side by side, Inductor's combo_kernels "
+                             "(as requested; GPU only)"),
         "not_applicable": (S, "JSON: switches that could not apply on this device, with why"),
         "backend_flags": (S, "JSON: fp32 math modes read back after setting them"),
         "preset": (S, "smoke | paper | brats"),
@@ -193,7 +195,8 @@ ADDED: dict[str, dict[str, object]] = {
         "memory_budget": 1.0,  # the switch came in session 5
         "recompute_pointwise": False,  # the switch came in session 6
         "nd_tiling": False,  # the switch came in session 7
-        "coordinate_descent": False,  # the switch came in session 8
+        "coordinate_descent": False,  # the switches came in session 8
+        "combo_kernels": False,
         "compile_cache": "",  # recorded since session 7
     },
     "kernels": {"op": ""},  # which operator launched a kernel: recorded since session 3 (not known before)

@@ -71,7 +71,7 @@ def test_recompute_pointwise_needs_compile():
         CONFIGS["best"].with_flags(recompute_pointwise="yes")
 
 
-@pytest.mark.parametrize("flag", ["nd_tiling", "coordinate_descent"])
+@pytest.mark.parametrize("flag", ["nd_tiling", "coordinate_descent", "combo_kernels"])
 def test_triton_kernel_switches_need_compile_and_a_gpu(flag):
     assert getattr(resolve(get_config(f"best+{flag}=true"), "cuda"), flag)
     for name, device, why in ((f"best+{flag}=true", "cpu", "CUDA device"), (f"sdpa+{flag}=true", "cuda", "compile")):

@@ -366,13 +366,13 @@ def test_inductor_options_carry_each_switch_and_inductor_accepts_them():
     from medddpm.configs import get_config, resolve
     from medddpm.engine import RECOMPUTE_POINTWISE, inductor_options
 
-    run = resolve(get_config("best+nd_tiling=true+coordinate_descent=true"), "cuda")  # for a GPU; nothing runs there
+    run = resolve(get_config("best+nd_tiling=true+coordinate_descent=true+combo_kernels=true"), "cuda")  # nothing runs
     options = inductor_options(run, recompute_pointwise=True)
-    assert options["triton.prefer_nd_tiling"] and options["coordinate_descent_tuning"]
+    assert options["triton.prefer_nd_tiling"] and options["coordinate_descent_tuning"] and options["combo_kernels"]
     assert RECOMPUTE_POINTWISE.items() <= options.items()
     assert options["layout_optimization"] is False  # pin_layout's
-    plain = inductor_options(dataclasses.replace(run, nd_tiling=False, coordinate_descent=False, pin_layout=False),
-                             recompute_pointwise=False)
+    plain = inductor_options(dataclasses.replace(run, nd_tiling=False, coordinate_descent=False, combo_kernels=False,
+                                                 pin_layout=False), recompute_pointwise=False)
     assert plain == {}
     torch._dynamo.reset()
     x = torch.randn(4, 8)
