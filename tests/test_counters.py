@@ -91,7 +91,7 @@ def test_counters_replace_a_run_s_only_when_they_cover_more(run_dir, stand_in, t
 def test_counters_refuse_what_they_cannot_count(run_dir, tmp_path):
     with pytest.raises(CountersError, match="no run.parquet here"):
         check_run(tmp_path / "nowhere", device="cpu")
-    with pytest.raises(CountersError, match="measured on cpu, this machine has no CUDA device|this machine has"):
+    with pytest.raises(CountersError, match="measured on cpu, this machine has "):
         check_run(run_dir, device="cuda")
     run = schema.read_table(run_dir / "run.parquet", "run")
     schema.write_table(run.assign(precision="fp32"), run_dir / "run.parquet", "run")
