@@ -325,11 +325,11 @@ def cmd_counters(args) -> None:
     start = time.monotonic()
     for run in tqdm(args.runs, desc="counters", unit="run"):
         left = int(args.deadline - (time.monotonic() - start)) if args.deadline else args.timeout
-        if left < NCU_MIN_S:
-            print(f"{run}: not started, {left} s left of the {args.deadline} s deadline")
+        if args.deadline and left < NCU_MIN_S:
+            tqdm.write(f"{run}: not started, {left} s left of the {args.deadline} s deadline")
             continue
         status = add_counters(run, timeout_s=min(args.timeout, left), coverage=args.coverage, force=args.force)
-        print(f"{run}: ncu {status['status']}: {status['message']}; kept {status['kept']}")
+        tqdm.write(f"{run}: ncu {status['status']}: {status['message']}; kept {status['kept']}")
 
 
 def main(argv: list[str] | None = None) -> int:
