@@ -409,3 +409,26 @@ def test_nd_tiling_takes_index_arithmetic_out_of_the_group_norm_kernels(fresh_in
         ops[nd] = sum(len(re.findall(r" // | % ", k.split("device_str")[0])) for k in kernels)
     assert ops[True] < ops[False], ops
     torch.testing.assert_close(outs[True], outs[False])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton kernels need a GPU")
+def test_combo_kernels_launch_independent_kernels_together(fresh_inductor):
+    """The lever's premise, on the GPU: independent kernels (here four GroupNorm-SiLU chains on separate
+    inputs, as a backward's weight-gradient branches are) compile to fewer launches, with the same values."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    xs = [torch.randn(1, 64, 8, 8, 8, device="cuda") for _ in range(4)]
+
+    def branches(*vs):
+        return [torch.nn.functional.silu(torch.nn.functional.group_norm(v, 32)) for v in vs]
+
+    launches, outs = {}, {}
+    for combo in (False, True):
+        torch._dynamo.reset()
+        with torch.no_grad():
+            outs[combo], code = run_and_get_code(torch.compile(branches, options={"combo_kernels": combo}), *xs)
+        launches[combo] = sum(c.count(".run(") for c in code)
+        assert launches[combo], "no kernel launch in the output code"
+    assert launches[True] < launches[False], launches
+    torch.testing.assert_close(outs[True], outs[False])
