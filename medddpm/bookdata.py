@@ -520,16 +520,15 @@ def ncu_coverage(data: Data) -> pd.DataFrame:
     chosen share is the one the run recorded (runs before session 8 aimed at 80%)."""
     from . import ncu
 
-    aimed = {r["run_id"]: json.loads(r["profilers"] or "{}").get("ncu", {}).get("coverage")
+    aimed = {r["run_id"]: json.loads(r["profilers"] or "{}").get("ncu", {}).get("coverage", math.nan)
              for r in data.run[["run_id", "profilers"]].to_dict("records")}
     rows = []
     for run_id, g in data.ncu.groupby("run_id"):
         k = data.kernels[data.kernels["run_id"] == run_id]
         if k.empty:
             continue
-        selected = aimed.get(run_id) or ncu.covered(k, ncu.select_kernels(k, coverage=0.8))
         rows.append({"gpu_slug": g["gpu_slug"].iloc[0], "config": g["config"].iloc[0],
-                     "selected": selected, "profiled": ncu.profiled_coverage(k, g),
+                     "selected": aimed.get(run_id, math.nan), "profiled": ncu.profiled_coverage(k, g),
                      "launches": g["kernel_id"].nunique()})
     return _sort(pd.DataFrame(rows, columns=["gpu_slug", "config", "selected", "profiled", "launches"]))
 

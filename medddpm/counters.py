@@ -27,13 +27,6 @@ class CountersError(ValueError):
     """A run folder that cannot be given counters here (one line, before any GPU work)."""
 
 
-def _profilers(run) -> dict:
-    try:
-        return json.loads(run["profilers"] or "{}")
-    except json.JSONDecodeError:
-        return {}
-
-
 def check_run(run_dir: str | Path, *, device: torch.device | str = "cuda"):
     """The run's row, if `run_dir` is a finished run of this device's GPU under its configuration's
     current switches; else CountersError."""
@@ -75,6 +68,6 @@ def add_counters(run_dir: str | Path, *, timeout_s: int = 420, coverage: float =
     # ncu.parquet first: a run row that names counters it does not have would be the worse half-state
     schema.write_table(df.assign(run_id=run["run_id"]), run_dir / "ncu.parquet", "ncu")
     row = schema.read_table(run_dir / "run.parquet", "run")
-    row.loc[0, "profilers"] = json.dumps(_profilers(run) | {"ncu": status})
+    row.loc[0, "profilers"] = json.dumps(json.loads(run["profilers"] or "{}") | {"ncu": status})
     schema.write_table(row, run_dir / "run.parquet", "run")
     return status | {"kept": f"the new counters ({got:.1%} of the step; the run's covered {had:.1%})"}
