@@ -711,10 +711,21 @@ def _claim_row(claim: Claim, slug: str, data: Data, counters: pd.DataFrame, shar
     NO_SWEEP = "no sweep on this device yet, bench timings only (`python -m medddpm sweep --preset paper`)"
 
     def need_ncu(*configs: str) -> str:
+        """Which of `configs` lack counters, and the command that gives them: a sweep for a configuration
+        not measured here, `counters` for a measured run without them."""
         if no_sweep:
             return NO_SWEEP
-        why = "no ncu counters on a CPU" if not is_cuda else "no ncu.parquet for " + ", ".join(configs)
-        return why + " (needs `python -m medddpm sweep --preset paper` on a GPU)"
+        if not is_cuda:
+            return "no ncu counters on a CPU"
+        measured = set(data.run.loc[(data.run["gpu_slug"] == slug) & (data.run["status"] == "ok"), "config"])
+        missing = [c for c in configs if c not in cnt.index]
+        unmeasured = [c for c in missing if c not in measured]
+        uncounted = [c for c in missing if c in measured]
+        parts = ([f"no run of {', '.join(unmeasured)} (`python -m medddpm sweep --preset paper --configs "
+                  f"{','.join(unmeasured)}`)"] if unmeasured else [])
+        parts += ([f"no counters for {', '.join(uncounted)} (`python -m medddpm counters "
+                   f"{' '.join(f'data/{slug}/{c}' for c in uncounted)}`)"] if uncounted else [])
+        return "; ".join(parts) or "the counters lack a metric this claim reads"
 
     def cat_share(config: str, cats: tuple[str, ...]) -> float | None:
         s = sh[sh["config"] == config]

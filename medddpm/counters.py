@@ -63,11 +63,11 @@ def add_counters(run_dir: str | Path, *, timeout_s: int = 420, coverage: float =
     status |= {"git_commit": git_commit(), "time_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
     got = status.get("profiled_coverage", 0.0)
     if status["status"] != "ok" or (got < had and not force):
-        why = status["message"] if status["status"] != "ok" else f"covers {got:.1%}, the run's counters {had:.1%}"
+        why = status["message"] if status["status"] != "ok" else f"covers {got:.2%}, the run's counters {had:.2%}"
         return status | {"kept": f"the run's counters ({why})"}
     # ncu.parquet first: a run row that names counters it does not have would be the worse half-state
     schema.write_table(df.assign(run_id=run["run_id"]), run_dir / "ncu.parquet", "ncu")
     row = schema.read_table(run_dir / "run.parquet", "run")
     row.loc[0, "profilers"] = json.dumps(json.loads(run["profilers"] or "{}") | {"ncu": status})
     schema.write_table(row, run_dir / "run.parquet", "run")
-    return status | {"kept": f"the new counters ({got:.1%} of the step; the run's covered {had:.1%})"}
+    return status | {"kept": f"the new counters ({got:.2%} of the step; the run's covered {had:.2%})"}

@@ -383,7 +383,7 @@ def run_ncu(*, kernels_df: pd.DataFrame, config: str, preset: str, out_dir: Path
         return done("error", "ncu profiled no kernel (did the NVTX range or the name filter match?)", df)
     n = df["kernel_id"].nunique()
     status["profiled_coverage"] = got = profiled_coverage(kernels_df, df)
-    short = f"; they cover {got:.0%} of step time, short of {coverage:.0%}" if got < coverage - 1e-9 else ""
+    short = f"; they cover {got:.2%} of step time, short of {coverage:.0%}" if got < coverage - 1e-9 else ""
     cut = f" before the step was stopped at {stop_s:.0f} s" if stopped else ""
     return done("ok", f"{n} kernel launches profiled{cut}{short}", df)
 

@@ -237,16 +237,29 @@ def test_claims_on_a_gpu_follow_the_data(real):
 def test_channels_last_shift_falls_back_to_the_tf32_pair(real):
     """Without opt2, the channels-last claim compares opt12 with opt1 and says so; without either pair
     it is not measurable."""
-    k = real.kernels
-    h200 = k[k["gpu_slug"] == "nvidia-h200"]
-    if not {"opt1", "opt12"} <= set(h200["config"]) or "opt2" in set(h200["config"]):
-        pytest.skip("needs H200 kernel profiles of opt1 and opt12 and none of opt2")
-    table = bd.claims(real)
-    row = table[(table["gpu_slug"] == "nvidia-h200") & (table["claim_id"] == "cl-shift")].iloc[0]
+    gpu = with_gpu(real)
+    k = gpu.kernels[~((gpu.kernels["gpu_slug"] == GPU) & (gpu.kernels["config"] == "opt2"))]
+    table = bd.claims(dataclasses.replace(gpu, kernels=k))
+    row = table[(table["gpu_slug"] == GPU) & (table["claim_id"] == "cl-shift")].iloc[0]
     assert row["verdict"] == bd.HOLDS and "(opt1)" in row["evidence"] and "(opt12)" in row["evidence"]
-    no_pair = dataclasses.replace(real, kernels=k[~((k["gpu_slug"] == "nvidia-h200") & (k["config"] == "opt12"))])
-    row = bd.claims(no_pair).query("gpu_slug == 'nvidia-h200' and claim_id == 'cl-shift'").iloc[0]
+    no_pair = dataclasses.replace(gpu, kernels=k[~((k["gpu_slug"] == GPU) & (k["config"] == "opt12"))])
+    row = bd.claims(no_pair).query(f"gpu_slug == '{GPU}' and claim_id == 'cl-shift'").iloc[0]
     assert row["verdict"] == bd.NA and "opt1 and opt12" in row["evidence"]
+
+
+def test_claims_without_counters_name_what_is_missing_and_the_command(real):
+    """A counter claim that cannot be judged names only the configurations without counters: a run
+    without them gets the `counters` command, a configuration never run gets a sweep."""
+    gpu = with_gpu(real)
+    no_ncu = dataclasses.replace(gpu, ncu=gpu.ncu[~((gpu.ncu["gpu_slug"] == GPU) & (gpu.ncu["config"] == "opt2"))])
+    row = bd.claims(no_ncu).query(f"gpu_slug == '{GPU}' and claim_id == 'cl-sm'").iloc[0]
+    assert row["verdict"] == bd.NA
+    assert row["evidence"] == f"no counters for opt2 (`python -m medddpm counters data/{GPU}/opt2`)"
+    run = no_ncu.run
+    no_run = dataclasses.replace(no_ncu, run=run[~((run["gpu_slug"] == GPU) & (run["config"] == "opt2"))])
+    row = bd.claims(no_run).query(f"gpu_slug == '{GPU}' and claim_id == 'opt12-partial'").iloc[0]
+    assert row["verdict"] == bd.NA and "baseline" not in row["evidence"] and "opt1," not in row["evidence"]
+    assert row["evidence"].startswith("no run of opt2 (`python -m medddpm sweep --preset paper --configs opt2`)")
 
 
 def test_claims_use_bench_timings_where_no_sweep(real):
