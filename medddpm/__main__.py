@@ -75,6 +75,8 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    "chunks, then per group (fast for compiled channels-last 3D)")
     g.add_argument("--pad-channels", type=_bool, metavar="BOOL",
                    help="stem and output convolutions zero-padded to 8 channels (the same numbers)")
+    g.add_argument("--split-skip", type=_bool, metavar="BOOL",
+                   help="decoder blocks take the skip connection as a second input, not concatenated (the same numbers)")
     g.add_argument("--cudnn-try-all", type=_bool, metavar="BOOL",
                    help="cuDNN autotuning tries every algorithm (benchmark_limit 0)")
     g.add_argument("--memory-budget", type=_fraction, metavar="F",
@@ -96,8 +98,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 _OVERRIDES = ("precision", "channels_last", "compile", "cuda_graphs", "fused_adam", "recompute_attention", "attention",
               "upsample", "checkpointing", "pin_layout", "group_norm", "pad_channels", "cudnn_try_all", "memory_budget",
-              "recompute_pointwise", "nd_tiling", "coordinate_descent",
-              "combo_kernels")
+              "recompute_pointwise", "nd_tiling", "coordinate_descent", "combo_kernels", "split_skip")
 
 
 def _config_from(args):

@@ -43,6 +43,9 @@ class Config:
     pin_layout: bool = False  # compiled graphs: channels-last 3D pinned at every convolution input (medddpm.layout)
     group_norm: GroupNormKind = "aten"  # "chunked": statistics per channel over voxel chunks, then per group (model.py)
     pad_channels: bool = False  # stem and output convolutions zero-padded to 8 channels (model.PaddedConv3d)
+    # decoder blocks take the skip connection as a second input, not concatenated, where their GroupNorm
+    # groups allow it (model.ResBlock.forward_parts): no 128-channel tensor at the top level
+    split_skip: bool = False
     cudnn_try_all: bool = False  # cuDNN autotuning tries every algorithm (benchmark_limit 0), not PyTorch's first 10
     # compiled graphs: activations AOTAutograd's partitioner may keep, as a fraction of what it keeps by
     # default (functorch's activation_memory_budget; 0 = recompute the whole compiled region in backward)

@@ -10,7 +10,9 @@ The input need not be cubic (the BraTS setting is 192 x 192 x 144).
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -169,9 +171,29 @@ class GroupNorm32(nn.GroupNorm):
         self.kind = kind
 
     def forward(self, x):
+        return self._norm(x, self.num_groups, self.weight, self.bias)
+
+    def splits(self, channels: Sequence[int]) -> bool:
+        """Whether inputs of these channel counts, concatenated, split along group boundaries."""
+        per_group = self.num_channels // self.num_groups
+        return sum(channels) == self.num_channels and all(c % per_group == 0 for c in channels)
+
+    def forward_parts(self, parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The GroupNorm of torch.cat(parts, dim=1), part by part (each part holds whole groups)."""
+        assert self.splits([p.shape[1] for p in parts]), (
+            f"parts of {[p.shape[1] for p in parts]} channels do not split {self.num_channels} channels into "
+            f"whole groups of {self.num_channels // self.num_groups}")
+        per_group, out, start = self.num_channels // self.num_groups, [], 0
+        for p in parts:
+            c = p.shape[1]
+            out.append(self._norm(p, c // per_group, self.weight[start:start + c], self.bias[start:start + c]))
+            start += c
+        return out
+
+    def _norm(self, x, groups, weight, bias):
         dtype = torch.promote_types(x.dtype, torch.float32)  # bf16 -> fp32; a float64 model (tests) stays float64
         fn = group_norm_chunked if self.kind == "chunked" else F.group_norm
-        return fn(x.to(dtype), self.num_groups, self.weight, self.bias, self.eps).to(x.dtype)
+        return fn(x.to(dtype), groups, weight, bias, self.eps).to(x.dtype)
 
 
 def norm(channels: int, *, kind: str = "aten") -> nn.GroupNorm:
@@ -222,9 +244,32 @@ class ResBlock(nn.Module):
         self.skip = nn.Identity() if ch_in == ch_out else nn.Conv3d(ch_in, ch_out, 1)
 
     def forward(self, x, emb):
-        h = self.in_layers(x)
+        return self._out(self.skip(x), self.in_layers(x), emb)
+
+    def _out(self, skip, h, emb):
         h = h + self.emb_layers(emb).to(h.dtype)[:, :, None, None, None]
-        return self.skip(x) + self.out_layers(h)
+        return skip + self.out_layers(h)
+
+    def splits(self, parts: Sequence[torch.Tensor]) -> bool:
+        """Whether `forward_parts` takes these inputs: its GroupNorm's groups do not straddle them."""
+        return isinstance(self.skip, nn.Conv3d) and self.in_layers[0].splits([p.shape[1] for p in parts])
+
+    def forward_parts(self, parts: Sequence[torch.Tensor], emb):
+        """forward(torch.cat(parts, dim=1), emb) without the concatenation (the `split_skip` switch).
+
+        GroupNorm runs per part (whole groups in each), and each convolution on the concatenation is
+        the sum of convolutions of the parts with the matching slices of its weight: the same function
+        and parameters. At a decoder's top level the concatenation is the largest tensor of the step
+        (128 channels at 128^3), written in the forward and kept or recomputed for the backward."""
+        norm, act, conv = self.in_layers
+        sizes = [p.shape[1] for p in parts]
+
+        def conv_sum(layer: nn.Conv3d, xs):  # layer(torch.cat(xs, dim=1)), its bias added once
+            ws = layer.weight.split(sizes, dim=1)
+            return functools.reduce(torch.add, (layer._conv_forward(x, w, layer.bias if i == 0 else None)
+                                                for i, (x, w) in enumerate(zip(xs, ws))))
+
+        return self._out(conv_sum(self.skip, parts), conv_sum(conv, [act(n) for n in norm.forward_parts(parts)]), emb)
 
 
 class Attention(nn.Module):
@@ -317,12 +362,17 @@ class Level(nn.Module):
         super().__init__()
         self.res, self.attn, self.resample = res, attn, resample
 
-    def forward_skip(self, h, skip, emb):
-        """A decoder block: the skip connection concatenated on the channel axis first."""
+    def forward_skip(self, h, skip, emb, *, split: bool = False):
+        """A decoder block: the skip connection concatenated on the channel axis first, or, with `split`
+        where the block's GroupNorm groups allow it, taken as a second input (ResBlock.forward_parts)."""
+        if split and self.res.splits((h, skip)):
+            return self._after_res(self.res.forward_parts((h, skip), emb))
         return self(torch.cat([h, skip], dim=1), emb)
 
     def forward(self, x, emb):
-        x = self.res(x, emb)
+        return self._after_res(self.res(x, emb))
+
+    def _after_res(self, x):
         if self.attn is not None:
             x = self.attn(x)
         if self.resample is not None:
@@ -335,14 +385,16 @@ class Level(nn.Module):
 
 class UNet3D(nn.Module):
     """`checkpointing=True`: activation checkpointing per U-Net block (see `forward`); it subsumes
-    `recompute_attention`, whose inner checkpoint would only recompute attention a second time."""
+    `recompute_attention`, whose inner checkpoint would only recompute attention a second time.
+    `split_skip=True`: decoder blocks take the skip connection as a second input instead of a
+    concatenation, where their GroupNorm groups allow it (ResBlock.forward_parts)."""
 
     def __init__(self, spec: ModelSpec = ModelSpec(), *, attention: str = "math", recompute_attention: bool = True,
                  upsample: str = "interpolate", checkpointing: bool = False, group_norm: str = "aten",
-                 pad_channels: bool = False):
+                 pad_channels: bool = False, split_skip: bool = False):
         super().__init__()
         self.spec = spec
-        self.checkpointing = checkpointing
+        self.checkpointing, self.split_skip = checkpointing, split_skip
         ch = spec.base_channels
         emb_dim = 4 * ch
         attn = lambda c: Attention(c, kind=attention, recompute=recompute_attention and not checkpointing,  # noqa: E731
@@ -403,7 +455,7 @@ class UNet3D(nn.Module):
         for block in self.up:
             # The skip concatenation runs inside the checkpoint: only h and the skip (held anyway)
             # are kept, not their concatenation, which at the top level is the largest tensor.
-            h = self._block(block.forward_skip, h, hs.pop(), emb)
+            h = self._block(functools.partial(block.forward_skip, split=self.split_skip), h, hs.pop(), emb)
         return self._block(self.out, h)
 
     def _block(self, fn, *args):
