@@ -70,7 +70,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     for flag in ("channels-last", "compile", "cuda-graphs", "fused-adam", "recompute-attention"):
         g.add_argument(f"--{flag}", type=_bool, metavar="BOOL")
     g.add_argument("--attention", choices=["math", "sdpa"])
-    g.add_argument("--upsample", choices=["interpolate", "separable"])
+    g.add_argument("--upsample", choices=["interpolate", "separable", "separable_ndhwc"])
     g.add_argument("--group-norm", choices=["aten", "chunked"], help="chunked: statistics per channel over voxel "
                    "chunks, then per group (fast for compiled channels-last 3D)")
     g.add_argument("--pad-channels", type=_bool, metavar="BOOL",

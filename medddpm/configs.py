@@ -15,7 +15,7 @@ import torch
 
 Precision = Literal["fp32", "tf32", "bf16"]
 AttentionKind = Literal["math", "sdpa"]
-UpsampleKind = Literal["interpolate", "separable"]
+UpsampleKind = Literal["interpolate", "separable", "separable_ndhwc"]
 GroupNormKind = Literal["aten", "chunked"]
 
 
@@ -38,7 +38,9 @@ class Config:
     fused_adam: bool = False  # one fused Adam kernel instead of PyTorch's foreach implementation
     attention: AttentionKind = "math"  # "sdpa": F.scaled_dot_product_attention (flash / mem-efficient)
     recompute_attention: bool = True  # the reference checkpoints attention blocks in backward
-    upsample: UpsampleKind = "interpolate"  # "separable": the same trilinear 2x as per-axis sums (no atomics in backward)
+    # "separable": the same trilinear 2x as per-axis sums (no atomics in backward); "separable_ndhwc": those
+    # sums on the (N, D, H, W, C) view of channels-last activations, so that compiled buffers stay channels-last
+    upsample: UpsampleKind = "interpolate"
     checkpointing: bool = False  # activation checkpointing per U-Net block: keep block inputs, recompute the rest
     pin_layout: bool = False  # compiled graphs: channels-last 3D pinned at every convolution input (medddpm.layout)
     group_norm: GroupNormKind = "aten"  # "chunked": statistics per channel over voxel chunks, then per group (model.py)

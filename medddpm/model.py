@@ -319,18 +319,19 @@ class Downsample(nn.Module):
         return self.conv(x)
 
 
-UPSAMPLE_KINDS = ("interpolate", "separable")
+UPSAMPLE_KINDS = ("interpolate", "separable", "separable_ndhwc")
 
 
-def upsample2x_separable(x: torch.Tensor) -> torch.Tensor:
+def upsample2x_separable(x: torch.Tensor, *, dims: tuple[int, ...] = (2, 3, 4)) -> torch.Tensor:
     """F.interpolate(x, scale_factor=2, mode="trilinear", align_corners=False), one axis at a time.
 
     Along an axis of length n: out[2i] = 0.75 x[i] + 0.25 x[i-1], out[2i+1] = 0.75 x[i] + 0.25 x[i+1],
     with the edges clamped. The same function, but its backward is slices and sums: Inductor lowers
     interpolate's backward to an atomic index_put, which took 16.6 ms of best's 93 ms step on the H200
     (data/nvidia-h200/NOTES.md). Eager it is slower than interpolate; it pays under torch.compile.
+    `dims`: the spatial axes (1, 2, 3 for an (N, D, H, W, C) view).
     """
-    for dim in (2, 3, 4):
+    for dim in dims:
         n = x.shape[dim]
         prev = torch.cat([x.narrow(dim, 0, 1), x.narrow(dim, 0, n - 1)], dim)
         nxt = torch.cat([x.narrow(dim, 1, n - 1), x.narrow(dim, n - 1, 1)], dim)
@@ -339,6 +340,13 @@ def upsample2x_separable(x: torch.Tensor) -> torch.Tensor:
 
 
 class Upsample(nn.Module):
+    """Trilinear 2x, then a 3x3x3 convolution. `kind`: "interpolate" (F.interpolate), "separable"
+    (`upsample2x_separable`), or "separable_ndhwc": the same sums on the (N, D, H, W, C) view of a
+    channels-last input. In the logical (N, C, D, H, W) order Inductor lays some per-axis results out
+    contiguously, W fastest, and others channels-last, so kernels convert between the two on the way;
+    on the view every buffer has the channels fastest (tests/test_model.py reads the compiled code).
+    On the H200 best's three upsampling kernels at 128^3 ran at under a tenth of DRAM bandwidth."""
+
     def __init__(self, ch: int, *, kind: str = "interpolate"):
         super().__init__()
         assert kind in UPSAMPLE_KINDS, f"upsample kind must be one of {UPSAMPLE_KINDS}, got {kind!r}"
@@ -346,10 +354,12 @@ class Upsample(nn.Module):
         self.conv = nn.Conv3d(ch, ch, 3, padding=1)
 
     def forward(self, x):
-        if self.kind == "separable":
-            fmt = torch.channels_last_3d if x.is_contiguous(memory_format=torch.channels_last_3d) else None
+        cl = x.is_contiguous(memory_format=torch.channels_last_3d)
+        if self.kind == "separable_ndhwc" and cl:
+            x = upsample2x_separable(x.permute(0, 2, 3, 4, 1), dims=(1, 2, 3)).permute(0, 4, 1, 2, 3)
+        elif self.kind != "interpolate":
             x = upsample2x_separable(x)
-            x = x.contiguous(memory_format=fmt) if fmt is not None else x
+            x = x.contiguous(memory_format=torch.channels_last_3d) if cl else x
         else:
             x = F.interpolate(x, scale_factor=2, mode="trilinear", align_corners=False)
         return self.conv(x)

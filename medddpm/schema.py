@@ -46,7 +46,8 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "fused_adam": (B, "fused Adam kernel"),
         "attention": (S, "math | sdpa"),
         "recompute_attention": (B, "attention recomputed in backward"),
-        "upsample": (S, "interpolate | separable (trilinear 2x as per-axis sums)"),
+        "upsample": (S, "interpolate | separable (trilinear 2x as per-axis sums) | separable_ndhwc (those sums on "
+                        "the channels-last view)"),
         "checkpointing": (B, "activation checkpointing per U-Net block"),
         "pin_layout": (B, "channels-last 3D pinned at every convolution input of compiled graphs (as requested)"),
         "group_norm": (S, "aten | chunked (GroupNorm statistics per channel over voxel chunks, then per group)"),

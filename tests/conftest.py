@@ -36,3 +36,15 @@ class Pairs(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return self.items[i]
+
+
+@pytest.fixture
+def fresh_inductor():
+    """Compile for real: Inductor's on-disk caches (kept across processes) would hand back a graph
+    compiled before, without running the graph passes. The config modules' own patch(): pytest's
+    monkeypatch deletes their entries on undo, which breaks every later compile in the process."""
+    import torch._functorch.config
+    import torch._inductor.config
+
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        yield

@@ -137,3 +137,17 @@ def test_every_named_configuration_runs_one_cpu_step(name, tiny_spec):
     assert set(engine.run.not_applicable) == expected_na
     if engine.run.channels_last:
         assert next(p for p in engine.model.parameters() if p.ndim == 5).is_contiguous(memory_format=torch.channels_last_3d)
+
+
+def test_config_choices_are_the_model_s():
+    """A kind the configuration accepts is one the model builds, and the command line offers them all."""
+    from typing import get_args
+
+    from medddpm.configs import AttentionKind, GroupNormKind, UpsampleKind
+    from medddpm.model import ATTENTION_KINDS, GROUP_NORM_KINDS, UPSAMPLE_KINDS
+
+    assert get_args(UpsampleKind) == UPSAMPLE_KINDS and get_args(GroupNormKind) == GROUP_NORM_KINDS
+    assert get_args(AttentionKind) == ATTENTION_KINDS
+    assert get_config("best+upsample=separable_ndhwc").upsample == "separable_ndhwc"
+    with pytest.raises(ConfigError, match="must be one of"):
+        get_config("best+upsample=nearest")

@@ -135,18 +135,6 @@ def test_checkpointing_composes_with_torch_compile():
     assert float((grad - ref_grad).norm() / ref_grad.norm()) < 1e-4
 
 
-@pytest.fixture
-def fresh_inductor():
-    """Compile for real: Inductor's on-disk caches (kept across processes) would hand back a graph
-    compiled before, without running the graph passes. The config modules' own patch(): pytest's
-    monkeypatch deletes their entries on undo, which breaks every later compile in the process."""
-    import torch._functorch.config
-    import torch._inductor.config
-
-    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
-        yield
-
-
 def test_pin_layout_pins_every_convolution_input_and_keeps_the_values(monkeypatch, fresh_inductor):
     """The post-grad pass (medddpm.layout) leaves no 5-D convolution input of the forward or backward
     graph without channels-last strides, and the step computes the same loss and gradients."""

@@ -5,7 +5,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from medddpm.diffusion import GaussianDiffusion, cosine_betas
 from medddpm.flops import count
-from medddpm.model import Attention, ModelSpec, UNet3D, count_parameters, format_size, group_norm_chunked, parse_size
+from medddpm.model import (UPSAMPLE_KINDS, Attention, ModelSpec, UNet3D, Upsample, count_parameters, format_size,
+                           group_norm_chunked, parse_size)
 
 
 def test_reference_parameter_count_and_flops():
@@ -376,3 +377,47 @@ def test_split_skip_lowers_the_checkpointed_peak_at_128():
     cat = _eager_peak_bytes(spec, checkpointing=True)
     split = _eager_peak_bytes(spec, checkpointing=True, split_skip=True)
     assert 0.9 * 2**30 < cat - split < 1.1 * 2**30, f"{cat / 2**30:.2f} -> {split / 2**30:.2f} GiB"
+
+
+@pytest.mark.parametrize("kind", UPSAMPLE_KINDS)
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last_3d])
+def test_upsample_kinds_are_trilinear_interpolation(kind, layout):
+    """Every kind computes F.interpolate's trilinear 2x (align_corners=False), forward and backward, on a
+    non-cubic volume, and keeps a channels-last input channels-last."""
+    up = Upsample(6, kind=kind).double()
+    x = torch.randn(2, 6, 5, 4, 3, dtype=torch.float64).to(memory_format=layout).requires_grad_()
+    ref = F.interpolate(x, scale_factor=2, mode="trilinear", align_corners=False)
+    inner = {}
+    up.conv.register_forward_pre_hook(lambda m, args: inner.update(x=args[0]))
+    y = up(x)
+    torch.testing.assert_close(inner["x"], ref, rtol=1e-12, atol=1e-14)
+    assert inner["x"].is_contiguous(memory_format=layout)
+    g = torch.randn_like(ref)
+    (got,) = torch.autograd.grad(inner["x"], x, g, retain_graph=True)
+    (want,) = torch.autograd.grad(ref, x, g)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+    assert y.shape == (2, 6, 10, 8, 6)
+
+
+def test_separable_ndhwc_keeps_every_compiled_buffer_channels_last(fresh_inductor):
+    """The premise of `separable_ndhwc`: compiled on a channels-last input, `separable` lays some per-axis
+    results out with W fastest (strided reads and writes of channels-last memory); on the NDHWC view every
+    buffer has the channels fastest. Inductor decides these layouts in its IR, before generating code
+    for a backend, so the CPU's code shows them."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    x = torch.randn(1, 64, 8, 8, 8).to(memory_format=torch.channels_last_3d)
+    strides = {}
+    for kind in ("separable", "separable_ndhwc"):
+        up = Upsample(64, kind=kind)
+        up.conv = torch.nn.Identity()
+        torch._dynamo.reset()
+        out, (code, *_) = run_and_get_code(torch.compile(up), x)
+        strides[kind] = [tuple(map(int, s.split(","))) for s in re.findall(r"empty_strided\w*\(\([^)]*\), \(([^)]*)\)", code)]
+        assert out.is_contiguous(memory_format=torch.channels_last_3d) and strides[kind], kind
+    # separable: some 5-D buffers in (N, C, D, H, W) order with W fastest; ndhwc: every buffer in
+    # (N, D, H, W, C) order with the channels fastest. Both: last stride 1.
+    assert any(len(s) == 5 and s[-1] == 1 for s in strides["separable"]), strides["separable"]
+    assert all(s[-1] == 1 for s in strides["separable_ndhwc"]), strides["separable_ndhwc"]
