@@ -8,8 +8,10 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import get_args
 
-from .configs import CONFIGS, ConfigError, get_config, parse_config_list, resolve
+from .configs import (CONFIGS, AttentionKind, ConfigError, GroupNormKind, Precision, UpsampleKind, get_config,
+                      parse_config_list, resolve)
 from .data import DataError
 from .model import ModelSpec, format_size, parse_size
 from .ncu import COVERAGE
@@ -66,12 +68,12 @@ def _add_model_args(p: argparse.ArgumentParser, *, mask_default: int | None = 3)
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default="baseline", help=f"named configuration: {', '.join(CONFIGS)}")
     g = p.add_argument_group("override single switches of the configuration")
-    g.add_argument("--precision", choices=["fp32", "tf32", "bf16"])
+    g.add_argument("--precision", choices=get_args(Precision))
     for flag in ("channels-last", "compile", "cuda-graphs", "fused-adam", "recompute-attention"):
         g.add_argument(f"--{flag}", type=_bool, metavar="BOOL")
-    g.add_argument("--attention", choices=["math", "sdpa"])
-    g.add_argument("--upsample", choices=["interpolate", "separable", "separable_ndhwc"])
-    g.add_argument("--group-norm", choices=["aten", "chunked"], help="chunked: statistics per channel over voxel "
+    g.add_argument("--attention", choices=get_args(AttentionKind))
+    g.add_argument("--upsample", choices=get_args(UpsampleKind))
+    g.add_argument("--group-norm", choices=get_args(GroupNormKind), help="chunked: statistics per channel over voxel "
                    "chunks, then per group (fast for compiled channels-last 3D)")
     g.add_argument("--pad-channels", type=_bool, metavar="BOOL",
                    help="stem and output convolutions zero-padded to 8 channels (the same numbers)")

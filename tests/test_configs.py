@@ -140,7 +140,7 @@ def test_every_named_configuration_runs_one_cpu_step(name, tiny_spec):
 
 
 def test_config_choices_are_the_model_s():
-    """A kind the configuration accepts is one the model builds, and the command line offers them all."""
+    """A kind the configuration accepts is one the model builds (the command line offers the configuration's)."""
     from typing import get_args
 
     from medddpm.configs import AttentionKind, GroupNormKind, UpsampleKind
