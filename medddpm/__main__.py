@@ -160,6 +160,23 @@ def cmd_info(args) -> None:
     print(f"  forward+backward     {info['train_flops'] / 1e12:.2f} T per micro-step")
 
 
+def cmd_saved(args) -> None:
+    from .configs import parse_config_list
+    from .partition import activation_bytes, saved_tensors, summary
+
+    spec = _spec(args)
+    configs = parse_config_list(args.configs)
+    eager = [c.name for c in configs if not c.compile]
+    if eager:  # every name checked before the first trace
+        raise ConfigError(f"not compiled, so no partition to read: {', '.join(eager)}")
+    for config in configs:
+        saved = saved_tensors(spec, config)
+        print(f"{config.name}: {(~saved['input']).sum()} activations saved for the backward, "
+              f"{activation_bytes(saved) / 2**30:.3f} GiB")
+        for row in summary(saved, min_bytes=int(args.min_mib * 2**20)).itertuples():
+            print(f"  {row.count:3d} x {'x'.join(map(str, row.shape)):<22} {row.dtype:<9} {row.gib:7.3f} GiB")
+
+
 def cmd_configs(args) -> None:
     from .env import pick_device
 
@@ -399,6 +416,13 @@ def main(argv: list[str] | None = None) -> int:
                         "CUDA graphs only")
     p.add_argument("--json", help="write all timings to this JSON file")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("saved", help="what a compiled configuration's training step saves for its backward "
+                                     "(AOTAutograd's partition), traced at full size on the CPU: no GPU")
+    _add_model_args(p)
+    p.add_argument("--configs", required=True, help="compiled configurations, e.g. best,best+split_skip=true")
+    p.add_argument("--min-mib", type=float, default=64.0, help="list tensors of at least this size (MiB)")
+    p.set_defaults(func=cmd_saved)
 
     p = sub.add_parser("sweep", help="run the producer notebook for each configuration into data/<gpu>/<config>/")
     p.add_argument("--configs", default="paper", help="paper, all, or comma-separated names")

@@ -1,0 +1,95 @@
+"""What a configuration's compiled training step keeps for its backward: the tensors AOTAutograd's
+partitioner saves between the forward and backward graphs, traced at full size on the CPU.
+
+Dynamo and AOTAutograd trace on fake tensors, so no kernel runs and no activation is allocated;
+Inductor is stopped after the partition, before code generation. A 128^3 configuration takes about
+20 s on two cores. The graph is the CPU's (its autocast rules and decompositions), which can differ from
+a GPU's in detail; the saved set decides most of a compiled step's peak memory (the backward's own
+buffers add to it), so levers can be compared here before a GPU is spent on them."""
+
+from __future__ import annotations
+
+import pandas as pd
+import torch
+
+from .configs import Config, get_config
+from .engine import Engine, inductor_options
+from .model import ModelSpec
+
+_GIB = 2**30
+
+
+class _Partitioned(Exception):
+    """Raised from Inductor's forward compile once the saved tensors are read: nothing to generate."""
+
+
+def saved_tensors(spec: ModelSpec, config: Config | str) -> pd.DataFrame:
+    """One row per tensor the forward graph hands to the backward graph: node name, the operator that
+    makes it, whether it is an input of the step (a parameter or the data, held anyway), shape, dtype
+    and bytes. A graph break raises (the step must be one graph to be read)."""
+    config = get_config(config)
+    engine = Engine(spec, config, device="cpu", ema=False)
+    if not engine.run.compile:
+        raise ValueError(f"{config.name}: not compiled, so there is no partition to read; "
+                         "eager memory is flops.saved_activation_bytes")
+    options = inductor_options(engine.run, recompute_pointwise=engine.run.recompute_pointwise)
+    out_shape = (1, spec.image_channels, *spec.shape)
+    rows: list[dict] = []
+
+    def read_forward(gm: torch.fx.GraphModule, example_inputs, *args, **kwargs):
+        outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        tensors = [n for n in outputs if isinstance(n, torch.fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)]
+        # The forward graph returns the model's output first, then what the backward needs.
+        first = tuple(tensors[0].meta["val"].shape)
+        assert first == out_shape, f"the forward graph's first output is {first}, not the model's {out_shape}"
+        for n in tensors[1:]:
+            val = n.meta["val"]
+            rows.append({"name": n.name, "op": str(n.target), "input": n.op == "placeholder", "shape": tuple(int(s) for s in val.shape),
+                         "dtype": str(val.dtype).removeprefix("torch."),
+                         "bytes": int(val.numel()) * val.element_size()})
+        raise _Partitioned
+
+    def backend(gm, example_inputs):
+        import torch._functorch.config
+        from torch._inductor.compile_fx import compile_fx
+
+        # As Engine compiles it (the activation memory budget is functorch's config: BudgetedInductor), with
+        # the caches off: a cached graph of an earlier compile would skip the partition.
+        with torch._functorch.config.patch(activation_memory_budget=engine.run.memory_budget,
+                                           enable_autograd_cache=False):
+            return compile_fx(gm, example_inputs, inner_compile=read_forward,
+                              config_patches=options | {"fx_graph_cache": False})
+
+    torch._dynamo.reset()
+    model = torch.compile(engine.model, dynamic=False, fullgraph=True, backend=backend)
+    x0 = engine.prepare(torch.zeros(out_shape))
+    cond = engine.prepare(torch.zeros(1, spec.mask_channels, *spec.shape))
+    try:
+        with engine.autocast():
+            engine.diffusion.loss(model, x0, cond)
+    except Exception as error:  # Dynamo wraps a backend's exception (BackendCompilerFailed)
+        if not any(isinstance(e, _Partitioned) for e in _chain(error)):
+            raise
+    finally:
+        torch._dynamo.reset()
+    assert rows, f"{config.name}: the forward graph saved nothing for a backward"
+    return pd.DataFrame(rows)
+
+
+def _chain(error: BaseException):
+    while error is not None:
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def activation_bytes(saved: pd.DataFrame) -> int:
+    """Bytes of the saved tensors that the forward allocates (the step's inputs are held anyway)."""
+    return int(saved.loc[~saved["input"], "bytes"].sum())
+
+
+def summary(saved: pd.DataFrame, *, min_bytes: int = 0) -> pd.DataFrame:
+    """Saved activations (not the step's inputs) grouped by shape and dtype, largest total first, in GiB."""
+    big = saved[~saved["input"] & (saved["bytes"] >= min_bytes)]
+    out = (big.groupby(["shape", "dtype"], sort=False)["bytes"].agg(count="size", total="sum").reset_index()
+           .sort_values("total", ascending=False, kind="stable"))
+    return out.assign(gib=out["total"] / _GIB).drop(columns="total").reset_index(drop=True)

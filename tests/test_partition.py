@@ -1,0 +1,68 @@
+"""What a compiled step saves for its backward (medddpm.partition), read from AOTAutograd's partition
+on the CPU at the smoke size. The H200 measured what these tests check in miniature: `best-ckpt`
+keeps less than `best`, and `split_skip` under torch.compile kept more (data/nvidia-h200/NOTES.md,
+session 10)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from medddpm.__main__ import main
+from medddpm.measure import get_preset
+from medddpm.partition import activation_bytes, saved_tensors, summary
+
+SPEC = get_preset("smoke").spec()  # 16^3, 32 base channels
+SKIP = (1, SPEC.base_channels, *SPEC.shape)  # the stem's output: the top level's skip connection
+
+
+@pytest.fixture(scope="module")
+def saved():
+    return {name: saved_tensors(SPEC, name) for name in ("best", "best-ckpt", "best+split_skip=true")}
+
+
+def test_rows_are_the_forward_graph_s_saved_tensors(saved):
+    df = saved["best"]
+    assert list(df.columns) == ["name", "op", "input", "shape", "dtype", "bytes"]
+    size = {"bfloat16": 2, "float32": 4, "int64": 8}
+    assert (df["bytes"] == [math.prod(s) * size[d] for s, d in zip(df["shape"], df["dtype"])]).all()
+    # The step's parameters reach the backward as inputs (held anyway), the activations as made in the forward.
+    assert df["input"].any() and (~df["input"]).sum() > 50
+    assert activation_bytes(df) == df.loc[~df["input"], "bytes"].sum()
+    groups = summary(df)
+    assert groups["count"].sum() == (~df["input"]).sum()
+    assert groups["gib"].is_monotonic_decreasing
+    # bf16 autocast: the convolutions' outputs are kept in bf16 at the top level
+    assert ((df["shape"] == SKIP) & (df["dtype"] == "bfloat16") & ~df["input"]).sum() >= 4
+
+
+def test_checkpointing_keeps_less(saved):
+    assert activation_bytes(saved["best-ckpt"]) < 0.8 * activation_bytes(saved["best"])
+
+
+def test_split_skip_keeps_a_float32_skip_under_compile(saved):
+    """The mechanism behind split_skip's measured rise (+0.67 GiB on the H200): the decoder's GroupNorm of
+    the skip part upcasts the same tensor as the encoder's, the two upcasts become one node, and the
+    partitioner keeps that float32 copy from the encoder to the decoder instead of recomputing it."""
+    def fp32_skips(df):
+        return ((df["shape"] == SKIP) & (df["dtype"] == "float32") & ~df["input"]).sum()
+
+    assert fp32_skips(saved["best"]) == 0
+    assert fp32_skips(saved["best+split_skip=true"]) >= 1
+    assert activation_bytes(saved["best+split_skip=true"]) > activation_bytes(saved["best"])
+
+
+def test_an_eager_configuration_has_no_partition(capsys):
+    with pytest.raises(ValueError, match="not compiled"):
+        saved_tensors(SPEC, "sdpa")
+    assert main(["saved", "--preset", "smoke", "--configs", "best,sdpa"]) == 2
+    assert "not compiled, so no partition to read: sdpa" in capsys.readouterr().err
+    assert main(["saved", "--preset", "smoke", "--configs", "bestt"]) == 2
+
+
+def test_cli_prints_the_saved_activations(capsys):
+    assert main(["saved", "--preset", "smoke", "--configs", "best-ckpt", "--min-mib", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("best-ckpt: ") and "activations saved for the backward" in out
+    assert "1x32x16x16x16" in out and "bfloat16" in out
