@@ -1139,3 +1139,26 @@ def counted_models(presets=("paper", "brats")) -> pd.DataFrame:
                      "activations_ckpt_gib": saved_activation_bytes(spec, checkpointing=True) / _GIB,
                      "description": preset.description})
     return pd.DataFrame(rows)
+
+
+COMPILED_SAVED = ("best", "best-ckpt", "best+split_skip=true")
+
+
+def compiled_saved(preset: str = "paper", configs=COMPILED_SAVED) -> pd.DataFrame:
+    """What each compiled configuration's training step keeps for its backward, from AOTAutograd's
+    partition traced at full size on the CPU (`partition.saved_tensors`; counted, not measured): the
+    activations in GiB, how much of it is float32, and the largest shapes."""
+    from .measure import get_preset
+    from .partition import activation_bytes, saved_tensors, summary
+
+    spec = get_preset(preset).spec()
+    rows = []
+    for config in configs:
+        saved = saved_tensors(spec, config)
+        act = saved[~saved["input"]]
+        top = summary(saved).head(3)
+        rows.append({"preset": preset, "config": config, "tensors": len(act),
+                     "activations_gib": activation_bytes(saved) / _GIB,
+                     "float32_gib": act.loc[act["dtype"] == "float32", "bytes"].sum() / _GIB,
+                     "largest": "; ".join(f"{r.count} x {'x'.join(map(str, r.shape[1:]))} {r.dtype}" for r in top.itertuples())})
+    return pd.DataFrame(rows)

@@ -428,7 +428,9 @@ def roofline(points: pd.DataFrame) -> alt.LayerChart:
     GPU dropdown, legend picks configurations, size = kernel duration."""
     if points.empty:
         return _empty("no Nsight Compute FLOP and byte counts in the data")
-    df = _light(points.assign(tflops=points["flops_per_s"] / 1e12, duration_us=points["duration_ns"] / 1e3))
+    # only the columns drawn or in the tooltip: the page embeds every GPU's points
+    df = _light(points.assign(tflops=points["flops_per_s"] / 1e12, duration_us=points["duration_ns"] / 1e3)[
+        ["gpu_slug", "config", "kernel", "intensity", "tflops", "duration_us", "tensor_pipe_pct"]])
     gpu = _gpu_param(df)
     pick = alt.selection_point(fields=["config"], bind="legend")
     dots = alt.Chart(df).transform_filter(alt.datum.gpu_slug == gpu).mark_circle().encode(

@@ -388,9 +388,10 @@ def test_kept_runs_line_up_as_best_gained_its_levers(real, tmp_path):
     assert kept.loc["cpu/notes/pin", "redefined"] == "upsample=interpolate, group_norm=aten"
     ladder = bd.lever_ladder(bd.runs(root), bd.kept_runs(root))
     assert ladder["folder"].tolist() == ["cpu/notes/old", "cpu/notes/sep", "cpu/notes/pin", "cpu/best"]
-    assert ladder["added"].tolist() == ["", "upsample: interpolate -> separable",
-                                        "upsample: separable -> interpolate, pin_layout: False -> True",
-                                        "upsample: interpolate -> separable, group_norm: aten -> chunked"]
+    up = CONFIGS["best"].upsample  # "notes/sep" runs with best's own upsampling
+    assert ladder["added"].tolist() == ["", f"upsample: interpolate -> {up}",
+                                        f"upsample: {up} -> interpolate, pin_layout: False -> True",
+                                        f"upsample: interpolate -> {up}, group_norm: aten -> chunked"]
     np.testing.assert_allclose(ladder["gain"].iloc[1:], [3 / 2.5, 2.5 / 2, 2.0])
     assert ladder.loc[3, "ran_with"] == ""
     assert bd.lever_ladder(bd.runs(root), bd.kept_runs(root), config="opt1").empty

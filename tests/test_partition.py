@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+from medddpm import bookdata as bd
 from medddpm.__main__ import main
 from medddpm.measure import get_preset
 from medddpm.partition import activation_bytes, saved_tensors, summary
@@ -66,3 +67,12 @@ def test_cli_prints_the_saved_activations(capsys):
     out = capsys.readouterr().out
     assert out.startswith("best-ckpt: ") and "activations saved for the backward" in out
     assert "1x32x16x16x16" in out and "bfloat16" in out
+
+
+def test_the_memory_page_s_table():
+    kept = bd.compiled_saved("smoke")
+    assert kept["config"].tolist() == list(bd.COMPILED_SAVED)
+    k = kept.set_index("config")
+    assert k.loc["best-ckpt", "activations_gib"] < k.loc["best", "activations_gib"]
+    assert k.loc["best+split_skip=true", "float32_gib"] > k.loc["best", "float32_gib"]
+    assert (k["tensors"] > 0).all() and k["largest"].str.contains("bfloat16").all()
