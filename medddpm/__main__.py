@@ -84,6 +84,8 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--memory-budget", type=_fraction, metavar="F",
                    help="compiled graphs: activations kept for backward, as a fraction of the partitioner's "
                         "default (0 to 1; less recomputes more)")
+    g.add_argument("--aot-cse", type=_bool, metavar="BOOL",
+                   help="compiled graphs: AOTAutograd merges identical expressions before partitioning (default true)")
     g.add_argument("--recompute-pointwise", type=_bool, metavar="BOOL",
                    help="compiled graphs: a reused pointwise result is recomputed in each kernel that reads it, "
                         "not stored in float32")
@@ -100,7 +102,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 _OVERRIDES = ("precision", "channels_last", "compile", "cuda_graphs", "fused_adam", "recompute_attention", "attention",
               "upsample", "checkpointing", "pin_layout", "group_norm", "pad_channels", "cudnn_try_all", "memory_budget",
-              "recompute_pointwise", "nd_tiling", "coordinate_descent", "combo_kernels", "split_skip")
+              "aot_cse", "recompute_pointwise", "nd_tiling", "coordinate_descent", "combo_kernels", "split_skip")
 
 
 def _config_from(args):

@@ -52,6 +52,10 @@ class Config:
     # compiled graphs: activations AOTAutograd's partitioner may keep, as a fraction of what it keeps by
     # default (functorch's activation_memory_budget; 0 = recompute the whole compiled region in backward)
     memory_budget: float = 1.0
+    # compiled graphs: AOTAutograd merges identical expressions before it partitions (functorch's cse). Off, a
+    # decoder's float32 upcast of a skip connection under split_skip stays its own node instead of one shared
+    # with the encoder, which the partitioner kept from encoder to backward (data/nvidia-h200/NOTES.md, session 10)
+    aot_cse: bool = True
     # compiled graphs: a reused pointwise result (a GroupNorm-SiLU chain in backward) is recomputed in each
     # kernel that reads it instead of being written out in float32 (Inductor's realize thresholds raised)
     recompute_pointwise: bool = False
@@ -184,6 +188,7 @@ class Resolved:
     pin_layout: bool
     cudnn_try_all: bool
     memory_budget: float
+    aot_cse: bool
     recompute_pointwise: bool
     nd_tiling: bool
     coordinate_descent: bool
@@ -220,6 +225,9 @@ def resolve(config: Config, device: torch.device | str) -> Resolved:
     budget = config.memory_budget if config.compile else 1.0
     if budget != config.memory_budget:
         na["memory_budget"] = "a budget for the compiled graphs' partitioner: needs compile"
+    cse = config.aot_cse or not config.compile
+    if cse != config.aot_cse:
+        na["aot_cse"] = "a choice of the compiled graphs' partitioner: needs compile"
     recompute = config.recompute_pointwise and config.compile
     if config.recompute_pointwise and not recompute:
         na["recompute_pointwise"] = "an Inductor fusion choice: needs compile"
@@ -229,7 +237,7 @@ def resolve(config: Config, device: torch.device | str) -> Resolved:
             na[f] = f"Inductor's {TRITON_OPTIONS[f]} shapes the Triton kernels of compiled graphs: needs compile and " \
                     "a CUDA device"
     return Resolved(config, device, precision, config.channels_last, config.compile, graphs, config.fused_adam, pin,
-                    try_all, budget, recompute, **triton, not_applicable=na)
+                    try_all, budget, cse, recompute, **triton, not_applicable=na)
 
 
 DEFAULT_BENCHMARK_LIMIT = torch.backends.cudnn.benchmark_limit  # PyTorch's: 10 (None in a build without cuDNN)

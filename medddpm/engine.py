@@ -66,28 +66,39 @@ def inductor_options(run: Resolved, *, recompute_pointwise: bool) -> dict:
     return options | {option: True for switch, option in TRITON_OPTIONS.items() if getattr(run, switch)}
 
 
-class BudgetedInductor:
-    """Inductor with AOTAutograd's activation memory budget (`memory_budget`) set while it partitions
-    the joint graph into forward and backward: the budget is functorch's config, which
-    `torch.compile(options=...)` cannot carry, and a config patch around the first call would let
-    Dynamo hand the graph of an engine compiled before to one of another budget. Equal budgets and
-    options compare equal (Dynamo's backend match, pytorch/pytorch#168373)."""
+def partition_patches(run: Resolved) -> dict:
+    """functorch config for AOTAutograd's partition of a configuration's compiled graphs: the activation
+    memory budget (`memory_budget`) and common-subexpression elimination (`aot_cse`); {} for the defaults."""
+    patches = {}
+    if run.memory_budget < 1.0:
+        patches["activation_memory_budget"] = run.memory_budget
+    if not run.aot_cse:
+        patches["cse"] = False
+    return patches
 
-    def __init__(self, budget: float, options: dict):
-        self.budget, self.options = budget, options
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+class PartitionedInductor:
+    """Inductor with functorch config patched while AOTAutograd partitions the joint graph into forward
+    and backward (`partition_patches`): that config is not Inductor's, so `torch.compile(options=...)`
+    cannot carry it, and a patch around the first call would let Dynamo hand the graph of an engine
+    compiled before to one of other settings. Equal patches and options compare equal (Dynamo's
+    backend match, pytorch/pytorch#168373)."""
+
+    def __init__(self, patches: dict, options: dict):
+        self.patches, self.options = patches, options
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs, **kwargs):
         import torch._functorch.config
         from torch._inductor.compile_fx import compile_fx
 
-        with torch._functorch.config.patch(activation_memory_budget=self.budget):
-            return compile_fx(gm, example_inputs, config_patches=self.options)
+        with torch._functorch.config.patch(**self.patches):
+            return compile_fx(gm, example_inputs, config_patches=self.options, **kwargs)
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, BudgetedInductor) and (self.budget, self.options) == (other.budget, other.options)
+        return isinstance(other, PartitionedInductor) and (self.patches, self.options) == (other.patches, other.options)
 
     def __hash__(self) -> int:
-        return hash(self.budget)
+        return hash(tuple(sorted(self.patches.items())))
 
 
 class Engine:
@@ -150,8 +161,8 @@ class Engine:
         # dynamic shapes would trace symbolic sizes, which checkpointed blocks fail to lower (torch 2.13 CPU)
         recompute = self.run.recompute_pointwise if recompute_pointwise is None else recompute_pointwise
         options = inductor_options(self.run, recompute_pointwise=recompute)
-        if self.run.memory_budget < 1.0:
-            return torch.compile(module, dynamic=False, backend=BudgetedInductor(self.run.memory_budget, options))
+        if patches := partition_patches(self.run):
+            return torch.compile(module, dynamic=False, backend=PartitionedInductor(patches, options))
         return torch.compile(module, dynamic=False, options=options)
 
     def autocast(self):

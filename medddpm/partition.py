@@ -13,7 +13,7 @@ import pandas as pd
 import torch
 
 from .configs import Config, get_config
-from .engine import Engine, inductor_options
+from .engine import Engine, PartitionedInductor, inductor_options, partition_patches
 from .model import ModelSpec
 
 _GIB = 2**30
@@ -49,16 +49,12 @@ def saved_tensors(spec: ModelSpec, config: Config | str) -> pd.DataFrame:
                          "bytes": int(val.numel()) * val.element_size()})
         raise _Partitioned
 
-    def backend(gm, example_inputs):
-        import torch._functorch.config
-        from torch._inductor.compile_fx import compile_fx
+    # As Engine compiles it, with the caches off: a cached graph of an earlier compile skips the partition.
+    inductor = PartitionedInductor(partition_patches(engine.run) | {"enable_autograd_cache": False},
+                                   options | {"fx_graph_cache": False})
 
-        # As Engine compiles it (the activation memory budget is functorch's config: BudgetedInductor), with
-        # the caches off: a cached graph of an earlier compile would skip the partition.
-        with torch._functorch.config.patch(activation_memory_budget=engine.run.memory_budget,
-                                           enable_autograd_cache=False):
-            return compile_fx(gm, example_inputs, inner_compile=read_forward,
-                              config_patches=options | {"fx_graph_cache": False})
+    def backend(gm, example_inputs):
+        return inductor(gm, example_inputs, inner_compile=read_forward)
 
     torch._dynamo.reset()
     model = torch.compile(engine.model, dynamic=False, fullgraph=True, backend=backend)

@@ -56,6 +56,8 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "cudnn_try_all": (B, "cuDNN autotuning tried every algorithm (benchmark_limit 0; as requested)"),
         "memory_budget": (F, "activations the compiled graphs' partitioner may keep, as a fraction of its default "
                              "(as requested; 1 = PyTorch's default)"),
+        "aot_cse": (B, "AOTAutograd merged identical expressions of compiled graphs before partitioning them "
+                       "(as requested; true = PyTorch's default)"),
         "recompute_pointwise": (B, "compiled training graphs recompute a reused pointwise result in each kernel "
                                    "that reads it, not store it (as requested)"),
         "nd_tiling": (B, "Triton kernels of compiled graphs tiled over several dimensions, Inductor's "
@@ -201,6 +203,7 @@ ADDED: dict[str, dict[str, object]] = {
         "combo_kernels": False,
         "compile_cache": "",  # recorded since session 7
         "split_skip": False,  # the switch came in session 9
+        "aot_cse": True,  # the switch came in session 10; before it, always functorch's default (on)
     },
     "kernels": {"op": ""},  # which operator launched a kernel: recorded since session 3 (not known before)
 }

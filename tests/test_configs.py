@@ -53,6 +53,14 @@ def test_unknown_names_are_refused_before_any_work():
     assert len(parse_config_list("all")) == len(CONFIGS)
 
 
+def test_aot_cse_is_a_switch_of_compiled_graphs():
+    c = get_config("best-ckpt+split_skip=true+aot_cse=false")
+    assert not c.aot_cse and c.split_skip and c.checkpointing and CONFIGS["best"].aot_cse
+    assert not resolve(c, "cpu").aot_cse and "aot_cse" not in resolve(c, "cpu").not_applicable
+    r = resolve(get_config("opt1+aot_cse=false"), "cpu")
+    assert r.aot_cse and "needs compile" in r.not_applicable["aot_cse"]
+
+
 def test_memory_budget_is_a_number_in_a_name_and_needs_compile():
     c = get_config("best+memory_budget=0.25")
     assert c.memory_budget == 0.25 and c.name == "best+memory_budget=0.25"

@@ -226,14 +226,16 @@ def test_pin_layout_needs_compile_and_channels_last():
 
 def test_best_levers_compile_to_the_same_step():
     """best's model-side levers (chunked GroupNorm, padded stem and output channels), compiled with the
-    layout pass: the same loss and gradients as the plain compiled step (fp32, so the comparison is tight)."""
+    layout pass, and split_skip partitioned without CSE (functorch config patched around the compile):
+    the same loss and gradients as the plain compiled step (fp32, so the comparison is tight)."""
     from medddpm.model import ModelSpec
 
     torch._dynamo.reset()
     spec = ModelSpec(size=8, mask_channels=3, base_channels=32, channel_mult=(1, 2), attention_ds=(2,))
     base = CONFIGS["compile"].with_flags(precision="fp32")
     ref_loss, ref_grad = _loss_and_grads(_randomized(spec, base), spec)
-    for flags in (dict(group_norm="chunked", pin_layout=True), dict(pad_channels=True, pin_layout=True)):
+    for flags in (dict(group_norm="chunked", pin_layout=True), dict(pad_channels=True, pin_layout=True),
+                  dict(split_skip=True, aot_cse=False, checkpointing=True)):
         loss, grad = _loss_and_grads(_randomized(spec, base.with_flags(**flags)), spec)
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6, msg=str(flags))
         assert float((grad - ref_grad).norm() / ref_grad.norm()) < 1e-5, flags

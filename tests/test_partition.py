@@ -20,7 +20,8 @@ SKIP = (1, SPEC.base_channels, *SPEC.shape)  # the stem's output: the top level'
 
 @pytest.fixture(scope="module")
 def saved():
-    return {name: saved_tensors(SPEC, name) for name in ("best", "best-ckpt", "best+split_skip=true")}
+    return {name: saved_tensors(SPEC, name) for name in ("best", "best-ckpt", "best+split_skip=true",
+                                                          "best-ckpt+split_skip=true", "best-ckpt+split_skip=true+aot_cse=false")}
 
 
 def test_rows_are_the_forward_graph_s_saved_tensors(saved):
@@ -52,6 +53,10 @@ def test_split_skip_keeps_a_float32_skip_under_compile(saved):
     assert fp32_skips(saved["best"]) == 0
     assert fp32_skips(saved["best+split_skip=true"]) >= 1
     assert activation_bytes(saved["best+split_skip=true"]) > activation_bytes(saved["best"])
+    # Checkpointed, the shared upcast leaves the encoder's region; with CSE off it is not shared.
+    assert fp32_skips(saved["best-ckpt+split_skip=true"]) == 1
+    assert fp32_skips(saved["best-ckpt+split_skip=true+aot_cse=false"]) == 0
+    assert activation_bytes(saved["best-ckpt+split_skip=true+aot_cse=false"]) <= activation_bytes(saved["best-ckpt"])
 
 
 def test_an_eager_configuration_has_no_partition(capsys):
