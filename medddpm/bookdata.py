@@ -1141,7 +1141,8 @@ def counted_models(presets=("paper", "brats")) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-COMPILED_SAVED = ("best", "best-ckpt", "best+split_skip=true")
+COMPILED_SAVED = ("best", "best-ckpt", "best+split_skip=true", "best-ckpt+split_skip=true",
+                  "best-ckpt+split_skip=true+aot_cse=false")
 
 
 def compiled_saved(preset: str = "paper", configs=COMPILED_SAVED) -> pd.DataFrame:

@@ -80,4 +80,5 @@ def test_the_memory_page_s_table():
     k = kept.set_index("config")
     assert k.loc["best-ckpt", "activations_gib"] < k.loc["best", "activations_gib"]
     assert k.loc["best+split_skip=true", "float32_gib"] > k.loc["best", "float32_gib"]
+    assert k.loc["best-ckpt+split_skip=true+aot_cse=false", "float32_gib"] < k.loc["best-ckpt+split_skip=true", "float32_gib"]
     assert (k["tensors"] > 0).all() and k["largest"].str.contains("bfloat16").all()
