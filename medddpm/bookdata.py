@@ -1158,8 +1158,9 @@ def compiled_saved(preset: str = "paper", configs=COMPILED_SAVED) -> pd.DataFram
         saved = saved_tensors(spec, config)
         act = saved[~saved["input"]]
         top = summary(saved).head(3)
+        largest = [f"{r.count} x {'x'.join(map(str, r.shape[1:]))} {r.dtype}" for r in top.itertuples()]
         rows.append({"preset": preset, "config": config, "tensors": len(act),
                      "activations_gib": activation_bytes(saved) / _GIB,
                      "float32_gib": act.loc[act["dtype"] == "float32", "bytes"].sum() / _GIB,
-                     "largest": "; ".join(f"{r.count} x {'x'.join(map(str, r.shape[1:]))} {r.dtype}" for r in top.itertuples())})
+                     "largest": "; ".join(largest)})
     return pd.DataFrame(rows)

@@ -44,8 +44,8 @@ def saved_tensors(spec: ModelSpec, config: Config | str) -> pd.DataFrame:
         assert first == out_shape, f"the forward graph's first output is {first}, not the model's {out_shape}"
         for n in tensors[1:]:
             val = n.meta["val"]
-            rows.append({"name": n.name, "op": str(n.target), "input": n.op == "placeholder", "shape": tuple(int(s) for s in val.shape),
-                         "dtype": str(val.dtype).removeprefix("torch."),
+            rows.append({"name": n.name, "op": str(n.target), "input": n.op == "placeholder",
+                         "shape": tuple(int(s) for s in val.shape), "dtype": str(val.dtype).removeprefix("torch."),
                          "bytes": int(val.numel()) * val.element_size()})
         raise _Partitioned
 
