@@ -10,6 +10,8 @@ them."""
 
 from __future__ import annotations
 
+import functools
+
 import pandas as pd
 import torch
 
@@ -27,8 +29,13 @@ class _Partitioned(Exception):
 def saved_tensors(spec: ModelSpec, config: Config | str) -> pd.DataFrame:
     """One row per tensor the forward graph hands to the backward graph: node name, the operator that
     makes it, whether it is an input of the step (a parameter or the data, held anyway), shape, dtype
-    and bytes. A graph break raises (the step must be one graph to be read)."""
-    config = get_config(config)
+    and bytes. A graph break raises (the step must be one graph to be read). Traced once per process
+    for each model and configuration (the memory page and the tests ask for the same ones)."""
+    return _saved_tensors(spec, get_config(config)).copy()
+
+
+@functools.lru_cache(maxsize=16)
+def _saved_tensors(spec: ModelSpec, config: Config) -> pd.DataFrame:
     engine = Engine(spec, config, device="cpu", ema=False)
     if not engine.run.compile:
         raise ValueError(f"{config.name}: not compiled, so there is no partition to read; "
