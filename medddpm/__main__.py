@@ -163,7 +163,6 @@ def cmd_info(args) -> None:
 
 
 def cmd_saved(args) -> None:
-    from .configs import parse_config_list
     from .partition import activation_bytes, saved_tensors, summary
 
     spec = _spec(args)
