@@ -237,7 +237,9 @@ def _skeleton_pattern(name: str) -> str:
 # ncu filters a launch by the name it resolves at launch time, which for cuDNN's kernels can be another
 # cuDNN kernel's: in opt12's pass (H200, ncu 2025.3) a launch logged as `sm80_xmma_dgrad_...` is reported as
 # `sm80_xmma_wgrad_...`, with the timed run's duration of that wgrad kernel, and no dgrad launch reached the
-# report. The report's names are right; so a selected convolution admits every cuDNN launch to the filter.
+# report; one cuDNN fprop launch was logged under a cuBLAS (cutlass) GEMM's name. The report's names are
+# right; so a selected convolution admits every cuDNN and cuBLAS launch to the filter (data/nvidia-h200/NOTES.md,
+# session 11: it brought in one dgrad launch a pass, no more).
 CUDNN_LAUNCH = r"xmma|cudnn|cask|cutlass"
 
 
