@@ -1,7 +1,9 @@
+import io
 import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -109,3 +111,33 @@ def test_bad_input_fails_with_one_clear_line(args, message, tmp_path):
     assert message in last, out.stderr
     assert "Traceback" not in out.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_device_bench_script_carries_tuned_block_sizes(tmp_path):
+    """scripts/device-bench.sh: the block sizes carried in reach Inductor's cache and go out again with the
+    bench's JSON, also when the bench fails (here on the CPU, where no Triton kernel is tuned)."""
+    carried = tmp_path / "autotune-in.tgz"
+    with tarfile.open(carried, "w:gz") as tar:
+        body = b'{"XBLOCK": 1024, "num_warps": 4, "found_by_coordesc": true}'
+        info = tarfile.TarInfo("./ab/abcdef.best_config")
+        info.size = len(body)
+        tar.addfile(info, io.BytesIO(body))
+    script = Path(__file__).parent.parent / "scripts" / "device-bench.sh"
+    env = os.environ | {"OUT": str(tmp_path / "out"), "BENCH_CACHE": str(tmp_path / "cache"),
+                        "AUTOTUNE_IN": str(carried), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+
+    def bench(*args):
+        return subprocess.run(["bash", str(script), "300", "b", *args], env=env, capture_output=True, text=True,
+                              timeout=280)
+
+    proc = bench("--size", "16", "--configs", "baseline", "--warmup", "1", "--steps", "2", "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "1 tuned kernels carried in" in proc.stdout and "1 tuned kernels packed" in proc.stdout
+    assert (tmp_path / "cache" / "ab" / "abcdef.best_config").read_bytes() == body
+    runs = json.loads((tmp_path / "out" / "b.json").read_text())["runs"]
+    assert [r["config"] for r in runs] == ["baseline"] and len(runs[0]["step_ms"]) == 2
+    (tmp_path / "out" / "autotune.tgz").unlink()
+    proc = bench("--size", "16", "--configs", "nope", "--device", "cpu")
+    assert proc.returncode != 0 and "nope" in proc.stderr
+    with tarfile.open(tmp_path / "out" / "autotune.tgz") as tar:
+        assert [m.name for m in tar.getmembers() if m.isfile()] == ["./ab/abcdef.best_config"]

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# For a time-limited GPU lease: `python -m medddpm bench` whose Triton block-size tuning outlives the call.
+# Inductor's tuned block sizes (coordinate_descent, autotuning) are cached per kernel as `*.best_config`
+# files as each kernel is tuned; a kernel of the same source on the next machine finds its file and is not
+# tuned again. So this runs the bench with Inductor's cache under BENCH_CACHE, first unpacking the block
+# sizes carried in (AUTOTUNE_IN), and at the end, even when the time ran out, packs every `*.best_config`
+# into $OUT/autotune.tgz (small: the compiled kernels themselves stay behind). Next call: copy autotune.tgz to
+# runs/autotune.tgz, carry that path, and run the same bench: compilation again (about 2 minutes for best),
+# tuning only for the kernels not tuned yet.
+# Usage: scripts/device-bench.sh DEADLINE_S NAME BENCH_ARGS...   (writes $OUT/NAME.json)
+#   e.g. scripts/device-bench.sh 560 bench-coord --size 128 --configs best+coordinate_descent=true --steps 30
+set -uo pipefail
+cd "$(dirname "$0")/.."
+deadline=$1
+name=$2
+shift 2
+out=${OUT:-runs/out}
+cache=${BENCH_CACHE:-runs/inductor}
+carried=${AUTOTUNE_IN:-runs/autotune.tgz}
+mkdir -p "$out" "$cache"
+out=$(cd "$out" && pwd)
+cache=$(cd "$cache" && pwd)
+if [ -f "$carried" ]; then
+  tar -xzf "$carried" -C "$cache" || exit 2
+  echo "device-bench: $(tar -tzf "$carried" | grep -c '\.best_config$') tuned kernels carried in"
+fi
+# Leave time to pack what was tuned; `timeout` stops the bench, whose JSON holds every finished configuration.
+TORCHINDUCTOR_CACHE_DIR=$cache timeout -k 5 "$((deadline - SECONDS - 15))" \
+  python3 -m medddpm bench "$@" --json "$out/$name.json"
+rc=$?
+(cd "$cache" && find . -name '*.best_config' -print0 | tar -czf "$out/.autotune.tgz" --null -T -) \
+  && mv "$out/.autotune.tgz" "$out/autotune.tgz"
+echo "device-bench: bench exit $rc; $(tar -tzf "$out/autotune.tgz" | grep -c '\.best_config$') tuned kernels packed"
+exit $rc
