@@ -4,9 +4,9 @@ partitioner saves between the forward and backward graphs, traced at full size o
 Dynamo and AOTAutograd trace on fake tensors, so no kernel runs and no activation is allocated;
 Inductor is stopped after the partition, before code generation. A 128^3 configuration takes about
 20 s on two cores. The graph is the CPU's (its autocast rules and decompositions), which can differ from
-a GPU's in detail. The saved set is a large part of a compiled step's peak memory (the backward's own
-buffers and the training state add the rest), so levers can be compared here before a GPU is spent on
-them."""
+a GPU's in detail. The saved set is a large part of a compiled step's peak memory, not the peak: the
+backward's own buffers and the training state add the rest. Equal saved sets peaked 1.65 GiB apart on the
+H200 (best-ckpt and best-ckpt+split_skip+aot_cse=false, data/nvidia-h200/NOTES.md, session 11)."""
 
 from __future__ import annotations
 
