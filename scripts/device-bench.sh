@@ -25,7 +25,9 @@ if [ -f "$carried" ]; then
   echo "device-bench: $(tar -tzf "$carried" | grep -c '\.best_config$') tuned kernels carried in"
 fi
 # Leave time to pack what was tuned; `timeout` stops the bench, whose JSON holds every finished configuration.
-TORCHINDUCTOR_CACHE_DIR=$cache timeout -k 5 "$((deadline - SECONDS - 15))" \
+left=$((deadline - SECONDS - 15))
+((left > 0)) || { echo "device-bench: deadline $deadline s leaves no time for the bench" >&2; exit 2; }
+TORCHINDUCTOR_CACHE_DIR=$cache timeout -k 5 "$left" \
   python3 -m medddpm bench "$@" --json "$out/$name.json"
 rc=$?
 (cd "$cache" && find . -name '*.best_config' -print0 | tar -czf "$out/.autotune.tgz" --null -T -) \
