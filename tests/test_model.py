@@ -373,7 +373,8 @@ def test_split_skip_lowers_the_checkpointed_peak_at_128():
     """The lever's premise at full size (eager, fake tensors): in a checkpointed step the largest
     recomputation is a top-level decoder block, and without its 128-channel concatenation (0.5 GiB in
     bf16) and that tensor's gradient the peak drops by about 1 GiB (7.12 -> 6.12 GiB here). Compiled, the
-    H200 measured the opposite: the partitioner keeps a float32 skip instead (tests/test_partition.py)."""
+    H200 measured the opposite: the partitioner keeps a float32 skip (tests/test_partition.py), and with
+    that skip gone (aot_cse=false) the backward's own buffers still peak higher (NOTES.md, session 11)."""
     spec = ModelSpec(size=128, mask_channels=3)
     cat = _eager_peak_bytes(spec, checkpointing=True)
     split = _eager_peak_bytes(spec, checkpointing=True, split_skip=True)
