@@ -77,6 +77,8 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    "chunks, then per group (fast for compiled channels-last 3D)")
     g.add_argument("--pad-channels", type=_bool, metavar="BOOL",
                    help="stem and output convolutions zero-padded to 8 channels (the same numbers)")
+    g.add_argument("--tap-gemm", type=_bool, metavar="BOOL",
+                   help="stem and output convolutions as one GEMM over their 27 taps, not cuDNN (the same numbers)")
     g.add_argument("--split-skip", type=_bool, metavar="BOOL",
                    help="decoder blocks take the skip connection as a second input, not concatenated (the same numbers)")
     g.add_argument("--cudnn-try-all", type=_bool, metavar="BOOL",
@@ -102,7 +104,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 _OVERRIDES = ("precision", "channels_last", "compile", "cuda_graphs", "fused_adam", "recompute_attention", "attention",
               "upsample", "checkpointing", "pin_layout", "group_norm", "pad_channels", "cudnn_try_all", "memory_budget",
-              "aot_cse", "recompute_pointwise", "nd_tiling", "coordinate_descent", "combo_kernels", "split_skip")
+              "aot_cse", "recompute_pointwise", "nd_tiling", "coordinate_descent", "combo_kernels", "split_skip", "tap_gemm")
 
 
 def _config_from(args):

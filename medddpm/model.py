@@ -11,6 +11,7 @@ The input need not be cubic (the BraTS setting is 192 x 192 x 144).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -221,6 +222,76 @@ class PaddedConv3d(nn.Conv3d):
         return F.conv3d(x, w, b, self.stride, self.padding, self.dilation, self.groups)[:, : self.out_channels]
 
 
+def _taps(x: torch.Tensor) -> torch.Tensor:
+    """(B, D, H, W, C) -> (B, D, H, W, 27 * C): each voxel's 3x3x3 neighbourhood (zero outside), tap-major."""
+    b, d, h, w, c = x.shape
+    cols = F.pad(x, (0, 0, 1, 1, 1, 1, 1, 1)).unfold(1, 3, 1).unfold(2, 3, 1).unfold(3, 3, 1)  # (B,D,H,W,C,3,3,3)
+    return cols.permute(0, 1, 2, 3, 5, 6, 7, 4).reshape(b, d, h, w, 27 * c)
+
+
+class _TapSum(torch.autograd.Function):
+    """(B, D, H, W, >= 27 * C) tap shares z -> (B, D, H, W, C) float32: y[v] = sum_t z[v + k_t - 1, t], k_t the
+    tap's (i, j, k). Its backward gathers the output gradient onto each tap (a flipped `_taps`), where
+    autograd's own backward of 27 slices would add 27 zero-padded copies."""
+
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, channels: int) -> torch.Tensor:
+        ctx.z_dtype, ctx.width = z.dtype, z.shape[-1]
+        d, h, w, c = *z.shape[1:4], channels
+        zp = F.pad(z.to(torch.promote_types(z.dtype, torch.float32)), (0, 0, 1, 1, 1, 1, 1, 1))
+        return sum(zp[:, i:i + d, j:j + h, k:k + w, t * c:(t + 1) * c]
+                   for t, (i, j, k) in enumerate(itertools.product(range(3), repeat=3)))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        b, d, h, w, c = grad.shape
+        g = F.pad(grad, (0, 0, 1, 1, 1, 1, 1, 1)).unfold(1, 3, 1).unfold(2, 3, 1).unfold(3, 3, 1).flip(-3, -2, -1)
+        g = g.permute(0, 1, 2, 3, 5, 6, 7, 4).reshape(b, d, h, w, 27 * c)
+        return F.pad(g, (0, ctx.width - 27 * c)).to(ctx.z_dtype), None
+
+
+class TapConv3d(nn.Conv3d):
+    """nn.Conv3d (same parameters; 3x3x3, stride 1, padding 1) computed as one GEMM over its 27 taps. For
+    the U-Net's two narrow convolutions, for which cuDNN keeps sm80 kernels on the H200 even padded
+    (`PaddedConv3d`; data/nvidia-h200/NOTES.md, session 12).
+
+    - narrow input (the stem): the taps of the input are gathered into (voxels, 27 * C_in) columns, times
+      the (27 * C_in, C_out) weights. The columns are recomputed in backward, not kept (27 times the input);
+    - narrow output (the output layer): the input times (C_in, 27 * C_out) weights gives each voxel's share
+      of its 27 neighbours' outputs, summed back by shifting, in float32 (one rounding, as a convolution's
+      accumulator).
+    The GEMM's narrow side is zero-padded to a multiple of `ALIGN_CHANNELS` (cuBLAS's tensor-core kernels
+    want 16-byte rows). The result is channels-last."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        assert (self.kernel_size, self.stride, self.padding, self.dilation, self.groups) == (
+            (3, 3, 3), (1, 1, 1), (1, 1, 1), (1, 1, 1), 1), "TapConv3d computes 3x3x3 convolutions with padding 1 only"
+
+    def forward(self, x):
+        xl = x.permute(0, 2, 3, 4, 1)  # (B, D, H, W, C): a contiguous view of a channels-last input
+        if self.in_channels > self.out_channels:
+            y = self._scatter(xl)
+        elif torch.is_grad_enabled():
+            y = checkpoint(self._gather, xl, use_reentrant=False, preserve_rng_state=False)
+        else:
+            y = self._gather(xl)
+        return y.permute(0, 4, 1, 2, 3)
+
+    def _gather(self, xl):
+        k = 27 * self.in_channels
+        weight = self.weight.permute(0, 2, 3, 4, 1).reshape(self.out_channels, k)  # columns tap-major, as _taps
+        pad = (0, -k % ALIGN_CHANNELS)
+        return F.linear(F.pad(_taps(xl), pad), F.pad(weight, pad), self.bias)
+
+    def _scatter(self, xl):
+        c, n = self.out_channels, 27 * self.out_channels
+        weight = self.weight.permute(2, 3, 4, 0, 1).reshape(n, self.in_channels)  # rows tap-major, then out channel
+        z = F.linear(xl, F.pad(weight, (0, 0, 0, -n % ALIGN_CHANNELS)))  # (B, D, H, W, n + pad)
+        y = _TapSum.apply(z, c)
+        return (y if self.bias is None else y + self.bias.to(y.dtype)).to(z.dtype)
+
+
 def timestep_embedding(t: torch.Tensor, dim: int, *, max_period: float) -> torch.Tensor:
     """(B,) timesteps -> (B, dim) sinusoidal features [cos | sin]."""
     half = dim // 2
@@ -396,12 +467,13 @@ class Level(nn.Module):
 class UNet3D(nn.Module):
     """`checkpointing=True`: activation checkpointing per U-Net block (see `forward`); it subsumes
     `recompute_attention`, whose inner checkpoint would only recompute attention a second time.
+    `tap_gemm=True`: the stem and output convolutions as GEMMs over their 27 taps (TapConv3d).
     `split_skip=True`: decoder blocks take the skip connection as a second input instead of a
     concatenation, where their GroupNorm groups allow it (ResBlock.forward_parts)."""
 
     def __init__(self, spec: ModelSpec = ModelSpec(), *, attention: str = "math", recompute_attention: bool = True,
                  upsample: str = "interpolate", checkpointing: bool = False, group_norm: str = "aten",
-                 pad_channels: bool = False, split_skip: bool = False):
+                 pad_channels: bool = False, tap_gemm: bool = False, split_skip: bool = False):
         super().__init__()
         self.spec = spec
         self.checkpointing, self.split_skip = checkpointing, split_skip
@@ -412,7 +484,8 @@ class UNet3D(nn.Module):
         res = lambda c_in, c_out: ResBlock(c_in, c_out, emb_dim=emb_dim, norm_kind=group_norm)  # noqa: E731
 
         self.time_embed = nn.Sequential(nn.Linear(spec.time_dim, emb_dim), nn.SiLU(), nn.Linear(emb_dim, emb_dim))
-        conv = PaddedConv3d if pad_channels else nn.Conv3d  # the U-Net's two narrow convolutions
+        # the U-Net's two narrow convolutions (tap_gemm takes them from cuDNN, so padding is moot then)
+        conv = TapConv3d if tap_gemm else PaddedConv3d if pad_channels else nn.Conv3d
         self.stem = conv(spec.in_channels, ch, 3, padding=1)
 
         self.down = nn.ModuleList()

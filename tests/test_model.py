@@ -423,3 +423,48 @@ def test_separable_ndhwc_keeps_every_compiled_buffer_channels_last(fresh_inducto
     # (N, D, H, W, C) order with the channels fastest. Both: last stride 1.
     assert any(len(s) == 5 and s[-1] == 1 for s in strides["separable"]), strides["separable"]
     assert all(s[-1] == 1 for s in strides["separable_ndhwc"]), strides["separable_ndhwc"]
+
+
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last_3d])
+@pytest.mark.parametrize("c_in,c_out", [(4, 16), (8, 16), (16, 1), (16, 4)])
+def test_tap_convolution_is_the_convolution(layout, c_in, c_out):
+    """TapConv3d, narrow in (columns of taps) or narrow out (shifted tap sums): nn.Conv3d's output and
+    gradients, with the same parameters, in either layout."""
+    from medddpm.model import TapConv3d
+
+    torch.manual_seed(0)
+    plain = torch.nn.Conv3d(c_in, c_out, 3, padding=1).double()
+    taps = TapConv3d(c_in, c_out, 3, padding=1).double()
+    taps.load_state_dict(plain.state_dict())
+    x = torch.randn(2, c_in, 5, 6, 7, dtype=torch.float64).to(memory_format=layout).requires_grad_()
+    ya, yb = plain(x), taps(x)
+    assert yb.shape == ya.shape == (2, c_out, 5, 6, 7) and yb.is_contiguous(memory_format=torch.channels_last_3d)
+    torch.testing.assert_close(yb, ya, rtol=1e-12, atol=1e-13)
+    g = torch.randn_like(ya)
+    grads = [torch.autograd.grad(y, (x, m.weight, m.bias), g) for y, m in ((ya, plain), (yb, taps))]
+    for name, a, b in zip(("input", "weight", "bias"), *grads):
+        torch.testing.assert_close(b, a, rtol=1e-11, atol=1e-12, msg=name)
+
+
+def test_tap_convolution_refuses_other_shapes():
+    from medddpm.model import TapConv3d
+
+    with pytest.raises(AssertionError, match="3x3x3 convolutions with padding 1 only"):
+        TapConv3d(4, 16, 3, stride=2, padding=1)
+
+
+def test_tap_gemm_model_matches_under_bf16_autocast(tiny_spec):
+    """The model with tap_gemm against the plain one under bf16 autocast (what best runs): the output
+    layer sums its taps in float32, so the two differ by bf16's rounding of the GEMM inputs only."""
+    torch.manual_seed(0)
+    plain = UNet3D(tiny_spec)
+    for p in plain.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    taps = UNet3D(tiny_spec, tap_gemm=True)
+    taps.load_state_dict(plain.state_dict())
+    assert type(taps.stem).__name__ == type(taps.out[-1]).__name__ == "TapConv3d"
+    x, t = torch.randn(1, 4, 16, 16, 16), torch.tensor([7])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ya, yb = plain(x, t), taps(x, t)
+    assert yb.dtype == ya.dtype == torch.bfloat16
+    assert float((yb.float() - ya.float()).norm() / ya.float().norm()) < 2e-2

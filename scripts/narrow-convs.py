@@ -1,0 +1,81 @@
+"""The U-Net's two narrow convolutions alone on the GPU: cuDNN, cuDNN zero-padded, and tap GEMMs.
+
+Times forward + backward of the stem (C_in 4 -> 64) and the output layer (64 -> 1) at 128^3 in bf16
+autocast, channels-last, each way, eager and compiled, and names the kernels each spends its time in
+(torch.profiler). What `tap_gemm` is for: data/nvidia-h200/NOTES.md, session 12.
+Usage: python scripts/narrow-convs.py [--size 128] [--steps 20] [--json F]
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from medddpm.model import PaddedConv3d, TapConv3d  # noqa: E402
+
+KINDS = {"cudnn": nn.Conv3d, "padded": PaddedConv3d, "taps": TapConv3d}
+
+
+def timed(fn, steps: int) -> list[float]:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    assert torch.cuda.is_available(), "this measures cuDNN and cuBLAS kernels: it needs a GPU"
+    torch.backends.cudnn.benchmark = True
+    rows = []
+    for layer, (c_in, c_out) in {"stem": (4, 64), "output": (64, 1)}.items():
+        shape = (1, c_in, args.size, args.size, args.size)
+        x = torch.randn(shape, device="cuda").to(memory_format=torch.channels_last_3d)
+        x.requires_grad_(layer == "output")  # the stem's input (noisy image and labels) needs no gradient
+        for kind, cls in KINDS.items():
+            for compiled in (False, True):
+                torch.manual_seed(0)
+                conv = cls(c_in, c_out, 3, padding=1).cuda().to(memory_format=torch.channels_last_3d)
+                f = torch.compile(conv) if compiled else conv
+
+                def step():
+                    with torch.autocast("cuda", dtype=torch.bfloat16):
+                        y = f(x)
+                    y.float().square().mean().backward()
+
+                times = sorted(timed(step, args.steps))
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    step()
+                    torch.cuda.synchronize()
+                kernels = sorted(((e.key, e.device_time_total / 1e3) for e in prof.key_averages()
+                                  if e.device_time_total > 0), key=lambda kv: -kv[1])
+                row = {"layer": layer, "kind": kind, "compiled": compiled, "median_ms": times[len(times) // 2],
+                       "p10_ms": times[len(times) // 10], "p90_ms": times[-1 - len(times) // 10],
+                       "kernels": [[name[:110], round(ms, 4)] for name, ms in kernels[:6]]}
+                rows.append(row)
+                print(f"{layer:6s} {kind:6s} compiled={compiled!s:5s} {row['median_ms']:.3f} ms "
+                      f"({row['p10_ms']:.3f}-{row['p90_ms']:.3f})", flush=True)
+                for name, ms in row["kernels"]:
+                    print(f"    {ms:8.4f} ms  {name}")
+    if args.json:
+        args.json.write_text(json.dumps({"size": args.size, "torch": torch.__version__,
+                                         "gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
