@@ -78,7 +78,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pad-channels", type=_bool, metavar="BOOL",
                    help="stem and output convolutions zero-padded to 8 channels (the same numbers)")
     g.add_argument("--tap-gemm", type=_bool, metavar="BOOL",
-                   help="stem and output convolutions as one GEMM over their 27 taps, not cuDNN (the same numbers)")
+                   help="the output convolution as a GEMM and a sum of its 27 shifted taps, not cuDNN (the same numbers)")
     g.add_argument("--split-skip", type=_bool, metavar="BOOL",
                    help="decoder blocks take the skip connection as a second input, not concatenated (the same numbers)")
     g.add_argument("--cudnn-try-all", type=_bool, metavar="BOOL",

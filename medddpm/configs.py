@@ -45,7 +45,7 @@ class Config:
     pin_layout: bool = False  # compiled graphs: channels-last 3D pinned at every convolution input (medddpm.layout)
     group_norm: GroupNormKind = "aten"  # "chunked": statistics per channel over voxel chunks, then per group (model.py)
     pad_channels: bool = False  # stem and output convolutions zero-padded to 8 channels (model.PaddedConv3d)
-    # stem and output convolutions as one GEMM over their 27 taps, not cuDNN (model.TapConv3d; pad_channels moot)
+    # the output convolution as a GEMM and a sum of its 27 shifted taps, not cuDNN (model.TapConv3d)
     tap_gemm: bool = False
     # decoder blocks take the skip connection as a second input, not concatenated, where their GroupNorm
     # groups allow it (model.ResBlock.forward_parts): no 128-channel tensor at the top level

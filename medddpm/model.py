@@ -222,17 +222,10 @@ class PaddedConv3d(nn.Conv3d):
         return F.conv3d(x, w, b, self.stride, self.padding, self.dilation, self.groups)[:, : self.out_channels]
 
 
-def _taps(x: torch.Tensor) -> torch.Tensor:
-    """(B, D, H, W, C) -> (B, D, H, W, 27 * C): each voxel's 3x3x3 neighbourhood (zero outside), tap-major."""
-    b, d, h, w, c = x.shape
-    cols = F.pad(x, (0, 0, 1, 1, 1, 1, 1, 1)).unfold(1, 3, 1).unfold(2, 3, 1).unfold(3, 3, 1)  # (B,D,H,W,C,3,3,3)
-    return cols.permute(0, 1, 2, 3, 5, 6, 7, 4).reshape(b, d, h, w, 27 * c)
-
-
 class _TapSum(torch.autograd.Function):
     """(B, D, H, W, >= 27 * C) tap shares z -> (B, D, H, W, C) float32: y[v] = sum_t z[v + k_t - 1, t], k_t the
-    tap's (i, j, k). Its backward gathers the output gradient onto each tap (a flipped `_taps`), where
-    autograd's own backward of 27 slices would add 27 zero-padded copies."""
+    tap's (i, j, k). Its backward gathers the output gradient onto each tap (an unfold, flipped), where
+    autograd's own backward of the 27 slices would add 27 zero-padded copies."""
 
     @staticmethod
     def forward(ctx, z: torch.Tensor, channels: int) -> torch.Tensor:
@@ -245,23 +238,21 @@ class _TapSum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         b, d, h, w, c = grad.shape
-        g = F.pad(grad, (0, 0, 1, 1, 1, 1, 1, 1)).unfold(1, 3, 1).unfold(2, 3, 1).unfold(3, 3, 1).flip(-3, -2, -1)
-        g = g.permute(0, 1, 2, 3, 5, 6, 7, 4).reshape(b, d, h, w, 27 * c)
+        g = F.pad(grad, (0, 0, 1, 1, 1, 1, 1, 1)).unfold(1, 3, 1).unfold(2, 3, 1).unfold(3, 3, 1)  # (B,D,H,W,C,3,3,3)
+        g = g.flip(-3, -2, -1).permute(0, 1, 2, 3, 5, 6, 7, 4).reshape(b, d, h, w, 27 * c)
         return F.pad(g, (0, ctx.width - 27 * c)).to(ctx.z_dtype), None
 
 
 class TapConv3d(nn.Conv3d):
-    """nn.Conv3d (same parameters; 3x3x3, stride 1, padding 1) computed as one GEMM over its 27 taps. For
-    the U-Net's two narrow convolutions, for which cuDNN keeps sm80 kernels on the H200 even padded
-    (`PaddedConv3d`; data/nvidia-h200/NOTES.md, session 12).
+    """nn.Conv3d (same parameters; 3x3x3, stride 1, padding 1, few output channels) computed as a GEMM and
+    a sum of shifted taps. For the U-Net's output layer, whose three convolution kernels cuDNN takes from
+    sm80 on the H200 even padded (`PaddedConv3d`; data/nvidia-h200/NOTES.md, session 12).
 
-    - narrow input (the stem): the taps of the input are gathered into (voxels, 27 * C_in) columns, times
-      the (27 * C_in, C_out) weights. The columns are recomputed in backward, not kept (27 times the input);
-    - narrow output (the output layer): the input times (C_in, 27 * C_out) weights gives each voxel's share
-      of its 27 neighbours' outputs, summed back by shifting, in float32 (one rounding, as a convolution's
-      accumulator).
-    The GEMM's narrow side is zero-padded to a multiple of `ALIGN_CHANNELS` (cuBLAS's tensor-core kernels
-    want 16-byte rows). The result is channels-last."""
+    The input times the (C_in, 27 * C_out) weights gives each voxel's share of its 27 neighbours' outputs,
+    which are summed back by shifting, in float32 (one rounding, as a convolution's accumulator). The
+    GEMM's narrow side is zero-padded to a multiple of `ALIGN_CHANNELS` (cuBLAS's tensor-core kernels want
+    16-byte rows). The result is channels-last. (The stem, narrow on its input side, as a GEMM over
+    gathered taps was slower than cuDNN: gathering its columns cost more than the convolution.)"""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -270,26 +261,12 @@ class TapConv3d(nn.Conv3d):
 
     def forward(self, x):
         xl = x.permute(0, 2, 3, 4, 1)  # (B, D, H, W, C): a contiguous view of a channels-last input
-        if self.in_channels > self.out_channels:
-            y = self._scatter(xl)
-        elif torch.is_grad_enabled():
-            y = checkpoint(self._gather, xl, use_reentrant=False, preserve_rng_state=False)
-        else:
-            y = self._gather(xl)
-        return y.permute(0, 4, 1, 2, 3)
-
-    def _gather(self, xl):
-        k = 27 * self.in_channels
-        weight = self.weight.permute(0, 2, 3, 4, 1).reshape(self.out_channels, k)  # columns tap-major, as _taps
-        pad = (0, -k % ALIGN_CHANNELS)
-        return F.linear(F.pad(_taps(xl), pad), F.pad(weight, pad), self.bias)
-
-    def _scatter(self, xl):
         c, n = self.out_channels, 27 * self.out_channels
         weight = self.weight.permute(2, 3, 4, 0, 1).reshape(n, self.in_channels)  # rows tap-major, then out channel
         z = F.linear(xl, F.pad(weight, (0, 0, 0, -n % ALIGN_CHANNELS)))  # (B, D, H, W, n + pad)
         y = _TapSum.apply(z, c)
-        return (y if self.bias is None else y + self.bias.to(y.dtype)).to(z.dtype)
+        y = (y if self.bias is None else y + self.bias.to(y.dtype)).to(z.dtype)
+        return y.permute(0, 4, 1, 2, 3)
 
 
 def timestep_embedding(t: torch.Tensor, dim: int, *, max_period: float) -> torch.Tensor:
@@ -467,7 +444,7 @@ class Level(nn.Module):
 class UNet3D(nn.Module):
     """`checkpointing=True`: activation checkpointing per U-Net block (see `forward`); it subsumes
     `recompute_attention`, whose inner checkpoint would only recompute attention a second time.
-    `tap_gemm=True`: the stem and output convolutions as GEMMs over their 27 taps (TapConv3d).
+    `tap_gemm=True`: the output convolution as a GEMM and a sum of its 27 shifted taps (TapConv3d).
     `split_skip=True`: decoder blocks take the skip connection as a second input instead of a
     concatenation, where their GroupNorm groups allow it (ResBlock.forward_parts)."""
 
@@ -484,8 +461,7 @@ class UNet3D(nn.Module):
         res = lambda c_in, c_out: ResBlock(c_in, c_out, emb_dim=emb_dim, norm_kind=group_norm)  # noqa: E731
 
         self.time_embed = nn.Sequential(nn.Linear(spec.time_dim, emb_dim), nn.SiLU(), nn.Linear(emb_dim, emb_dim))
-        # the U-Net's two narrow convolutions (tap_gemm takes them from cuDNN, so padding is moot then)
-        conv = TapConv3d if tap_gemm else PaddedConv3d if pad_channels else nn.Conv3d
+        conv = PaddedConv3d if pad_channels else nn.Conv3d  # the U-Net's two narrow convolutions
         self.stem = conv(spec.in_channels, ch, 3, padding=1)
 
         self.down = nn.ModuleList()
@@ -515,7 +491,7 @@ class UNet3D(nn.Module):
         assert not skips, "every encoder activation must feed a decoder block"
 
         self.out = nn.Sequential(norm(ch, kind=group_norm), nn.SiLU(),
-                                 zero_init(conv(ch, spec.image_channels, 3, padding=1)))
+                                 zero_init((TapConv3d if tap_gemm else conv)(ch, spec.image_channels, 3, padding=1)))
 
     def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         spec = self.spec

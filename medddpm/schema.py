@@ -52,7 +52,7 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "pin_layout": (B, "channels-last 3D pinned at every convolution input of compiled graphs (as requested)"),
         "group_norm": (S, "aten | chunked (GroupNorm statistics per channel over voxel chunks, then per group)"),
         "pad_channels": (B, "stem and output convolutions zero-padded to 8 channels"),
-        "tap_gemm": (B, "stem and output convolutions as one GEMM over their 27 taps, not cuDNN"),
+        "tap_gemm": (B, "the output convolution as a GEMM and a sum of its 27 shifted taps, not cuDNN"),
         "split_skip": (B, "decoder blocks take the skip connection as a second input, not concatenated"),
         "cudnn_try_all": (B, "cuDNN autotuning tried every algorithm (benchmark_limit 0; as requested)"),
         "memory_budget": (F, "activations the compiled graphs' partitioner may keep, as a fraction of its default "

@@ -225,8 +225,8 @@ def test_pin_layout_needs_compile_and_channels_last():
 
 
 def test_best_levers_compile_to_the_same_step():
-    """best's model-side levers (chunked GroupNorm, padded stem and output channels, the stem and output
-    as tap GEMMs), compiled with the layout pass, and split_skip partitioned without CSE (functorch config
+    """best's model-side levers (chunked GroupNorm, padded stem and output channels, the output as a tap
+    GEMM), compiled with the layout pass, and split_skip partitioned without CSE (functorch config
     patched around the compile): the same loss and gradients as the plain compiled step (fp32, so the
     comparison is tight)."""
     from medddpm.model import ModelSpec
