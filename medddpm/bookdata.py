@@ -354,6 +354,35 @@ def bench_runs(root: str | os.PathLike | None = None, *, phase: str | None = "tr
     return _sort(pd.DataFrame(rows, columns=cols), "implementation", "source")
 
 
+NARROW_COLUMNS = ["gpu_slug", "source", "git_commit", "layer", "kind", "compiled", "median_ms", "p10_ms", "p90_ms",
+                  "top_kernel", "top_kernel_ms"]
+
+
+def narrow_convs(root: str | os.PathLike | None = None) -> pd.DataFrame:
+    """The narrow-convolution timings of `scripts/narrow-convs.py` (``data/<gpu>/tuning/narrow-convs*.json``):
+    one row per layer, way (cuDNN, padded, taps) and compiled or not, with the kernel it spent most in."""
+    root = Path(root) if root is not None else data_root()
+    rows = []
+    for folder in scan(root).not_runs:
+        for path in sorted(folder.glob("narrow-convs*.json")):
+            try:
+                doc = json.loads(path.read_text())
+            except (OSError, ValueError) as e:
+                raise DataError(f"{path}: not readable JSON ({e})") from None
+            bad = sorted({k for r in doc.get("rows", [None]) for k in ("layer", "kind", "compiled", "median_ms",
+                                                                       "p10_ms", "p90_ms", "kernels")
+                          if not isinstance(r, dict) or k not in r})
+            if bad:
+                raise DataError(f"{path}: a row lacks {bad}")
+            for r in doc["rows"]:
+                top = r["kernels"][0] if r["kernels"] else ["", math.nan]
+                rows.append({"gpu_slug": folder.parent.name, "source": str(path.relative_to(root)),
+                             "git_commit": doc.get("environment", {}).get("git_commit", ""),  # not in the first file
+                             **{k: r[k] for k in ("layer", "kind", "compiled", "median_ms", "p10_ms", "p90_ms")},
+                             "top_kernel": top[0], "top_kernel_ms": top[1]})
+    return pd.DataFrame(rows, columns=NARROW_COLUMNS)
+
+
 # ------------------------------------------------------------------------------------- summaries
 
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from medddpm.env import environment  # noqa: E402
 from medddpm.model import PaddedConv3d, TapConv3d  # noqa: E402
 
 KINDS = {"cudnn": nn.Conv3d, "padded": PaddedConv3d, "taps": TapConv3d}
@@ -76,8 +77,9 @@ def main():
                 for name, ms in row["kernels"]:
                     print(f"    {ms:8.4f} ms  {name}")
     if args.json:
-        args.json.write_text(json.dumps({"size": args.size, "torch": torch.__version__,
-                                         "gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"environment": environment(torch.device("cuda")), "size": args.size,
+                                         "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
+                                         "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -442,3 +442,21 @@ def test_gpu_busy_is_kernel_time_over_step_time(real):
     b = bd.gpu_busy(real)
     np.testing.assert_allclose(b["busy"] * b["train_median_ms"], b["kernel_ms"])
     assert b["busy"].between(0.3, 1.2).all(), b
+
+
+def test_narrow_convs_reads_the_microbench_and_refuses_incomplete_rows(tmp_path):
+    """`bd.narrow_convs`: one row per layer, way and compilation from scripts/narrow-convs.py's JSON;
+    a row without its timings is a one-line DataError naming the file."""
+    folder = tmp_path / "nvidia-h200" / "tuning"
+    folder.mkdir(parents=True)
+    row = {"layer": "output", "kind": "taps", "compiled": True, "median_ms": 2.0, "p10_ms": 1.9, "p90_ms": 2.3,
+           "kernels": [["nvjet_sm90_tst", 0.1]]}
+    (folder / "narrow-convs.json").write_text(json.dumps({"environment": {"git_commit": "abc"}, "rows": [row]}))
+    df = bd.narrow_convs(tmp_path)
+    assert list(df.columns) == bd.NARROW_COLUMNS
+    assert df.iloc[0][["gpu_slug", "git_commit", "kind", "top_kernel"]].tolist() == [
+        "nvidia-h200", "abc", "taps", "nvjet_sm90_tst"]
+    del row["p90_ms"]
+    (folder / "narrow-convs-2.json").write_text(json.dumps({"rows": [row]}))
+    with pytest.raises(bd.DataError, match=r"narrow-convs-2.json: a row lacks \['p90_ms'\]"):
+        bd.narrow_convs(tmp_path)
