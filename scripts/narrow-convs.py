@@ -4,7 +4,8 @@ Times forward + backward of the stem (C_in 4 -> 64) and the output layer (64 -> 
 autocast, channels-last, each way, eager and compiled, and names the kernels each spends its time in
 (torch.profiler). What `tap_gemm` is for: data/nvidia-h200/NOTES.md, session 12. The backward starts from
 the mean square of the output, whose own kernels are part of each time (the same for every way).
-Usage: python scripts/narrow-convs.py [--size 128] [--steps 20] [--json F]
+`--pad-widths 8,16` also pads to 16 channels ("padded16"): whether cuDNN then leaves its sm80 kernels.
+Usage: python scripts/narrow-convs.py [--size 128] [--steps 20] [--pad-widths 8] [--json F]
 """
 
 import argparse
@@ -16,10 +17,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from medddpm import model  # noqa: E402
 from medddpm.env import environment  # noqa: E402
-from medddpm.model import PaddedConv3d, TapConv3d  # noqa: E402
-
-KINDS = {"cudnn": nn.Conv3d, "padded": PaddedConv3d, "taps": TapConv3d}
 
 
 def timed(fn, steps: int) -> list[float]:
@@ -40,8 +39,15 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", type=int, default=128)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--pad-widths", default="8", help="comma-separated channel multiples to pad to (PaddedConv3d)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    widths = [int(w) for w in args.pad_widths.split(",")]
+    assert all(w >= 1 for w in widths), f"pad widths must be positive, got {args.pad_widths!r}"
+    # kind -> (module class, the alignment PaddedConv3d pads to); "padded" is the model's own (8)
+    kinds = {"cudnn": (nn.Conv3d, model.ALIGN_CHANNELS)}
+    kinds |= {"padded" + ("" if w == model.ALIGN_CHANNELS else str(w)): (model.PaddedConv3d, w) for w in widths}
+    kinds["taps"] = (model.TapConv3d, model.ALIGN_CHANNELS)
     assert torch.cuda.is_available(), "this measures cuDNN and cuBLAS kernels: it needs a GPU"
     torch.backends.cudnn.benchmark = True
     rows = []
@@ -49,10 +55,12 @@ def main():
         shape = (1, c_in, args.size, args.size, args.size)
         x = torch.randn(shape, device="cuda").to(memory_format=torch.channels_last_3d)
         x.requires_grad_(layer == "output")  # the stem's input (noisy image and labels) needs no gradient
-        for kind, cls in KINDS.items():
+        for kind, (cls, align) in kinds.items():
             if kind == "taps" and c_out > c_in:
                 continue  # TapConv3d is for a narrow output
+            model.ALIGN_CHANNELS = align  # read by PaddedConv3d at each call
             for compiled in (False, True):
+                torch._dynamo.reset()
                 torch.manual_seed(0)
                 conv = cls(c_in, c_out, 3, padding=1).cuda().to(memory_format=torch.channels_last_3d)
                 f = torch.compile(conv) if compiled else conv
