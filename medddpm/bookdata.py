@@ -308,6 +308,13 @@ BENCH_COLUMNS = ["gpu_slug", "source", "phase", "config", "implementation", "med
 BENCH_PHASES = ("train", "sample")
 
 
+def _json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: not readable JSON ({e})") from None
+
+
 def bench_runs(root: str | os.PathLike | None = None, *, phase: str | None = "train") -> pd.DataFrame:
     """Raw `python -m medddpm bench` timings (JSON) kept in folders that are not runs.
 
@@ -322,10 +329,7 @@ def bench_runs(root: str | os.PathLike | None = None, *, phase: str | None = "tr
     rows = []
     for folder in scan(root).not_runs:
         for path in sorted(folder.glob("*.json")):
-            try:
-                doc = json.loads(path.read_text())
-            except (OSError, ValueError) as e:
-                raise DataError(f"{path}: not readable JSON ({e})") from None
+            doc = _json(path)
             if not isinstance(doc, dict) or "runs" not in doc:
                 continue
             env, spec = doc.get("environment", {}), doc.get("spec", {})
@@ -365,21 +369,17 @@ def narrow_convs(root: str | os.PathLike | None = None) -> pd.DataFrame:
     rows = []
     for folder in scan(root).not_runs:
         for path in sorted(folder.glob("narrow-convs*.json")):
-            try:
-                doc = json.loads(path.read_text())
-            except (OSError, ValueError) as e:
-                raise DataError(f"{path}: not readable JSON ({e})") from None
-            bad = sorted({k for r in doc.get("rows", [None]) for k in ("layer", "kind", "compiled", "median_ms",
-                                                                       "p10_ms", "p90_ms", "kernels")
-                          if not isinstance(r, dict) or k not in r})
+            doc = _json(path)
+            timings = ("layer", "kind", "compiled", "median_ms", "p10_ms", "p90_ms")
+            rows_in = doc.get("rows", [None]) if isinstance(doc, dict) else [None]
+            bad = sorted({k for r in rows_in for k in (*timings, "kernels") if not isinstance(r, dict) or k not in r})
             if bad:
                 raise DataError(f"{path}: a row lacks {bad}")
-            for r in doc["rows"]:
+            for r in rows_in:
                 top = r["kernels"][0] if r["kernels"] else ["", math.nan]
                 rows.append({"gpu_slug": folder.parent.name, "source": str(path.relative_to(root)),
                              "git_commit": doc.get("environment", {}).get("git_commit", ""),  # not in the first file
-                             **{k: r[k] for k in ("layer", "kind", "compiled", "median_ms", "p10_ms", "p90_ms")},
-                             "top_kernel": top[0], "top_kernel_ms": top[1]})
+                             **{k: r[k] for k in timings}, "top_kernel": top[0], "top_kernel_ms": top[1]})
     return pd.DataFrame(rows, columns=NARROW_COLUMNS)
 
 

@@ -455,8 +455,8 @@ def test_tap_convolution_refuses_other_shapes():
 
 
 def test_tap_gemm_model_matches_under_bf16_autocast(tiny_spec):
-    """The model with tap_gemm against the plain one under bf16 autocast (what best runs): the output
-    layer sums its taps in float32, so the two differ by bf16's rounding of the GEMM inputs only."""
+    """Under bf16 autocast (what best runs) the model with tap_gemm is as close to the float32 model as
+    the plain one: its output layer rounds the tap shares to bf16 but sums them in float32, once."""
     torch.manual_seed(0)
     plain = UNet3D(tiny_spec)
     for p in plain.parameters():
@@ -465,7 +465,10 @@ def test_tap_gemm_model_matches_under_bf16_autocast(tiny_spec):
     taps.load_state_dict(plain.state_dict())
     assert type(taps.out[-1]).__name__ == "TapConv3d" and type(taps.stem).__name__ == "Conv3d"
     x, t = torch.randn(1, 4, 16, 16, 16), torch.tensor([7])
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        ya, yb = plain(x, t), taps(x, t)
+    with torch.no_grad():
+        exact = plain(x, t)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ya, yb = plain(x, t), taps(x, t)
     assert yb.dtype == ya.dtype == torch.bfloat16
-    assert float((yb.float() - ya.float()).norm() / ya.float().norm()) < 2e-2
+    err = [float((y.float() - exact).norm() / exact.norm()) for y in (ya, yb)]
+    assert 0 < err[1] < 1.5 * err[0], err  # measured: 4.7e-3 plain, 4.8e-3 with tap_gemm
