@@ -195,6 +195,34 @@ def kept_runs(root: str | os.PathLike | None = None) -> pd.DataFrame:
     return _sort(pd.concat(frames, ignore_index=True))
 
 
+def _config_runs(run: pd.DataFrame, kept: pd.DataFrame, config: str):
+    """Per finished main run of `config`: (that run, it with the kept runs of `config` under any switches
+    on its GPU and preset at batch 1 whose timing finished; `_main` marks the main run)."""
+    for main in run[(run["config"] == config) & (run["status"] == "ok")].itertuples():
+        same = kept[(kept["gpu_slug"] == main.gpu_slug) & (kept["preset"] == main.preset) & (kept["batch"] == 1)
+                    & (kept["train_median_ms"] > 0) & (kept["config"].str.split("+").str[0] == config)]
+        yield main, pd.concat([same.assign(_main=False), run.loc[[main.Index]].assign(_main=True)], ignore_index=True)
+
+
+def rerun_spread(run: pd.DataFrame, kept: pd.DataFrame, config: str = "best") -> pd.DataFrame:
+    """Per GPU, how far the runs of `config` with the very same switches lie apart (sweeps on different
+    days, or the same day): the switch set whose medians differ most, with `ratio` = slowest / fastest.
+    A step on `lever_ladder` smaller than that ratio is not told apart from the device's own drift.
+    GPUs without such a repeat have no row."""
+    cols = ["gpu_slug", "runs", "fastest_ms", "slowest_ms", "ratio", "ran_with"]
+    now = CONFIGS[config].flags
+    rows = []
+    for main, runs_ in _config_runs(run, kept, config):
+        for _, g in runs_.groupby(list(now), dropna=False):
+            if len(g) > 1:
+                ms = g["train_median_ms"]
+                rows.append({"gpu_slug": main.gpu_slug, "runs": len(g), "fastest_ms": ms.min(), "slowest_ms": ms.max(),
+                             "ratio": ms.max() / ms.min(), "ran_with": _differs(g.iloc[0], now)})
+    df = pd.DataFrame(rows, columns=cols)
+    return df.sort_values("ratio", ascending=False).drop_duplicates("gpu_slug").sort_values("gpu_slug",
+                                                                                           ignore_index=True)
+
+
 def lever_ladder(run: pd.DataFrame, kept: pd.DataFrame, config: str = "best") -> pd.DataFrame:
     """Per GPU, `config` as it gained levers: its main run and the kept runs of the same configuration
     (``best``, ``best+pin_layout=true``, ...) on the same preset at batch 1, those that differ from
@@ -207,10 +235,7 @@ def lever_ladder(run: pd.DataFrame, kept: pd.DataFrame, config: str = "best") ->
             "ran_with", "added", "gain"]
     now = CONFIGS[config].flags
     rows = []
-    for main in run[(run["config"] == config) & (run["status"] == "ok")].itertuples():
-        same = kept[(kept["gpu_slug"] == main.gpu_slug) & (kept["preset"] == main.preset) & (kept["batch"] == 1)
-                    & (kept["train_median_ms"] > 0) & (kept["config"].str.split("+").str[0] == config)]
-        chain = pd.concat([same, run.loc[[main.Index]]]).assign(_main=lambda d: d.index == main.Index)
+    for _, chain in _config_runs(run, kept, config):
         chain = chain.sort_values(["_main", "start_time"]).drop_duplicates(list(now), keep="last")
         # furthest from today's definition first; among equals, the slower first
         chain["_far"] = [len(_changed(r, now)) for r in chain.to_dict("records")]

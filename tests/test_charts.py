@@ -393,6 +393,10 @@ def test_kept_runs_line_up_as_best_gained_its_levers(real, tmp_path):
                                         f"upsample: {up} -> interpolate, pin_layout: False -> True",
                                         f"upsample: interpolate -> {up}, group_norm: aten -> chunked"]
     np.testing.assert_allclose(ladder["gain"].iloc[1:], [3 / 2.5, 2.5 / 2, 2.0])
+    # the repeats: sep and sep-before (2.5 t, 2.7 t), again and the main run (0.9 t, t): the wider one stands
+    spread = bd.rerun_spread(bd.runs(root), bd.kept_runs(root))
+    assert spread[["gpu_slug", "runs", "ran_with"]].values.tolist() == [["cpu", 2, ""]]
+    np.testing.assert_allclose(spread[["fastest_ms", "slowest_ms", "ratio"]].values[0], [0.9 * t, t, 1 / 0.9])
     assert ladder.loc[3, "ran_with"] == ""
     assert bd.lever_ladder(bd.runs(root), bd.kept_runs(root), config="opt1").empty
     shutil.copytree(root / "cpu" / "notes", root / "other-gpu" / "notes")
