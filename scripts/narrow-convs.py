@@ -1,8 +1,8 @@
 """The U-Net's two narrow convolutions alone on the GPU: cuDNN, cuDNN zero-padded, and (the output) tap GEMMs.
 
 Times forward + backward of the stem (C_in 4 -> 64) and the output layer (64 -> 1) at 128^3 in bf16
-autocast, channels-last, each way, eager and compiled, and names the kernels each spends its time in
-(torch.profiler). What `tap_gemm` is for: data/nvidia-h200/NOTES.md, session 12. The backward starts from
+autocast, channels-last, each way, eager and compiled (`bench.time_steps`: warm-up, then CUDA events with
+no host sync between steps), and names the kernels each spends its time in (torch.profiler). What `tap_gemm` is for: data/nvidia-h200/NOTES.md, session 12. The backward starts from
 the mean square of the output, whose own kernels are part of each time (the same for every way).
 `--pad-widths 8,16` also pads to 16 channels ("padded16"): whether cuDNN then leaves its sm80 kernels.
 Usage: python scripts/narrow-convs.py [--size 128] [--steps 20] [--pad-widths 8] [--json F]
@@ -18,21 +18,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from medddpm import model  # noqa: E402
+from medddpm.bench import time_steps  # noqa: E402
 from medddpm.env import environment  # noqa: E402
-
-
-def timed(fn, steps: int) -> list[float]:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
 
 
 def main():
@@ -70,14 +57,14 @@ def main():
                         y = f(x)
                     y.float().square().mean().backward()
 
-                times = sorted(timed(step, args.steps))
+                timing = time_steps(step, device=torch.device("cuda"), warmup=3, steps=args.steps, progress=False)
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                     step()
                     torch.cuda.synchronize()
                 kernels = sorted(((e.key, e.device_time_total / 1e3) for e in prof.key_averages()
                                   if e.device_time_total > 0), key=lambda kv: -kv[1])
-                row = {"layer": layer, "kind": kind, "compiled": compiled, "median_ms": times[len(times) // 2],
-                       "p10_ms": times[len(times) // 10], "p90_ms": times[-1 - len(times) // 10],
+                row = {"layer": layer, "kind": kind, "compiled": compiled,
+                       **{k: timing[k] for k in ("median_ms", "p10_ms", "p90_ms")},
                        "kernels": [[name[:110], round(ms, 4)] for name, ms in kernels[:6]]}
                 rows.append(row)
                 print(f"{layer:6s} {kind:6s} compiled={compiled!s:5s} {row['median_ms']:.3f} ms "
