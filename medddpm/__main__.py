@@ -74,7 +74,8 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention", choices=get_args(AttentionKind))
     g.add_argument("--upsample", choices=get_args(UpsampleKind))
     g.add_argument("--group-norm", choices=get_args(GroupNormKind), help="chunked: statistics per channel over voxel "
-                   "chunks, then per group (fast for compiled channels-last 3D)")
+                   "chunks, then per group (fast for compiled channels-last 3D); fused: those, with the SiLU after "
+                   "it and a hand-written backward")
     g.add_argument("--pad-channels", type=_bool, metavar="BOOL",
                    help="stem and output convolutions zero-padded to 8 channels (the same numbers)")
     g.add_argument("--tap-gemm", type=_bool, metavar="BOOL",

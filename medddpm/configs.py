@@ -16,7 +16,7 @@ import torch
 Precision = Literal["fp32", "tf32", "bf16"]
 AttentionKind = Literal["math", "sdpa"]
 UpsampleKind = Literal["interpolate", "separable", "separable_ndhwc"]
-GroupNormKind = Literal["aten", "chunked"]
+GroupNormKind = Literal["aten", "chunked", "fused"]
 
 
 # Switches that set one Inductor option for the Triton kernels of compiled graphs (GPU only)
@@ -43,7 +43,9 @@ class Config:
     upsample: UpsampleKind = "interpolate"
     checkpointing: bool = False  # activation checkpointing per U-Net block: keep block inputs, recompute the rest
     pin_layout: bool = False  # compiled graphs: channels-last 3D pinned at every convolution input (medddpm.layout)
-    group_norm: GroupNormKind = "aten"  # "chunked": statistics per channel over voxel chunks, then per group (model.py)
+    # "chunked": statistics per channel over voxel chunks, then per group; "fused": those statistics, the SiLU
+    # after the norm in the same function, and a hand-written backward (model._GroupNormSiLU)
+    group_norm: GroupNormKind = "aten"
     pad_channels: bool = False  # stem and output convolutions zero-padded to 8 channels (model.PaddedConv3d)
     # the output convolution as a GEMM and a sum of its 27 shifted taps, not cuDNN (model.TapConv3d)
     tap_gemm: bool = False

@@ -126,8 +126,31 @@ def zero_init(module: nn.Module) -> nn.Module:
     return module
 
 
-GROUP_NORM_KINDS = ("aten", "chunked")
+GROUP_NORM_KINDS = ("aten", "chunked", "fused")
 STAT_CHUNKS = 256  # voxel chunks of the first statistics pass: rows enough to fill the GPU at every level
+
+
+def _group_stats(x: torch.Tensor, groups: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (sample, channel) mean and 1/std of x's GroupNorm groups, (B, C) each, from per-channel
+    statistics over voxel chunks (see `group_norm_chunked`). In x's dtype: call it on float32."""
+    b, c, *spatial = x.shape
+    assert c % groups == 0, f"{c} channels do not split into {groups} groups"
+    var, mean = torch.var_mean(_chunk_rows(x), dim=2, correction=0)  # (B, K, C)
+    k = var.shape[1]
+    var, mean = var.view(b, k, groups, c // groups), mean.view(b, k, groups, c // groups)
+    g_mean = mean.mean(dim=(1, 3), keepdim=True)  # (B, 1, G, 1)
+    g_var = var.mean(dim=(1, 3), keepdim=True) + (mean - g_mean).square().mean(dim=(1, 3), keepdim=True)
+    per_channel = lambda t: t.expand(b, 1, groups, c // groups).reshape(b, c)  # noqa: E731
+    return per_channel(g_mean), per_channel(torch.rsqrt(g_var + eps))
+
+
+def _chunk_rows(x: torch.Tensor) -> torch.Tensor:
+    """(B, C, *spatial) -> (B, K, voxels / K, C): a view when x is channels-last, so that a reduction over
+    dim 2 reads thousands of rows along the contiguous channel axis."""
+    b, c, *spatial = x.shape
+    voxels = math.prod(spatial)
+    k = math.gcd(voxels, STAT_CHUNKS)
+    return x.permute(0, *range(2, x.ndim), 1).reshape(b, k, voxels // k, c)
 
 
 def group_norm_chunked(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
@@ -142,34 +165,86 @@ def group_norm_chunked(x: torch.Tensor, groups: int, weight: torch.Tensor | None
     as exact as a one-pass Welford. The output is x * scale + shift with per-channel scale and shift,
     as PyTorch's own GroupNorm kernel computes it. Statistics in x's dtype: call it on float32.
     """
-    b, c, *spatial = x.shape
-    assert c % groups == 0, f"{c} channels do not split into {groups} groups"
-    voxels = math.prod(spatial)
-    k = math.gcd(voxels, STAT_CHUNKS)
-    xt = x.permute(0, *range(2, x.ndim), 1).reshape(b, k, voxels // k, c)  # a view when x is channels-last
-    var, mean = torch.var_mean(xt, dim=2, correction=0)  # (B, K, C)
-    var, mean = var.view(b, k, groups, c // groups), mean.view(b, k, groups, c // groups)
-    g_mean = mean.mean(dim=(1, 3), keepdim=True)  # (B, 1, G, 1)
-    g_var = var.mean(dim=(1, 3), keepdim=True) + (mean - g_mean).square().mean(dim=(1, 3), keepdim=True)
-    scale = torch.rsqrt(g_var + eps).expand(b, 1, groups, c // groups).reshape(b, c)
-    if weight is not None:
-        scale = scale * weight
-    shift = -g_mean.expand(b, 1, groups, c // groups).reshape(b, c) * scale
-    if bias is not None:
-        shift = shift + bias
-    per_channel = (b, c) + (1,) * len(spatial)
+    mean, rstd = _group_stats(x, groups, eps)
+    scale, shift = _affine(mean, rstd, weight, bias)
+    per_channel = scale.shape + (1,) * (x.ndim - 2)
     return x * scale.view(per_channel) + shift.view(per_channel)
+
+
+def _affine(mean, rstd, weight, bias):
+    """GroupNorm's output as x * scale + shift, with per (sample, channel) scale and shift."""
+    scale = rstd * weight if weight is not None else rstd
+    shift = -mean * scale
+    return scale, (shift + bias if bias is not None else shift)
+
+
+class _GroupNormSiLU(torch.autograd.Function):
+    """silu(group_norm(x)) (or group_norm(x) with `silu=False`) computed in float32 whatever x's dtype,
+    output in x's dtype, with a hand-written backward (`group_norm="fused"`).
+
+    Autograd's backward of `group_norm_chunked` differentiates its chunk statistics: each voxel's
+    gradient reads its chunk's mean and variance gradients through the chunked view, whose index
+    arithmetic Inductor does not simplify (the kernel is limited by its integer instructions), and it is
+    written in float32. The closed form needs two passes over x and the output gradient: per-channel
+    sums of da and da * xhat (on the chunked view), then dx = scale * da - rstd * (m1 + xhat * m2) with
+    per-channel coefficients, written in x's dtype. Only x and the (B, C) statistics are kept; the
+    SiLU's input is recomputed (data/nvidia-h200/NOTES.md, session 13)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, groups: int, eps: float, silu: bool):
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        mean, rstd = _group_stats(xf, groups, eps)
+        scale, shift = _affine(mean, rstd, weight, bias)
+        a = xf * _bcast(scale, x) + _bcast(shift, x)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.groups, ctx.silu = groups, silu
+        return (F.silu(a) if silu else a).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        b, c, *spatial = x.shape
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        dyf = dy.to(xf.dtype)
+        scale, shift = _affine(mean, rstd, weight, bias)
+        xhat = (xf - _bcast(mean, x)) * _bcast(rstd, x)
+        if ctx.silu:
+            a = xf * _bcast(scale, x) + _bcast(shift, x)
+            s = torch.sigmoid(a)
+            da = dyf * s * (1 + a * (1 - s))
+        else:
+            da = dyf
+        # per (sample, channel) sums over voxels: dbeta = sum da, dgamma = sum da * xhat
+        sum_da = _chunk_rows(da).sum(dim=2).sum(dim=1)
+        sum_da_xhat = _chunk_rows(da * xhat).sum(dim=2).sum(dim=1)
+        gamma = weight if weight is not None else torch.ones_like(sum_da[0])
+        n = (c // ctx.groups) * math.prod(spatial)  # elements of a group
+        group_mean = lambda t: t.view(b, ctx.groups, -1).sum(-1, keepdim=True).expand(  # noqa: E731
+            b, ctx.groups, c // ctx.groups).reshape(b, c) / n
+        m1, m2 = group_mean(gamma * sum_da), group_mean(gamma * sum_da_xhat)  # means of dxhat, dxhat * xhat
+        dx = da * _bcast(scale, x) - _bcast(rstd * m1, x) - xhat * _bcast(rstd * m2, x)
+        dweight = sum_da_xhat.sum(0) if weight is not None else None
+        dbias = sum_da.sum(0) if bias is not None else None
+        return dx.to(x.dtype), dweight, dbias, None, None, None
+
+
+def _bcast(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """(B, C) -> (B, C, 1, ...) against a (B, C, *spatial) tensor."""
+    return t.view(t.shape + (1,) * (like.ndim - 2))
 
 
 class GroupNorm32(nn.GroupNorm):
     """GroupNorm whose statistics are computed in float32 (or wider) whatever the activation dtype.
 
-    `kind="chunked"`: the same function through `group_norm_chunked` (for compiled channels-last runs)."""
+    `kind="chunked"`: the same function through `group_norm_chunked` (for compiled channels-last runs).
+    `kind="fused"`: chunked statistics and a hand-written backward (`_GroupNormSiLU`); with `silu=True` the
+    SiLU that follows is part of it (the module then computes silu(group_norm(x)))."""
 
-    def __init__(self, num_groups: int, num_channels: int, *, kind: str = "aten"):
+    def __init__(self, num_groups: int, num_channels: int, *, kind: str = "aten", silu: bool = False):
         assert kind in GROUP_NORM_KINDS, f"group norm kind must be one of {GROUP_NORM_KINDS}, got {kind!r}"
+        assert not silu or kind == "fused", f"only the fused group norm takes its SiLU in, not {kind!r}"
         super().__init__(num_groups, num_channels)
-        self.kind = kind
+        self.kind, self.silu = kind, silu
 
     def forward(self, x):
         return self._norm(x, self.num_groups, self.weight, self.bias)
@@ -192,6 +267,8 @@ class GroupNorm32(nn.GroupNorm):
         return out
 
     def _norm(self, x, groups, weight, bias):
+        if self.kind == "fused":
+            return _GroupNormSiLU.apply(x, weight, bias, groups, self.eps, self.silu)
         dtype = torch.promote_types(x.dtype, torch.float32)  # bf16 -> fp32; a float64 model (tests) stays float64
         fn = group_norm_chunked if self.kind == "chunked" else F.group_norm
         return fn(x.to(dtype), groups, weight, bias, self.eps).to(x.dtype)
@@ -199,6 +276,14 @@ class GroupNorm32(nn.GroupNorm):
 
 def norm(channels: int, *, kind: str = "aten") -> nn.GroupNorm:
     return GroupNorm32(32, channels, kind=kind)
+
+
+def norm_silu(channels: int, *, kind: str = "aten") -> list[nn.Module]:
+    """GroupNorm then SiLU, as two entries of an nn.Sequential; the fused kind computes both in its first
+    (the second is then an identity), so parameter names are the same for every kind."""
+    if kind == "fused":
+        return [GroupNorm32(32, channels, kind=kind, silu=True), nn.Identity()]
+    return [norm(channels, kind=kind), nn.SiLU()]
 
 
 ALIGN_CHANNELS = 8  # bf16 channels per 16-byte vector: cuDNN's Hopper kernels want C and K multiples of it
@@ -285,9 +370,9 @@ class ResBlock(nn.Module):
 
     def __init__(self, ch_in: int, ch_out: int, *, emb_dim: int, norm_kind: str = "aten"):
         super().__init__()
-        self.in_layers = nn.Sequential(norm(ch_in, kind=norm_kind), nn.SiLU(), nn.Conv3d(ch_in, ch_out, 3, padding=1))
+        self.in_layers = nn.Sequential(*norm_silu(ch_in, kind=norm_kind), nn.Conv3d(ch_in, ch_out, 3, padding=1))
         self.emb_layers = nn.Sequential(nn.SiLU(), nn.Linear(emb_dim, ch_out))
-        self.out_layers = nn.Sequential(norm(ch_out, kind=norm_kind), nn.SiLU(),
+        self.out_layers = nn.Sequential(*norm_silu(ch_out, kind=norm_kind),
                                         zero_init(nn.Conv3d(ch_out, ch_out, 3, padding=1)))
         self.skip = nn.Identity() if ch_in == ch_out else nn.Conv3d(ch_in, ch_out, 1)
 
@@ -490,7 +575,7 @@ class UNet3D(nn.Module):
             ds //= 2 if level else 1
         assert not skips, "every encoder activation must feed a decoder block"
 
-        self.out = nn.Sequential(norm(ch, kind=group_norm), nn.SiLU(),
+        self.out = nn.Sequential(*norm_silu(ch, kind=group_norm),
                                  zero_init((TapConv3d if tap_gemm else conv)(ch, spec.image_channels, 3, padding=1)))
 
     def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

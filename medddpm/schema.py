@@ -50,7 +50,8 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
                         "the channels-last view)"),
         "checkpointing": (B, "activation checkpointing per U-Net block"),
         "pin_layout": (B, "channels-last 3D pinned at every convolution input of compiled graphs (as requested)"),
-        "group_norm": (S, "aten | chunked (GroupNorm statistics per channel over voxel chunks, then per group)"),
+        "group_norm": (S, "aten | chunked (GroupNorm statistics per channel over voxel chunks, then per group) | fused "
+                              "(chunked statistics, the SiLU after it and a hand-written backward in one function)"),
         "pad_channels": (B, "stem and output convolutions zero-padded to 8 channels"),
         "tap_gemm": (B, "the output convolution as a GEMM and a sum of its 27 shifted taps, not cuDNN"),
         "split_skip": (B, "decoder blocks take the skip connection as a second input, not concatenated"),

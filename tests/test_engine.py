@@ -225,8 +225,8 @@ def test_pin_layout_needs_compile_and_channels_last():
 
 
 def test_best_levers_compile_to_the_same_step():
-    """best's model-side levers (chunked GroupNorm, padded stem and output channels, the output as a tap
-    GEMM), compiled with the layout pass, and split_skip partitioned without CSE (functorch config
+    """best's model-side levers (chunked and fused GroupNorm, padded stem and output channels, the output as a
+    tap GEMM), compiled with the layout pass, and split_skip partitioned without CSE (functorch config
     patched around the compile): the same loss and gradients as the plain compiled step (fp32, so the
     comparison is tight)."""
     from medddpm.model import ModelSpec
@@ -236,7 +236,8 @@ def test_best_levers_compile_to_the_same_step():
     base = CONFIGS["compile"].with_flags(precision="fp32")
     ref_loss, ref_grad = _loss_and_grads(_randomized(spec, base), spec)
     for flags in (dict(group_norm="chunked", pin_layout=True), dict(pad_channels=True, pin_layout=True),
-                  dict(tap_gemm=True, pin_layout=True),
+                  dict(tap_gemm=True, pin_layout=True), dict(group_norm="fused", pin_layout=True),
+                  dict(group_norm="fused", checkpointing=True),
                   dict(split_skip=True, aot_cse=False, checkpointing=True)):
         loss, grad = _loss_and_grads(_randomized(spec, base.with_flags(**flags)), spec)
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6, msg=str(flags))

@@ -5,8 +5,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from medddpm.diffusion import GaussianDiffusion, cosine_betas
 from medddpm.flops import count
-from medddpm.model import (UPSAMPLE_KINDS, Attention, ModelSpec, UNet3D, Upsample, count_parameters, format_size,
-                           group_norm_chunked, parse_size)
+from medddpm.model import (UPSAMPLE_KINDS, Attention, GroupNorm32, ModelSpec, UNet3D, Upsample, _GroupNormSiLU,
+                           count_parameters, format_size, group_norm_chunked, parse_size)
 
 
 def test_reference_parameter_count_and_flops():
@@ -259,20 +259,61 @@ def test_chunked_group_norm_in_float32_keeps_large_means():
         group_norm_chunked(torch.zeros(1, 48, 2, 2, 2), 32, None, None, 1e-5)
 
 
+@pytest.mark.parametrize("shape, layout", [((2, 64, 2, 3, 2), torch.channels_last_3d),  # 4 chunks of 3 voxels
+                                           ((1, 32, 3, 5, 4), torch.contiguous_format)])
+@pytest.mark.parametrize("silu", [True, False])
+@pytest.mark.parametrize("affine", [True, False])
+def test_fused_group_norm_backward_is_the_gradient(shape, layout, silu, affine):
+    """The hand-written backward of `group_norm="fused"` against finite differences (gradcheck, float64),
+    and its output against F.group_norm (then F.silu)."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=g, dtype=torch.float64) * 3 + 5).to(memory_format=layout).requires_grad_()
+    w, b = (torch.randn(shape[1], generator=g, dtype=torch.float64, requires_grad=True) if affine else None
+            for _ in range(2))
+    fused = lambda x, w, b: _GroupNormSiLU.apply(x, w, b, 32, 1e-5, silu)  # noqa: E731
+    assert torch.autograd.gradcheck(fused, (x, w, b))
+    want = F.group_norm(x, 32, w, b, 1e-5)
+    torch.testing.assert_close(fused(x, w, b), F.silu(want) if silu else want, rtol=1e-12, atol=1e-12)
+    assert fused(x, w, b).is_contiguous(memory_format=layout), "the output keeps the input's layout"
+
+
+def test_fused_group_norm_in_bf16_is_float32_rounded_once():
+    """On a bf16 activation the fused kind computes in float32 and rounds its output and x's gradient to bf16
+    once: both within bf16's rounding of the float64 values."""
+    g = torch.Generator().manual_seed(2)
+    x64 = torch.randn(1, 64, 8, 8, 8, generator=g, dtype=torch.float64) * 2 + 1
+    up64 = torch.randn(x64.shape, generator=g, dtype=torch.float64)
+    x = x64.to(torch.bfloat16).to(memory_format=torch.channels_last_3d).requires_grad_()
+    norm = GroupNorm32(32, 64, kind="fused", silu=True)
+    y = norm(x)
+    assert y.dtype == torch.bfloat16
+    (y.float() * up64.float()).sum().backward()
+    xr = x.detach().double().requires_grad_()
+    want = F.silu(F.group_norm(xr, 32, norm.weight.double(), norm.bias.double(), 1e-5))
+    (dx_want,) = torch.autograd.grad((want * up64.to(torch.bfloat16).double()).sum(), xr)
+    torch.testing.assert_close(y.double(), want, rtol=2 ** -8, atol=1e-3)
+    torch.testing.assert_close(x.grad.double(), dx_want, rtol=2 ** -7, atol=2e-3)
+    assert norm.weight.grad.dtype == torch.float32
+    with pytest.raises(AssertionError, match="only the fused group norm takes its SiLU in"):
+        GroupNorm32(32, 64, kind="chunked", silu=True)
+
+
 def test_group_norm_kinds_give_the_same_model(tiny_spec):
     torch.manual_seed(0)
     aten = UNet3D(tiny_spec).double()
     for p in aten.parameters():
         torch.nn.init.normal_(p, std=0.05)
-    chunked = UNet3D(tiny_spec, group_norm="chunked").double()
-    chunked.load_state_dict(aten.state_dict())
     x, t = torch.randn(2, 4, 16, 16, 16, dtype=torch.float64), torch.tensor([3, 180])
-    ya, yb = aten(x, t), chunked(x, t)
-    torch.testing.assert_close(yb, ya, rtol=1e-10, atol=1e-12)
+    ya = aten(x, t)
     ya.square().sum().backward()
-    yb.square().sum().backward()
-    for (name, pa), pb in zip(aten.named_parameters(), chunked.parameters()):
-        torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-8, atol=1e-12, msg=name)
+    for kind in ("chunked", "fused"):
+        other = UNet3D(tiny_spec, group_norm=kind).double()
+        other.load_state_dict(aten.state_dict())  # the same parameter names: checkpoints load either way
+        yb = other(x, t)
+        torch.testing.assert_close(yb, ya, rtol=1e-10, atol=1e-12, msg=kind)
+        yb.square().sum().backward()
+        for (name, pa), pb in zip(aten.named_parameters(), other.parameters()):
+            torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-8, atol=1e-12, msg=f"{kind} {name}")
     with pytest.raises(AssertionError, match="group norm kind must be one of"):
         UNet3D(tiny_spec, group_norm="welford")
 
