@@ -374,7 +374,8 @@ def test_kept_runs_line_up_as_best_gained_its_levers(real, tmp_path):
     root = _tree(tmp_path)
     shutil.copytree(REAL / "cpu" / "best", root / "cpu" / "best")
     best = bd.runs(root).set_index("config").loc["best"]
-    assert best["redefined"] == "" and best["group_norm"] == "chunked"
+    gn = CONFIGS["best"].group_norm
+    assert best["redefined"] == "" and best["group_norm"] == gn != "aten"
     t = best["train_median_ms"]
     _kept(root, "notes/old", "best", 3 * t, pin_layout=False, group_norm="aten", upsample="interpolate")
     _kept(root, "notes/pin", "best+pin_layout=true", 2 * t, group_norm="aten", upsample="interpolate")
@@ -391,7 +392,7 @@ def test_kept_runs_line_up_as_best_gained_its_levers(real, tmp_path):
     up = CONFIGS["best"].upsample  # "notes/sep" runs with best's own upsampling
     assert ladder["added"].tolist() == ["", f"upsample: interpolate -> {up}",
                                         f"upsample: {up} -> interpolate, pin_layout: False -> True",
-                                        f"upsample: interpolate -> {up}, group_norm: aten -> chunked"]
+                                        f"upsample: interpolate -> {up}, group_norm: aten -> {gn}"]
     np.testing.assert_allclose(ladder["gain"].iloc[1:], [3 / 2.5, 2.5 / 2, 2.0])
     # the repeats: sep and sep-before (2.5 t, 2.7 t), again and the main run (0.9 t, t): the wider one stands
     spread = bd.rerun_spread(bd.runs(root), bd.kept_runs(root))
