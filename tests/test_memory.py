@@ -114,9 +114,18 @@ def test_switch_costs_pair_runs_that_differ_in_one_switch(run):
     gpu = costs[costs["gpu_slug"] == GPU]
     pairs = set(zip(gpu["model"], gpu["batch"], gpu["config_off"], gpu["config_on"], gpu["switch"]))
     h, b = "paper 128x128x128", "brats 192x192x144"
-    assert pairs == {(h, 1, "opt1", "opt1-ckpt", "checkpointing"), (h, 1, "best", "best-ckpt", "checkpointing"),
-                     (h, 1, "opt1", "bf16", "precision"), (h, 1, "baseline", "bf16", "precision"),
-                     (b, 1, "best", "best-ckpt", "checkpointing"), (b, 2, "best", "best-ckpt", "checkpointing")}
+    # best-ckpt keeps the chunked GroupNorm (configs.py): today's best and best-ckpt differ in two switches
+    assert CONFIGS["best-ckpt"].group_norm != CONFIGS["best"].group_norm
+    assert pairs == {(h, 1, "opt1", "opt1-ckpt", "checkpointing"), (h, 1, "opt1", "bf16", "precision"),
+                     (h, 1, "baseline", "bf16", "precision")}
+    # runs of the two made with the same GroupNorm (as the BraTS ones of session 3) pair, at each batch
+    same = run.copy()
+    same.loc[same["config"] == "best-ckpt", "group_norm"] = CONFIGS["best"].group_norm
+    also = bd.switch_costs(same)
+    also = also[also["gpu_slug"] == GPU]
+    assert set(zip(also["model"], also["batch"], also["config_off"], also["config_on"], also["switch"])) == pairs | {
+        (h, 1, "best", "best-ckpt", "checkpointing"), (b, 1, "best", "best-ckpt", "checkpointing"),
+        (b, 2, "best", "best-ckpt", "checkpointing")}
     row = gpu[(gpu["config_on"] == "opt1-ckpt")].iloc[0]
     assert row["time_ratio"] == pytest.approx(280 / 218) and row["saved_gib"] == pytest.approx(14.0)
     assert row["saved_frac"] == pytest.approx(14 / 18.5) and row["change"] == "checkpointing: False -> True"
