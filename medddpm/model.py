@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 ATTENTION_KINDS = ("math", "sdpa")
 
@@ -609,8 +609,21 @@ class UNet3D(nn.Module):
         random numbers (dropout is 0), so the RNG state need not be saved and restored: skipping it
         keeps the step capturable in a CUDA graph and saves a device-state copy per block."""
         if self.checkpointing and torch.is_grad_enabled():
-            return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+            extra = {"context_fn": _RECOMPUTE_ALL} if torch.compiler.is_compiling() else {}
+            return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False, **extra)
         return fn(*args)
+
+
+def _recompute(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# Under torch.compile, plain checkpointing tags the traced graph's nodes for recomputation before custom
+# autograd.Functions are inlined, so the ops of `_GroupNormSiLU`'s forward go untagged and AOTAutograd saves
+# their inputs and outputs: best-ckpt+group_norm=fused saved 3.7 GiB instead of 1.5 on the H200 (torch 2.11).
+# A selective-checkpoint policy that recomputes every op tags them as they run (the path pytorch/pytorch#177396
+# moves plain checkpointing onto). Only when compiling: in eager mode the policy's dispatch mode costs time per op.
+_RECOMPUTE_ALL = functools.partial(create_selective_checkpoint_contexts, _recompute)
 
 
 class _DownOnly(nn.Module):
