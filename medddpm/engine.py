@@ -54,12 +54,7 @@ class EMA:
 # operations (ir.StorageBox.should_realize_on_reuse). A GroupNorm-SiLU chain in backward (x, its group
 # statistics, weight and bias) is both, so each GroupNorm's backward wrote a float32 copy of the voxels and read
 # it back: 1 GiB at 128 channels of 128^3. Raised, each kernel recomputes the chain from the bf16 input.
-# The same store happens to any pointwise result that reads more than `realize_acc_reads_threshold` (8)
-# buffers (GraphLowering.run_node): the fused GroupNorm's input gradient (dy, x, statistics, weight, bias and
-# two reduced sums) was stored in float32 before its cast to bf16, and held to the end of the backward, where
-# the skip connection's half of it is consumed (data/nvidia-h200/NOTES.md, session 14).
-RECOMPUTE_POINTWISE = {"realize_reads_threshold": 100, "realize_opcount_threshold": 1000,
-                       "realize_acc_reads_threshold": 100}
+RECOMPUTE_POINTWISE = {"realize_reads_threshold": 100, "realize_opcount_threshold": 1000}
 
 
 def inductor_options(run: Resolved, *, recompute_pointwise: bool) -> dict:
