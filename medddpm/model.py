@@ -198,7 +198,9 @@ class _GroupNormSiLU(torch.autograd.Function):
         a = xf * _bcast(scale, x) + _bcast(shift, x)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         ctx.groups, ctx.silu = groups, silu
-        return (F.silu(a) if silu else a).to(x.dtype)
+        # A new tensor even where x is float32 (a bf16 x makes it a cast anyway): torch 2.11's Dynamo gave every
+        # input a zero gradient when the output was the intermediate itself (pytorch/pytorch#180642, fixed in 2.12)
+        return (F.silu(a) if silu else a).to(x.dtype, copy=True)
 
     @staticmethod
     def backward(ctx, dy):
@@ -620,9 +622,10 @@ def _recompute(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 # Under torch.compile, plain checkpointing tags the traced graph's nodes for recomputation before custom
 # autograd.Functions are inlined, so the ops of `_GroupNormSiLU`'s forward go untagged and AOTAutograd saves
-# their inputs and outputs: best-ckpt+group_norm=fused saved 3.7 GiB instead of 1.5 on the H200 (torch 2.11).
-# A selective-checkpoint policy that recomputes every op tags them as they run (the path pytorch/pytorch#177396
-# moves plain checkpointing onto). Only when compiling: in eager mode the policy's dispatch mode costs time per op.
+# their inputs and outputs (pytorch/pytorch#177396, fixed by moving plain checkpointing onto this path). Traced
+# at 128^3 with torch 2.11, the GPU machine's: best-ckpt+group_norm=fused saved 155 tensors, 3.84 GiB, and 38,
+# 1.23 GiB, with this policy; configurations without such a Function save the same set either way
+# (data/nvidia-h200/NOTES.md, session 14). Only when compiling: in eager mode its dispatch mode costs time per op.
 _RECOMPUTE_ALL = functools.partial(create_selective_checkpoint_contexts, _recompute)
 
 

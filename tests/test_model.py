@@ -188,6 +188,42 @@ def test_checkpointing_gives_the_same_gradients(kw):
         torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-12, atol=1e-14, msg=name)
 
 
+def test_compiled_checkpointing_recomputes_every_op_through_the_policy(monkeypatch):
+    """Under torch.compile each checkpointed block runs under `model._RECOMPUTE_ALL`, a policy that marks every
+    op for recomputation, the fused GroupNorm's autograd.Function included (torch 2.11 saved its tensors
+    without it, pytorch/pytorch#177396); eager checkpointing does not pay for the policy. Same gradients as
+    the plain model either way (AOTAutograd's partition, no Inductor code generation)."""
+    import functools
+
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    from medddpm import model as model_module
+
+    asked = []
+
+    def policy(ctx, op, *args, **kwargs):
+        asked.append(str(op))
+        return model_module._recompute(ctx, op, *args, **kwargs)
+
+    monkeypatch.setattr(model_module, "_RECOMPUTE_ALL", functools.partial(create_selective_checkpoint_contexts, policy))
+    spec = ModelSpec(size=8, mask_channels=3, base_channels=32, channel_mult=(1, 2), attention_ds=(2,))
+    plain, ckpt = _pair(spec, group_norm="fused")
+    x, t = torch.randn(1, 4, 8, 8, 8, dtype=torch.float64), torch.tensor([7])
+    plain(x, t).square().sum().backward()
+    ckpt(x, t).square().sum().backward()
+    assert not asked, "eager checkpointing ran the selective-checkpoint policy"
+    for p in ckpt.parameters():
+        p.grad = None
+    torch._dynamo.reset()
+    try:
+        torch.compile(ckpt, backend="aot_eager", fullgraph=True)(x, t).square().sum().backward()
+    finally:
+        torch._dynamo.reset()
+    assert asked, "compiled checkpointing did not run the selective-checkpoint policy"
+    for (name, pa), pb in zip(plain.named_parameters(), ckpt.parameters()):
+        torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
 def _saved_bytes(model, x, t) -> int:
     """Bytes of the tensors autograd keeps for backward (each tensor once)."""
     seen: dict[int, int] = {}
@@ -275,6 +311,27 @@ def test_fused_group_norm_backward_is_the_gradient(shape, layout, silu, affine):
     want = F.group_norm(x, 32, w, b, 1e-5)
     torch.testing.assert_close(fused(x, w, b), F.silu(want) if silu else want, rtol=1e-12, atol=1e-12)
     assert fused(x, w, b).is_contiguous(memory_format=layout), "the output keeps the input's layout"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_group_norm_traced_by_dynamo_has_the_same_gradients(dtype):
+    """Dynamo's trace of the fused kind's autograd.Function gives eager's gradients, also where its output
+    needs no cast: torch 2.11 (the GPU image's) gave every input a zero gradient when the Function returned
+    one of its own intermediates (pytorch/pytorch#180642), as `.to(x.dtype)` of a float32 x did."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1, 64, 4, 4, 4, generator=g).to(dtype).requires_grad_()
+    w, b = (torch.randn(64, generator=g, requires_grad=True) for _ in range(2))
+    up = torch.randn(x.shape, generator=g)
+    loss = lambda x, w, b: (_GroupNormSiLU.apply(x * 2, w, b, 32, 1e-5, True).float() * up).sum()  # noqa: E731
+    want = torch.autograd.grad(loss(x, w, b), (x, w, b))
+    torch._dynamo.reset()
+    try:
+        got = torch.autograd.grad(torch.compile(loss, backend="eager", fullgraph=True)(x, w, b), (x, w, b))
+    finally:
+        torch._dynamo.reset()
+    for name, a, e in zip("xwb", got, want):
+        assert a.abs().max() > 0, f"d{name} is zero"
+        torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6, msg=f"d{name}")
 
 
 def test_fused_group_norm_in_bf16_is_float32_rounded_once():
