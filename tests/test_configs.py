@@ -20,9 +20,10 @@ def test_paper_configurations_have_the_papers_switches():
 
 
 def test_checkpointed_configurations_are_their_twins_plus_checkpointing():
-    for name, twin in (("opt1-ckpt", "opt1"), ("best-ckpt", "best")):
+    # best-ckpt keeps the chunked GroupNorm: the fused one raised its peak (data/nvidia-h200/NOTES.md, session 13)
+    for name, twin, also in (("opt1-ckpt", "opt1", {}), ("best-ckpt", "best", {"group_norm": "chunked"})):
         assert CONFIGS[name].checkpointing and not CONFIGS[twin].checkpointing
-        assert CONFIGS[name].flags == CONFIGS[twin].flags | {"checkpointing": True}
+        assert CONFIGS[name].flags == CONFIGS[twin].flags | {"checkpointing": True} | also
     assert get_config("bf16+checkpointing=true").checkpointing
     assert not any(c.checkpointing for n, c in CONFIGS.items() if not n.endswith("-ckpt"))
 
