@@ -300,8 +300,8 @@ def cmd_sweep(args) -> None:
     from .sweep import sweep
 
     configs = parse_config_list(args.configs)  # every name checked before any work
-    params = {k: getattr(args, k) for k in ("steps", "warmup", "size", "batch", "data", "ncu_timeout", "time_limit")
-              if getattr(args, k) is not None}
+    params = {k: getattr(args, k) for k in ("steps", "warmup", "sample_steps", "size", "batch", "data", "ncu_timeout",
+                                            "time_limit") if getattr(args, k) is not None}
     if "size" in params:  # as text: a papermill parameter and a command-line argument alike
         params["size"] = format_size(params["size"])
     params["profilers"] = args.profilers
@@ -441,6 +441,9 @@ def main(argv: list[str] | None = None) -> int:
                                                      "data/<gpu>/<config>@<preset>-b<batch>/)")
     p.add_argument("--steps", type=_positive, help="timed micro-steps (default: the preset's)")
     p.add_argument("--warmup", type=_positive)
+    p.add_argument("--sample-steps", type=_positive, metavar="N",
+                   help="denoising steps of the timed sample (default: the preset's; the book takes a full sample as "
+                        "250 times their median)")
     p.add_argument("--data", help="'mni', 'mni-brats', or a folder with mask/ and image/ (or seg/, t1/, t1ce/, t2/, "
                                   "flair/); default: the preset's embedded data")
     p.add_argument("--profilers", default="torch,ncu", help="comma-separated: torch, ncu ('' for none)")

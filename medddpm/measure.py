@@ -119,7 +119,8 @@ class Measurement:
     def __init__(self, config: str | Config, preset: str = "smoke", *, device: str | None = None,
                  gpu_label: str | None = None, size: int | str | tuple | None = None, data: str | None = None,
                  pairs: int = 16, batch: int = 1,
-                 steps: int | None = None, warmup: int | None = None, out: str = "data",
+                 steps: int | None = None, warmup: int | None = None, sample_steps: int | None = None,
+                 out: str = "data",
                  stage: str | None = None, seed: int = 0, profilers: tuple[str, ...] = ("torch", "ncu"),
                  ncu_timeout: int = 420, time_limit: int | None = None):
         # Every parameter is checked here, before any GPU work.
@@ -136,6 +137,8 @@ class Measurement:
             self.preset = dataclasses.replace(self.preset, size=size)
         if warmup is not None:
             _check("warmup", warmup, int, minimum=0)
+        if sample_steps is not None:  # the first denoising step is untimed: two at least
+            _check("sample_steps", sample_steps, int, minimum=2)
         _check("ncu_timeout", ncu_timeout, int, minimum=1)
         if time_limit is not None:
             _check("time_limit", time_limit, int, minimum=1)
@@ -146,6 +149,7 @@ class Measurement:
         self.device = pick_device(device)
         self.steps = steps or self.preset.steps
         self.warmup = self.preset.warmup if warmup is None else warmup
+        self.sample_steps = sample_steps or self.preset.sample_timesteps
         self.batch, self.seed, self.profilers = batch, seed, tuple(profilers)
         data = data or self.preset.data
         self.data = open_dataset(data, size=self.preset.size, n=pairs, seed=seed)
@@ -277,12 +281,13 @@ class Measurement:
             return self._write("steps", rows)
 
     def sample(self) -> pd.DataFrame | None:
-        """One full ancestral sample (T denoising steps), each step between device events."""
+        """One ancestral sample (the preset's T denoising steps, or `sample_steps`; a full one is the
+        schedule's 250 times the median step), each step between device events."""
         with self.phase("sample") as go:
             if not go:
                 return None
             engine = Engine(self.spec, self.config, device=self.device, seed=self.seed, ema=False,
-                            timesteps=self.preset.sample_timesteps)
+                            timesteps=self.sample_steps)
             engine.model.eval()
             _, cond = self._batch()
             cond = engine.prepare(cond)

@@ -71,6 +71,11 @@ def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.P
     batch = (params or {}).get("batch", 1)
     if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
         raise ValueError(f"parameter batch must be a positive int, got {batch!r}")
+    sample_steps = (params or {}).get("sample_steps")
+    if sample_steps is not None and (not isinstance(sample_steps, int) or isinstance(sample_steps, bool)
+                                     or sample_steps < 2):
+        raise ValueError(f"parameter sample_steps must be an int of at least 2 (the first step is untimed), "
+                         f"got {sample_steps!r}")
     data = open_dataset((params or {}).get("data") or spec_preset.data, size=size)
     # the preset's model, at this size, must take this data (a BraTS model needs four modalities and labels)
     dataclasses.replace(spec_preset, size=size).spec(mask_channels=data.mask_channels,

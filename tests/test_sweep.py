@@ -45,7 +45,7 @@ def test_smoke_sweep_writes_every_table_for_the_paper_configurations(tmp_path):
 
 def test_a_killed_sweep_resumes_without_duplicated_or_lost_rows(tmp_path):
     args = ("--preset", "smoke", "--configs", "baseline,opt2", "--out", str(tmp_path / "data"), "--device", "cpu",
-            "--profilers", "", "--steps", "2")
+            "--profilers", "", "--steps", "2", "--sample-steps", "3")
     first = tmp_path / "data" / "cpu" / "baseline" / "run.parquet"
     p = sweep(*args, cache=tmp_path / "cache")
     deadline = time.time() + 600
@@ -65,6 +65,7 @@ def test_a_killed_sweep_resumes_without_duplicated_or_lost_rows(tmp_path):
         steps = read_table(tmp_path / "data" / "cpu" / name / "steps.parquet")
         train = steps.query("phase == 'train'")
         assert list(train["step"]) == [0, 1, 2] and train["step"].is_unique
+        assert list(steps.query("phase == 'sample'")["timed"]) == [False, True, True], "--sample-steps reached it"
     assert not list((tmp_path / "data" / "cpu").glob(".*")), "no staging folders left behind"
 
 
@@ -79,6 +80,7 @@ def test_a_killed_sweep_resumes_without_duplicated_or_lost_rows(tmp_path):
     (["--preset", "brats", "--data", "mni"], "preset brats is a model of 4 label channels; the data has 3"),
     (["--configs", "best-ckpt+checkpointing=maybe"], "checkpointing must be a bool"),
     (["--time-limit", "0"], "expected a positive integer, got 0"),
+    (["--sample-steps", "1"], "sample_steps must be an int of at least 2"),
 ])
 def test_bad_sweep_parameters_fail_before_any_work(args, message, tmp_path):
     p = sweep(*args, "--out", str(tmp_path / "data"), cache=tmp_path / "cache")
@@ -99,7 +101,7 @@ def test_a_failing_configuration_is_recorded_and_the_sweep_goes_on(tmp_path):
     # A real compile error: Inductor finds no C++ compiler for the CPU kernels of `compile`.
     env = os.environ | {"CXX": "/nonexistent/g++", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     p = sweep("--preset", "smoke", "--configs", "compile,baseline", "--out", str(tmp_path / "data"), "--device",
-              "cpu", "--profilers", "", "--steps", "1", cache=tmp_path / "cache", env=env)
+              "cpu", "--profilers", "", "--steps", "1", "--sample-steps", "2", cache=tmp_path / "cache", env=env)
     out, _ = p.communicate(timeout=600)
     assert p.returncode == 0, out[-3000:]
     failed = read_table(tmp_path / "data" / "cpu" / "compile" / "run.parquet")
