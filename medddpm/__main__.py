@@ -166,19 +166,25 @@ def cmd_info(args) -> None:
 
 
 def cmd_saved(args) -> None:
-    from .partition import activation_bytes, saved_tensors, summary
+    from .partition import activation_bytes, partition_row, record, saved_tensors, summary
 
     spec = _spec(args)
     configs = parse_config_list(args.configs)
     eager = [c.name for c in configs if not c.compile]
     if eager:  # every name checked before the first trace
         raise ConfigError(f"not compiled, so no partition to read: {', '.join(eager)}")
+    if args.write and (args.preset is None or args.size or args.base_channels or args.mask_channels):
+        raise ValueError("--write records a preset's model: give --preset alone, without --size, --base-channels "
+                         "or --mask-channels")
     for config in configs:
         saved = saved_tensors(spec, config)
         print(f"{config.name}: {(~saved['input']).sum()} activations saved for the backward, "
               f"{activation_bytes(saved) / 2**30:.3f} GiB")
         for row in summary(saved, min_bytes=int(args.min_mib * 2**20)).itertuples():
             print(f"  {row.count:3d} x {'x'.join(map(str, row.shape)):<22} {row.dtype:<9} {row.gib:7.3f} GiB")
+        if args.write:
+            record(args.write, partition_row(spec, args.preset, config))
+            print(f"  recorded in {args.write}")
 
 
 def cmd_configs(args) -> None:
@@ -426,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     _add_model_args(p)
     p.add_argument("--configs", required=True, help="compiled configurations, e.g. best,best+split_skip=true")
     p.add_argument("--min-mib", type=float, default=64.0, help="list tensors of at least this size (MiB)")
+    p.add_argument("--write", nargs="?", const=str(Path("data") / "partition.parquet"), metavar="FILE",
+                   help="also record each in the partition table the memory page reads (default "
+                        "data/partition.parquet), replacing its row for this torch version; needs --preset")
     p.set_defaults(func=cmd_saved)
 
     p = sub.add_parser("sweep", help="run the producer notebook for each configuration into data/<gpu>/<config>/")

@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 
 from . import schema
-from .configs import CONFIGS, PAPER  # noqa: F401 - PAPER for the pages
+from .configs import CONFIGS, PAPER, get_config  # noqa: F401 - PAPER for the pages
 from .diffusion import TIMESTEPS
 from .scaling import SCALING_DIR
 
@@ -1195,26 +1195,30 @@ def counted_models(presets=("paper", "brats")) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-COMPILED_SAVED = ("best", "best-ckpt", "best+split_skip=true", "best-ckpt+split_skip=true",
-                  "best-ckpt+split_skip=true+aot_cse=false")
+COMPILED_SAVED = ("best", "best-ckpt", "best-ckpt+group_norm=fused", "best+split_skip=true",
+                  "best-ckpt+split_skip=true", "best-ckpt+split_skip=true+aot_cse=false")
 
 
-def compiled_saved(preset: str = "paper", configs=COMPILED_SAVED) -> pd.DataFrame:
+def compiled_saved(preset: str = "paper", configs=COMPILED_SAVED, root: str | os.PathLike | None = None) -> pd.DataFrame:
     """What each compiled configuration's training step keeps for its backward, from AOTAutograd's
-    partition traced at full size on the CPU (`partition.saved_tensors`; counted, not measured): the
-    activations in GiB, how much of it is float32, and the largest shapes."""
-    from .measure import get_preset
-    from .partition import activation_bytes, saved_tensors, summary
+    partition traced at full size on the CPU and stored in ``data/partition.parquet`` (`partition.record`;
+    counted, not measured), one row per configuration and tracing torch version: the activations in GiB,
+    how much of it is float32, the largest shapes, and `current` (traced under today's definition)."""
+    from .partition import TABLE_FILE
 
-    spec = get_preset(preset).spec()
-    rows = []
-    for config in configs:
-        saved = saved_tensors(spec, config)
-        act = saved[~saved["input"]]
-        top = summary(saved).head(3)
-        largest = [f"{r.count} x {'x'.join(map(str, r.shape[1:]))} {r.dtype}" for r in top.itertuples()]
-        rows.append({"preset": preset, "config": config, "tensors": len(act),
-                     "activations_gib": activation_bytes(saved) / _GIB,
-                     "float32_gib": act.loc[act["dtype"] == "float32", "bytes"].sum() / _GIB,
-                     "largest": "; ".join(largest)})
-    return pd.DataFrame(rows)
+    path = (Path(root) if root is not None else data_root()) / TABLE_FILE
+    if not path.is_file():
+        raise DataError(f"missing data file {path}: record it with `python -m medddpm saved --preset {preset} "
+                        f"--configs {','.join(configs)} --write`")
+    table = _read(path, "partition")
+    table = table[(table["preset"] == preset) & table["config"].isin(configs)].copy()
+    missing = [c for c in configs if c not in set(table["config"])]
+    if missing:
+        raise DataError(f"{path}: no {preset} trace of {', '.join(missing)} (`python -m medddpm saved --preset "
+                        f"{preset} --configs {','.join(missing)} --write`)")
+    table["current"] = [json.loads(s) == get_config(c).flags for s, c in zip(table["switches"], table["config"])]
+    table["activations_gib"] = table["activation_bytes"] / _GIB
+    table["float32_gib"] = table["float32_bytes"] / _GIB
+    order = {c: i for i, c in enumerate(configs)}
+    return table.sort_values(["torch", "config"], key=lambda s: s.map(order) if s.name == "config" else s,
+                             ignore_index=True)

@@ -10,16 +10,23 @@ H200 (best-ckpt and best-ckpt+split_skip+aot_cse=false, data/nvidia-h200/NOTES.m
 
 from __future__ import annotations
 
+import datetime as dt
 import functools
+import json
+import os
 
 import pandas as pd
 import torch
 
+from . import schema
 from .configs import Config, get_config
 from .engine import Engine, PartitionedInductor, inductor_options, partition_patches
+from .env import git_commit
 from .model import ModelSpec
 
 _GIB = 2**30
+TABLE_FILE = "partition.parquet"  # in the data root, beside the device folders
+KEY = ["preset", "config", "torch"]  # one row per model, configuration and tracing torch
 
 
 class _Partitioned(Exception):
@@ -97,3 +104,30 @@ def summary(saved: pd.DataFrame, *, min_bytes: int = 0) -> pd.DataFrame:
     out = (big.groupby(["shape", "dtype"], sort=False)["bytes"].agg(count="size", total="sum").reset_index()
            .sort_values("total", ascending=False, kind="stable"))
     return out.assign(gib=out["total"] / _GIB).drop(columns="total").reset_index(drop=True)
+
+
+def partition_row(spec: ModelSpec, preset: str, config: Config | str) -> dict:
+    """One row of the `partition` table: what `config`'s compiled step saves at `spec`, traced now."""
+    config = get_config(config)
+    saved = saved_tensors(spec, config)
+    act = saved[~saved["input"]]
+    largest = [f"{r.count} x {'x'.join(map(str, r.shape[1:]))} {r.dtype}" for r in summary(saved).head(3).itertuples()]
+    return {"preset": preset, "shape": "x".join(map(str, spec.shape)), "config": config.name,
+            "switches": json.dumps(config.flags, sort_keys=True), "torch": torch.__version__,
+            "git_commit": git_commit(), "traced_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "tensors": len(act), "inputs": int(saved["input"].sum()), "activation_bytes": activation_bytes(saved),
+            "float32_bytes": int(act.loc[act["dtype"] == "float32", "bytes"].sum()), "largest": "; ".join(largest)}
+
+
+def record(path: str | os.PathLike, row: dict) -> pd.DataFrame:
+    """Put `row` into the partition table at `path` (atomically), replacing the row of the same preset,
+    configuration and torch version: each trace is kept as soon as it is done, and a re-run replaces it."""
+    new = pd.DataFrame([row])
+    try:
+        old = schema.read_table(path, "partition")
+    except FileNotFoundError:
+        old = schema.empty("partition")
+    keep = old.merge(new[KEY], on=KEY, how="left", indicator=True)["_merge"].eq("left_only").to_numpy()
+    table = pd.concat([old[keep], new], ignore_index=True).sort_values(KEY, kind="stable", ignore_index=True)
+    schema.write_table(table, path, "partition")
+    return table

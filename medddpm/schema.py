@@ -3,7 +3,8 @@
 Layout: ``data/<gpu-slug>/<run>/{run,steps,kernels,ncu,quality}.parquet`` plus the executed
 producer notebook, where ``<run>`` is the configuration's name for the main presets (smoke, paper)
 at batch 1, and ``<config>@<preset>[-b<batch>]`` otherwise (`run_folder`). ``run.parquet`` is
-written last: its presence marks a finished run.
+written last: its presence marks a finished run. ``data/partition.parquet`` holds what compiled
+steps save for their backward, traced on a CPU (`partition.record`): counted, not measured.
 """
 
 from __future__ import annotations
@@ -177,6 +178,20 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "torch": (S, "torch.__version__"),
         "git_commit": (S, "commit of this repository"),
         "start_time": (S, "UTC start of this world size's run"),
+    },
+    "partition": {
+        "preset": (S, "the model: smoke | paper | brats"),
+        "shape": (S, "input D x H x W in voxels"),
+        "config": (S, "configuration name (compiled)"),
+        "switches": (S, "JSON: the configuration's switches when traced"),
+        "torch": (S, "torch.__version__ that traced it (its Dynamo, AOTAutograd and CPU graph)"),
+        "git_commit": (S, "commit of this repository"),
+        "traced_utc": (S, "when it was traced (UTC)"),
+        "tensors": (I, "activations the forward graph saves for the backward (step inputs not counted)"),
+        "inputs": (I, "step inputs (parameters, data) the backward reads, held anyway"),
+        "activation_bytes": (I, "bytes of those activations, batch 1"),
+        "float32_bytes": (I, "of which float32"),
+        "largest": (S, "the three largest shape and dtype groups: 'count x CxDxHxW dtype'"),
     },
 }
 

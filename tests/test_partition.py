@@ -5,15 +5,21 @@ session 10)."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
+import torch
 
 from medddpm import bookdata as bd
 from medddpm.__main__ import main
 from medddpm.configs import CONFIGS
 from medddpm.measure import get_preset
 from medddpm.partition import activation_bytes, saved_tensors, summary
+from medddpm.schema import read_table
+
+REPO = Path(__file__).resolve().parents[1]
 
 SPEC = get_preset("smoke").spec()  # 16^3, 32 base channels
 SKIP = (1, SPEC.base_channels, *SPEC.shape)  # the stem's output: the top level's skip connection
@@ -88,11 +94,36 @@ def test_cli_prints_the_saved_activations(capsys):
     assert "1x32x16x16x16" in out and "bfloat16" in out
 
 
-def test_the_memory_page_s_table():
-    kept = bd.compiled_saved("smoke")
-    assert kept["config"].tolist() == list(bd.COMPILED_SAVED)
-    k = kept.set_index("config")
-    assert k.loc["best-ckpt", "activations_gib"] < k.loc["best", "activations_gib"]
-    assert k.loc["best+split_skip=true", "float32_gib"] > k.loc["best", "float32_gib"]
-    assert k.loc["best-ckpt+split_skip=true+aot_cse=false", "float32_gib"] < k.loc["best-ckpt+split_skip=true", "float32_gib"]
-    assert (k["tensors"] > 0).all() and k["largest"].str.contains("bfloat16").all()
+def test_write_records_one_row_per_configuration_and_torch_version(tmp_path, capsys):
+    path = tmp_path / "partition.parquet"
+    for configs in ("best-ckpt", "best,best-ckpt"):  # the second run replaces best-ckpt's row
+        assert main(["saved", "--preset", "smoke", "--configs", configs, "--write", str(path)]) == 0
+    assert f"recorded in {path}" in capsys.readouterr().out
+    table = read_table(path, "partition")
+    assert sorted(table["config"]) == ["best", "best-ckpt"] and set(table["torch"]) == {torch.__version__}
+    row = table.set_index("config").loc["best-ckpt"]
+    saved = saved_tensors(SPEC, "best-ckpt")
+    assert (row["preset"], row["shape"]) == ("smoke", "16x16x16")
+    assert (row["tensors"], row["activation_bytes"]) == ((~saved["input"]).sum(), activation_bytes(saved))
+    assert json.loads(row["switches"]) == CONFIGS["best-ckpt"].flags and "bfloat16" in row["largest"]
+    assert not list(tmp_path.glob(".*")), "no temporary file left beside the table"
+    # a model that is not a preset's has no name to be recorded under
+    assert main(["saved", "--size", "16", "--configs", "best", "--write", str(path)]) == 2
+    assert "--write records a preset's model" in capsys.readouterr().err
+
+
+def test_the_memory_page_s_table_is_current():
+    """data/partition.parquet (the memory page's table) traces every configuration the page names under
+    today's definitions, and a fresh trace of best-ckpt with this torch gives its stored row."""
+    kept = bd.compiled_saved("paper")
+    assert set(kept["config"]) == set(bd.COMPILED_SAVED) and kept["current"].all(), \
+        kept.loc[~kept["current"], "config"].tolist()
+    mine = kept[kept["torch"] == torch.__version__].set_index("config")
+    assert set(mine.index) == set(bd.COMPILED_SAVED), f"no trace with torch {torch.__version__}"
+    fresh = saved_tensors(get_preset("paper").spec(), "best-ckpt")
+    assert (mine.loc["best-ckpt", "tensors"], mine.loc["best-ckpt", "activation_bytes"]) == (
+        (~fresh["input"]).sum(), activation_bytes(fresh))
+    assert mine.loc["best-ckpt", "activations_gib"] < mine.loc["best", "activations_gib"]
+    assert mine.loc["best+split_skip=true", "float32_gib"] > mine.loc["best", "float32_gib"]
+    with pytest.raises(bd.DataError, match="python -m medddpm saved --preset paper"):
+        bd.compiled_saved("paper", root=REPO / "tests")
