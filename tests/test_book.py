@@ -1,6 +1,5 @@
 """The book: a strict offline build, every page opened in headless Chromium with no network, and a
-second GPU's data folder showing up in the comparison charts with no page edited (one build of the
-committed data with a copy of its first GPU folder added serves both).
+second GPU's data folder showing up in the comparison charts with no page edited.
 
 Needs Debian `chromium` (/usr/bin/chromium; scripts/test.sh installs it) and the `playwright` Python
 package (never `playwright install`). Skipped only when both are missing.
@@ -88,17 +87,8 @@ def build_book(out: Path, data: Path | None = None) -> Path:
 
 
 @pytest.fixture(scope="session")
-def book_data(tmp_path_factory) -> tuple[Path, str]:
-    """The committed data tree with a second GPU added (a renamed copy of the first GPU folder), and that
-    folder's name: one build serves the browser test and the second-GPU test."""
-    data = tmp_path_factory.mktemp("data") / "data"
-    shutil.copytree(REPO / "data", data, ignore=shutil.ignore_patterns(".*"))
-    return data, _add_fake_gpu(data)
-
-
-@pytest.fixture(scope="session")
-def built_book(tmp_path_factory, book_data) -> Path:
-    return build_book(tmp_path_factory.mktemp("book"), data=book_data[0])
+def built_book(tmp_path_factory) -> Path:
+    return build_book(tmp_path_factory.mktemp("book"))
 
 
 class _Quiet(http.server.SimpleHTTPRequestHandler):
@@ -317,8 +307,11 @@ def _chart_specs(html: str) -> list[dict]:
     return specs
 
 
-def test_second_gpu_appears_without_edits(built_book, book_data):
-    html, (_, src) = built_book, book_data
+def test_second_gpu_appears_without_edits(tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(REPO / "data", data, ignore=shutil.ignore_patterns(".*"))
+    src = _add_fake_gpu(data)
+    html = build_book(tmp_path / "book", data=data)
     with_src, with_both = [], []
     for name in toc_pages():
         text = "\n".join(json.dumps(spec) for spec in _chart_specs((html / f"{name}.html").read_text(encoding="utf-8")))
