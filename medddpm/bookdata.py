@@ -1219,6 +1219,6 @@ def compiled_saved(preset: str = "paper", configs=COMPILED_SAVED, root: str | os
     table["current"] = [json.loads(s) == get_config(c).flags for s, c in zip(table["switches"], table["config"])]
     table["activations_gib"] = table["activation_bytes"] / _GIB
     table["float32_gib"] = table["float32_bytes"] / _GIB
-    order = {c: i for i, c in enumerate(configs)}
-    return table.sort_values(["torch", "config"], key=lambda s: s.map(order) if s.name == "config" else s,
-                             ignore_index=True)
+    order = {c: i for i, c in enumerate(configs)}  # the configurations as asked, each one's torch versions together
+    return (table.assign(_order=table["config"].map(order)).sort_values(["_order", "torch"], ignore_index=True)
+            .drop(columns="_order"))

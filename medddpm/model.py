@@ -623,8 +623,8 @@ def _recompute(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 # Under torch.compile, plain checkpointing tags the traced graph's nodes for recomputation before custom
 # autograd.Functions are inlined, so the ops of `_GroupNormSiLU`'s forward go untagged and AOTAutograd saves
 # their inputs and outputs (pytorch/pytorch#177396, fixed by moving plain checkpointing onto this path). Traced
-# at 128^3 with torch 2.11, the GPU machine's: best-ckpt+group_norm=fused saved 155 tensors, 3.84 GiB, and 38,
-# 1.23 GiB, with this policy; configurations without such a Function save the same set either way
+# at 128^3 with torch 2.11, the GPU machine's, best-ckpt+group_norm=fused saved 155 tensors (3.84 GiB) without
+# this policy and 38 (1.23 GiB) with it; configurations without such a Function save the same set either way
 # (data/nvidia-h200/NOTES.md, session 14). Only when compiling: in eager mode its dispatch mode costs time per op.
 _RECOMPUTE_ALL = functools.partial(create_selective_checkpoint_contexts, _recompute)
 
