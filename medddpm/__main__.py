@@ -92,6 +92,8 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-pointwise", type=_bool, metavar="BOOL",
                    help="compiled graphs: a reused pointwise result is recomputed in each kernel that reads it, "
                         "not stored in float32")
+    g.add_argument("--recompute-reads", type=_bool, metavar="BOOL",
+                   help="compiled graphs: a pointwise result that reads many buffers is not stored on that count")
     g.add_argument("--nd-tiling", type=_bool, metavar="BOOL",
                    help="compiled graphs on a GPU: Triton kernels tiled over several dimensions (simpler indexing)")
     g.add_argument("--coordinate-descent", type=_bool, metavar="BOOL",
@@ -105,7 +107,8 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 _OVERRIDES = ("precision", "channels_last", "compile", "cuda_graphs", "fused_adam", "recompute_attention", "attention",
               "upsample", "checkpointing", "pin_layout", "group_norm", "pad_channels", "cudnn_try_all", "memory_budget",
-              "aot_cse", "recompute_pointwise", "nd_tiling", "coordinate_descent", "combo_kernels", "split_skip", "tap_gemm")
+              "aot_cse", "recompute_pointwise", "recompute_reads", "nd_tiling", "coordinate_descent", "combo_kernels",
+              "split_skip", "tap_gemm")
 
 
 def _config_from(args):

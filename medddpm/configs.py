@@ -63,6 +63,10 @@ class Config:
     # compiled graphs: a reused pointwise result (a GroupNorm-SiLU chain in backward) is recomputed in each
     # kernel that reads it instead of being written out in float32 (Inductor's realize thresholds raised)
     recompute_pointwise: bool = False
+    # compiled graphs: a pointwise result that reads many buffers is not stored on that count alone (Inductor's
+    # realize_acc_reads_threshold raised): the fused GroupNorm's float32 input gradient was stored and held to
+    # the end of the checkpointed backward (data/nvidia-h200/NOTES.md, session 15)
+    recompute_reads: bool = False
     # compiled graphs on a GPU: Triton kernels tiled over as many dimensions as their views allow, which
     # turns index divisions and modulos into sums (Inductor's triton.prefer_nd_tiling, pytorch/pytorch#132937)
     nd_tiling: bool = False
@@ -197,6 +201,7 @@ class Resolved:
     memory_budget: float
     aot_cse: bool
     recompute_pointwise: bool
+    recompute_reads: bool
     nd_tiling: bool
     coordinate_descent: bool
     combo_kernels: bool
@@ -238,13 +243,16 @@ def resolve(config: Config, device: torch.device | str) -> Resolved:
     recompute = config.recompute_pointwise and config.compile
     if config.recompute_pointwise and not recompute:
         na["recompute_pointwise"] = "an Inductor fusion choice: needs compile"
+    reads = config.recompute_reads and config.compile
+    if config.recompute_reads and not reads:
+        na["recompute_reads"] = "an Inductor fusion choice: needs compile"
     triton = {f: getattr(config, f) and config.compile and device.type == "cuda" for f in TRITON_OPTIONS}
     for f, on in triton.items():
         if getattr(config, f) and not on:
             na[f] = f"Inductor's {TRITON_OPTIONS[f]} shapes the Triton kernels of compiled graphs: needs compile and " \
                     "a CUDA device"
     return Resolved(config, device, precision, config.channels_last, config.compile, graphs, config.fused_adam, pin,
-                    try_all, budget, cse, recompute, **triton, not_applicable=na)
+                    try_all, budget, cse, recompute, reads, **triton, not_applicable=na)
 
 
 DEFAULT_BENCHMARK_LIMIT = torch.backends.cudnn.benchmark_limit  # PyTorch's: 10 (None in a build without cuDNN)

@@ -55,14 +55,21 @@ class EMA:
 # statistics, weight and bias) is both, so each GroupNorm's backward wrote a float32 copy of the voxels and read
 # it back: 1 GiB at 128 channels of 128^3. Raised, each kernel recomputes the chain from the bf16 input.
 RECOMPUTE_POINTWISE = {"realize_reads_threshold": 100, "realize_opcount_threshold": 1000}
+# `recompute_reads`. Inductor also stores any pointwise result that reads more than `realize_acc_reads_threshold`
+# (8) buffers (GraphLowering.run_node). The fused GroupNorm's input gradient reads dy, x, the statistics, the
+# affine parameters and two reduced sums: stored in float32 before its cast to bf16, and at the top level the
+# skip connection's share of it is read by the encoder's first block, at the end of the backward.
+RECOMPUTE_READS = {"realize_acc_reads_threshold": 100}
 
 
-def inductor_options(run: Resolved, *, recompute_pointwise: bool) -> dict:
-    """`torch.compile(options=...)` for a configuration as it runs; `recompute_pointwise` is passed apart
-    because the denoising step's graph leaves it out (`Engine.sampler`)."""
+def inductor_options(run: Resolved, *, training: bool = True) -> dict:
+    """`torch.compile(options=...)` for a configuration as it runs; the training graphs' own switches
+    (`recompute_pointwise`, `recompute_reads`) are left out of the denoising step's (`Engine.sampler`)."""
     options = compile_options(pin_layout=run.pin_layout)
-    if recompute_pointwise:
+    if training and run.recompute_pointwise:
         options |= RECOMPUTE_POINTWISE
+    if training and run.recompute_reads:
+        options |= RECOMPUTE_READS
     return options | {option: True for switch, option in TRITON_OPTIONS.items() if getattr(run, switch)}
 
 
@@ -119,7 +126,8 @@ class Engine:
         self.denoiser = self._compile(self.model) if self.run.compile else self.model
         # Sampling saves nothing for a backward, so `recompute_pointwise` only adds work there: its graph
         # keeps Inductor's thresholds (best's denoising step on the H200: 18.8 ms without, 20.6 ms with).
-        self._sampler = self._compile(self.model, recompute_pointwise=False) if self.run.recompute_pointwise else None
+        separate = self.run.compile and (self.run.recompute_pointwise or self.run.recompute_reads)
+        self._sampler = self._compile(self.model, training=False) if separate else None
         self.diffusion = GaussianDiffusion(timesteps=timesteps).to(self.device)
         # capturable keeps Adam's step counter on the device, which graph replay requires.
         self.opt = torch.optim.Adam(self.model.parameters(), lr=lr, fused=True if self.run.fused_adam else None,
@@ -157,11 +165,10 @@ class Engine:
 
     # ------------------------------------------------------------------------------------ helpers
 
-    def _compile(self, module: torch.nn.Module, *, recompute_pointwise: bool | None = None):
+    def _compile(self, module: torch.nn.Module, *, training: bool = True):
         # dynamic=False: a run trains one volume shape; after other shapes in one process, automatic
         # dynamic shapes would trace symbolic sizes, which checkpointed blocks fail to lower (torch 2.13 CPU)
-        recompute = self.run.recompute_pointwise if recompute_pointwise is None else recompute_pointwise
-        options = inductor_options(self.run, recompute_pointwise=recompute)
+        options = inductor_options(self.run, training=training)
         if patches := partition_patches(self.run):
             return torch.compile(module, dynamic=False, backend=PartitionedInductor(patches, options))
         return torch.compile(module, dynamic=False, options=options)
@@ -273,8 +280,8 @@ class Engine:
 
     @property
     def sampler(self):
-        """The denoiser that sampling calls: the training one, or with `recompute_pointwise` the same model
-        compiled a second time without it."""
+        """The denoiser that sampling calls: the training one, or with `recompute_pointwise` or
+        `recompute_reads` the same model compiled a second time without them."""
         return self.denoiser if self._sampler is None else self._sampler
 
     def _denoise(self, x: torch.Tensor, cond: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

@@ -47,7 +47,7 @@ def _saved_tensors(spec: ModelSpec, config: Config) -> pd.DataFrame:
     if not engine.run.compile:
         raise ValueError(f"{config.name}: not compiled, so there is no partition to read; "
                          "eager memory is flops.saved_activation_bytes")
-    options = inductor_options(engine.run, recompute_pointwise=engine.run.recompute_pointwise)
+    options = inductor_options(engine.run)
     out_shape = (1, spec.image_channels, *spec.shape)
     rows: list[dict] = []
 

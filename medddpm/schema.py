@@ -63,6 +63,8 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
                        "(as requested; true = PyTorch's default)"),
         "recompute_pointwise": (B, "compiled training graphs recompute a reused pointwise result in each kernel "
                                    "that reads it, not store it (as requested)"),
+        "recompute_reads": (B, "compiled training graphs store a pointwise result that reads many buffers only "
+                               "where another rule asks (Inductor's realize_acc_reads_threshold raised; as requested)"),
         "nd_tiling": (B, "Triton kernels of compiled graphs tiled over several dimensions, Inductor's "
                          "prefer_nd_tiling (as requested; GPU only)"),
         "coordinate_descent": (B, "Triton kernels of compiled graphs tuned at their first run, Inductor's "
@@ -222,6 +224,7 @@ ADDED: dict[str, dict[str, object]] = {
         "split_skip": False,  # the switch came in session 9
         "aot_cse": True,  # the switch came in session 10; before it, always functorch's default (on)
         "tap_gemm": False,  # the switch came in session 12
+        "recompute_reads": False,  # the switch came in session 15
     },
     "kernels": {"op": ""},  # which operator launched a kernel: recorded since session 3 (not known before)
 }

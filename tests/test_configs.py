@@ -72,12 +72,13 @@ def test_memory_budget_is_a_number_in_a_name_and_needs_compile():
     assert r.memory_budget == 1.0 and "needs compile" in r.not_applicable["memory_budget"]
 
 
-def test_recompute_pointwise_needs_compile():
-    assert resolve(get_config("best+recompute_pointwise=true"), "cpu").recompute_pointwise
-    r = resolve(get_config("opt1+recompute_pointwise=true"), "cpu")
-    assert not r.recompute_pointwise and "needs compile" in r.not_applicable["recompute_pointwise"]
-    with pytest.raises(ConfigError, match="recompute_pointwise must be a bool"):
-        CONFIGS["best"].with_flags(recompute_pointwise="yes")
+@pytest.mark.parametrize("switch", ["recompute_pointwise", "recompute_reads"])
+def test_inductor_fusion_switches_need_compile(switch):
+    assert getattr(resolve(get_config(f"best+{switch}=true"), "cpu"), switch)
+    r = resolve(get_config(f"opt1+{switch}=true"), "cpu")
+    assert not getattr(r, switch) and "needs compile" in r.not_applicable[switch]
+    with pytest.raises(ConfigError, match=f"{switch} must be a bool"):
+        CONFIGS["best"].with_flags(**{switch: "yes"})
 
 
 @pytest.mark.parametrize("flag", ["nd_tiling", "coordinate_descent", "combo_kernels"])

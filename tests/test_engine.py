@@ -363,15 +363,18 @@ def test_inductor_options_carry_each_switch_and_inductor_accepts_them():
     import dataclasses
 
     from medddpm.configs import get_config, resolve
-    from medddpm.engine import RECOMPUTE_POINTWISE, inductor_options
+    from medddpm.engine import RECOMPUTE_POINTWISE, RECOMPUTE_READS, inductor_options
 
-    run = resolve(get_config("best+nd_tiling=true+coordinate_descent=true+combo_kernels=true"), "cuda")  # nothing runs
-    options = inductor_options(run, recompute_pointwise=True)
+    run = resolve(get_config("best+nd_tiling=true+coordinate_descent=true+combo_kernels=true+recompute_reads=true"),
+                  "cuda")  # nothing runs
+    options = inductor_options(run)
     assert options["triton.prefer_nd_tiling"] and options["coordinate_descent_tuning"] and options["combo_kernels"]
-    assert RECOMPUTE_POINTWISE.items() <= options.items()
+    assert RECOMPUTE_POINTWISE.items() <= options.items() and RECOMPUTE_READS.items() <= options.items()
     assert options["layout_optimization"] is False  # pin_layout's
+    sampling = inductor_options(run, training=False)  # the denoising step's graph keeps Inductor's thresholds
+    assert not (RECOMPUTE_POINTWISE.keys() | RECOMPUTE_READS.keys()) & sampling.keys()
     plain = inductor_options(dataclasses.replace(run, nd_tiling=False, coordinate_descent=False, combo_kernels=False,
-                                                 pin_layout=False), recompute_pointwise=False)
+                                                 pin_layout=False, recompute_pointwise=False, recompute_reads=False))
     assert plain == {}
     torch._dynamo.reset()
     x = torch.randn(4, 8)
