@@ -133,8 +133,8 @@ CONFIGS: dict[str, Config] = {c.name: c for c in [
     # Memory: the same step with activation checkpointing, so its cost is measured against its twin.
     Config("opt1-ckpt", precision="tf32", checkpointing=True,
            description="opt1 with activation checkpointing per U-Net block (less memory, one more forward)"),
-    # Its GroupNorm stays "chunked": the fused one raised the checkpointed peak from 4.64 to 5.74 GiB (session 13),
-    # before checkpointing recomputed custom autograd.Functions under torch.compile (model._RECOMPUTE_ALL)
+    # Its GroupNorm stays "chunked": the fused one raised the checkpointed peak from 4.64 to 5.74 GiB (H200,
+    # data/nvidia-h200/NOTES.md, session 13; 6.14 GiB with a recompute-everything checkpoint policy, session 15)
     Config("best-ckpt", **dict(_best, group_norm="chunked"), checkpointing=True,
            description="best with activation checkpointing per U-Net block (less memory, one more forward)"),
 ]}

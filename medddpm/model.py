@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
 ATTENTION_KINDS = ("math", "sdpa")
 
@@ -611,22 +611,12 @@ class UNet3D(nn.Module):
         random numbers (dropout is 0), so the RNG state need not be saved and restored: skipping it
         keeps the step capturable in a CUDA graph and saves a device-state copy per block."""
         if self.checkpointing and torch.is_grad_enabled():
-            extra = {"context_fn": _RECOMPUTE_ALL} if torch.compiler.is_compiling() else {}
-            return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False, **extra)
+            # Plain checkpointing, also under torch.compile. A recompute-everything selective policy (which makes torch
+            # 2.11 recompute the fused GroupNorm's autograd.Function too, pytorch/pytorch#177396) measured slower
+            # and higher on the H200: best-ckpt+group_norm=fused 68.2 ms, 6.14 GiB with it, 60.8 ms, 5.74 GiB
+            # without (data/nvidia-h200/NOTES.md, sessions 13 and 15)
+            return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
         return fn(*args)
-
-
-def _recompute(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-# Under torch.compile, plain checkpointing tags the traced graph's nodes for recomputation before custom
-# autograd.Functions are inlined, so the ops of `_GroupNormSiLU`'s forward go untagged and AOTAutograd saves
-# their inputs and outputs (pytorch/pytorch#177396, fixed by moving plain checkpointing onto this path). Traced
-# at 128^3 with torch 2.11, the GPU machine's, best-ckpt+group_norm=fused saved 155 tensors (3.84 GiB) without
-# this policy and 38 (1.23 GiB) with it; configurations without such a Function save the same set either way
-# (data/nvidia-h200/NOTES.md, session 14). Only when compiling: in eager mode its dispatch mode costs time per op.
-_RECOMPUTE_ALL = functools.partial(create_selective_checkpoint_contexts, _recompute)
 
 
 class _DownOnly(nn.Module):

@@ -188,39 +188,20 @@ def test_checkpointing_gives_the_same_gradients(kw):
         torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-12, atol=1e-14, msg=name)
 
 
-def test_compiled_checkpointing_recomputes_every_op_through_the_policy(monkeypatch):
-    """Under torch.compile each checkpointed block runs under `model._RECOMPUTE_ALL`, a policy that marks every
-    op for recomputation, the fused GroupNorm's autograd.Function included (torch 2.11 saved its tensors
-    without it, pytorch/pytorch#177396); eager checkpointing does not pay for the policy. Same gradients as
-    the plain model either way (AOTAutograd's partition, no Inductor code generation)."""
-    import functools
-
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-    from medddpm import model as model_module
-
-    asked = []
-
-    def policy(ctx, op, *args, **kwargs):
-        asked.append(str(op))
-        return model_module._recompute(ctx, op, *args, **kwargs)
-
-    monkeypatch.setattr(model_module, "_RECOMPUTE_ALL", functools.partial(create_selective_checkpoint_contexts, policy))
+def test_compiled_checkpointing_with_the_fused_group_norm_has_the_plain_gradients():
+    """Checkpointed blocks holding the fused GroupNorm's autograd.Function, compiled (AOTAutograd's partition, no
+    Inductor code generation): the same gradients as the plain model in float64."""
     spec = ModelSpec(size=8, mask_channels=3, base_channels=32, channel_mult=(1, 2), attention_ds=(2,))
     plain, ckpt = _pair(spec, group_norm="fused")
     x, t = torch.randn(1, 4, 8, 8, 8, dtype=torch.float64), torch.tensor([7])
     plain(x, t).square().sum().backward()
-    ckpt(x, t).square().sum().backward()
-    assert not asked, "eager checkpointing ran the selective-checkpoint policy"
-    for p in ckpt.parameters():
-        p.grad = None
     torch._dynamo.reset()
     try:
         torch.compile(ckpt, backend="aot_eager", fullgraph=True)(x, t).square().sum().backward()
     finally:
         torch._dynamo.reset()
-    assert asked, "compiled checkpointing did not run the selective-checkpoint policy"
     for (name, pa), pb in zip(plain.named_parameters(), ckpt.parameters()):
+        assert pa.grad.abs().sum() > 0, name
         torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-10, atol=1e-12, msg=name)
 
 
