@@ -126,7 +126,7 @@ class Engine:
         self.denoiser = self._compile(self.model) if self.run.compile else self.model
         # Sampling saves nothing for a backward, so `recompute_pointwise` only adds work there: its graph
         # keeps Inductor's thresholds (best's denoising step on the H200: 18.8 ms without, 20.6 ms with).
-        separate = self.run.compile and (self.run.recompute_pointwise or self.run.recompute_reads)
+        separate = self.run.recompute_pointwise or self.run.recompute_reads  # both need compile
         self._sampler = self._compile(self.model, training=False) if separate else None
         self.diffusion = GaussianDiffusion(timesteps=timesteps).to(self.device)
         # capturable keeps Adam's step counter on the device, which graph replay requires.
