@@ -14,7 +14,7 @@ from .configs import (CONFIGS, AttentionKind, ConfigError, GroupNormKind, Precis
                       parse_config_list, resolve)
 from .data import DataError
 from .model import ModelSpec, format_size, parse_size
-from .ncu import COVERAGE
+from .ncu import COVERAGE, PASSES
 from .storage import atomic_write
 
 PRESET_NAMES = ("smoke", "paper", "brats")  # measure.PRESETS, without importing the measurement stack
@@ -361,7 +361,8 @@ def cmd_counters(args) -> None:
         if args.deadline and left < NCU_MIN_S:
             tqdm.write(f"{run}: not started, {left} s left of the {args.deadline} s deadline")
             continue
-        status = add_counters(run, timeout_s=min(args.timeout, left), coverage=args.coverage, force=args.force)
+        status = add_counters(run, timeout_s=min(args.timeout, left), coverage=args.coverage, force=args.force,
+                              passes=tuple(args.passes), merge=args.merge)
         tqdm.write(f"{run}: ncu {status['status']}: {status['message']}; kept {status['kept']}")
 
 
@@ -502,6 +503,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--coverage", type=_fraction, default=COVERAGE,
                    help="share of the step's kernel time to select for profiling")
     p.add_argument("--force", action="store_true", help="keep the new counters even if they cover less")
+    p.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES),
+                   help="own: PyTorch's and Triton's kernels, by name; library: every cuDNN and cuBLAS launch")
+    p.add_argument("--merge", action="store_true", help="add the new launches to the run's counters")
     p.add_argument("--check", action="store_true", help="only check that every folder can be given counters here")
     p.set_defaults(func=cmd_counters)
 

@@ -5,6 +5,9 @@ counters for only part of its step (or none). Counting again needs no new timing
 process (`medddpm.capture`) anyway, and the kernels to profile come from the run's `kernels.parquet`.
 The new `ncu.parquet` replaces the old one only when it covers at least as much of the step (or
 with `force`), and the run row's `profilers` entry for ncu records the commit and time of the pass.
+With `merge`, the new launches are added to the run's counters instead (e.g. a library pass over a
+run whose counters came from one pass that missed cuDNN's launches: see `medddpm.ncu.PASSES`); the
+entry then keeps the one before it under "merged".
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import datetime as dt
 import json
 from pathlib import Path
 
+import pandas as pd
 import torch
 
 from . import schema
@@ -20,7 +24,7 @@ from .bookdata import redefined
 from .env import device_name, git_commit, gpu_slug
 from .measure import NCU_REPORTS
 from .model import format_size, parse_size
-from .ncu import COVERAGE, profiled_coverage, run_ncu
+from .ncu import COLUMNS, COVERAGE, PASSES, profiled_coverage, run_ncu
 
 
 class CountersError(ValueError):
@@ -49,18 +53,27 @@ def check_run(run_dir: str | Path, *, device: torch.device | str = "cuda"):
 
 
 def add_counters(run_dir: str | Path, *, timeout_s: int = 420, coverage: float = COVERAGE, force: bool = False,
-                 device: torch.device | str = "cuda") -> dict:
+                 passes: tuple[str, ...] = PASSES, merge: bool = False, device: torch.device | str = "cuda") -> dict:
     """Profile the run's step with ncu and keep the result if it covers at least as much as the counters
-    the run has (any result with `force`). Returns ncu's status, with `kept` saying which table stayed."""
+    the run has (any result with `force`); with `merge`, add it to them. Returns ncu's status, with
+    `kept` saying which table stayed."""
     run_dir = Path(run_dir)
     run = check_run(run_dir, device=device)
     kernels = schema.read_table(run_dir / "kernels.parquet", "kernels")
     old = run_dir / "ncu.parquet"
-    had = profiled_coverage(kernels, schema.read_table(old, "ncu")) if old.is_file() else 0.0
+    old_df = schema.read_table(old, "ncu") if old.is_file() else None
+    had = profiled_coverage(kernels, old_df) if old_df is not None else 0.0
     df, status = run_ncu(kernels_df=kernels, config=run["config"], preset=run["preset"],
                          size=format_size(parse_size(run["shape"])), batch=int(run["batch"]),
-                         out_dir=NCU_REPORTS / run["gpu_slug"] / run_dir.name, timeout_s=timeout_s, coverage=coverage)
+                         out_dir=NCU_REPORTS / run["gpu_slug"] / run_dir.name, timeout_s=timeout_s, coverage=coverage,
+                         passes=passes)
     status |= {"git_commit": git_commit(), "time_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+    recorded = json.loads(run["profilers"] or "{}")
+    if merge and old_df is not None and status["status"] == "ok":
+        base = old_df[list(COLUMNS)]
+        df = pd.concat([base, df.assign(kernel_id=df["kernel_id"] + base["kernel_id"].max() + 1)], ignore_index=True)
+        status |= {"profiled_coverage": profiled_coverage(kernels, df), "merged": recorded.get("ncu", {})}
+        status["message"] += f"; added to the run's {base['kernel_id'].nunique()} launches"
     got = status.get("profiled_coverage", 0.0)
     if status["status"] != "ok" or (got < had and not force):
         why = status["message"] if status["status"] != "ok" else f"covers {got:.2%}, the run's counters {had:.2%}"
@@ -68,6 +81,6 @@ def add_counters(run_dir: str | Path, *, timeout_s: int = 420, coverage: float =
     # ncu.parquet first: a run row that names counters it does not have would be the worse half-state
     schema.write_table(df.assign(run_id=run["run_id"]), run_dir / "ncu.parquet", "ncu")
     row = schema.read_table(run_dir / "run.parquet", "run")
-    row.loc[0, "profilers"] = json.dumps(json.loads(run["profilers"] or "{}") | {"ncu": status})
+    row.loc[0, "profilers"] = json.dumps(recorded | {"ncu": status})
     schema.write_table(row, run_dir / "run.parquet", "run")
     return status | {"kept": f"the new counters ({got:.2%} of the step; the run's covered {had:.2%})"}

@@ -21,8 +21,12 @@ template arguments, without namespaces, qualifiers, booleans, literal suffixes o
 the first `SKELETON_TOKENS` of them (a distinctive prefix). A name matches when the skeleton's
 tokens appear in it in order: `kernel_regex` (with ``--kernel-name-base demangled``) and
 `match_kernel` (for `priorities`). cuDNN's generated convolution kernels are matched by family
-(``xmma_fprop``/``dgrad``/``wgrad``): its autotuner picks other algorithms under ncu; and ncu's launch
-filter admits every cuDNN kernel where one is selected (`CUDNN_LAUNCH`).
+(``xmma_fprop``/``dgrad``/``wgrad``): its autotuner may pick other algorithms under ncu.
+
+ncu cannot name cuDNN's and cuBLAS's launches when it filters them (it gives them the launch before's
+name), so a step is profiled in two passes (`PASSES`): "own" filters the selected kernels of PyTorch and
+Triton by name, one launch per launch configuration; "library" profiles every cuDNN and cuBLAS launch
+of the step in launch order (`LIBRARY_LAUNCH`), for as long as it is given. Their tables are joined.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import IO
 
@@ -234,36 +239,43 @@ def _skeleton_pattern(name: str) -> str:
     return ".*".join(rf"\b{re.escape(t)}{'[uUlL]*' if t.isdigit() else ''}\b" for t in skeleton(name))
 
 
-# ncu filters a launch by the name it resolves at launch time, which for cuDNN's kernels can be another
-# cuDNN kernel's: in opt12's pass (H200, ncu 2025.3) a launch logged as `sm80_xmma_dgrad_...` is reported as
-# `sm80_xmma_wgrad_...`, with the timed run's duration of that wgrad kernel, and no dgrad launch reached the
-# report; one cuDNN fprop launch was logged under a cuBLAS (cutlass) GEMM's name. The report's names are
-# right; so a selected convolution admits every cuDNN and cuBLAS launch to the filter (data/nvidia-h200/NOTES.md,
-# session 11: it brought in one dgrad launch a pass, no more).
-CUDNN_LAUNCH = r"xmma|cudnn|cask|cutlass"
+# cuDNN's and cuBLAS's kernels (cuDNN's xmma convolutions and their helpers, cuBLAS's CUTLASS, xmma and nvjet GEMMs).
+LIBRARY = re.compile(r"xmma|cudnn|cask|cutlass|nvjet")
+# At launch time ncu names a launch of cuDNN's (and cuBLAS's) xmma kernels after the launch before it,
+# printed mangled (H200, ncu 2025.3.1: a dgrad launch logged as `_ZN7cutlass7Kernel2I42cutlass_80_simt_sgemm...`,
+# the kernel launched just before it); the report's names are right. Its name filter and its
+# per-launch-config filter see the launch-time name, so with those a pass of opt12 profiled 0 or 1 of its
+# 60 dgrad launches a step; without them, 37 in its first 266 cuDNN and cuBLAS launches
+# (data/nvidia-h200/NOTES.md, session 16). So the library pass admits every library name, in either
+# spelling, and any mangled name (one after a C++ kernel; a launch right after a Triton kernel is still missed).
+LIBRARY_LAUNCH = r"xmma|cudnn|cask|cutlass|nvjet|^_Z"
+PASSES = ("own", "library")
+
+
+def split_library(names: list[str]) -> tuple[list[str], list[str]]:
+    """(own, library): the selected kernels of PyTorch and Triton, and those of cuDNN and cuBLAS."""
+    return [n for n in names if not LIBRARY.search(n)], [n for n in names if LIBRARY.search(n)]
 
 
 def kernel_regex(names: list[str]) -> str:
     """One regex matching each name (and ncu's demangling of it) by its token skeleton."""
-    patterns = {p for p in map(_skeleton_pattern, names) if p}
+    patterns = sorted({p for p in map(_skeleton_pattern, names) if p})
     if not patterns:
         raise ValueError("no kernel names to match")
-    if any(_CUDNN_FAMILY.match(n) for n in names):
-        patterns.add(CUDNN_LAUNCH)
-    patterns = sorted(patterns)
     return "|".join(f"({p})" for p in patterns)
 
 
 # ------------------------------------------------------------------------------------------ command
 
-def ncu_command(*, kernels: list[str], config: str, preset: str, report: Path, metrics: list[str],
+def ncu_command(*, name_regex: str, config: str, preset: str, report: Path, metrics: list[str],
                 size: int | str | None = None, batch: int = 1, launches_per_config: int | None = 1,
                 stop_after_s: float | None = None, python: str = sys.executable) -> list[str]:
-    """ncu over `medddpm.capture`: one step (NVTX range), the given kernels, clocks untouched.
+    """ncu over `medddpm.capture`: one step (NVTX range), the launches whose name matches, clocks untouched.
 
     `launches_per_config`: profile only the first N launches of each launch configuration (kernel,
     grid, block, shared memory); a layer repeated with the same shape is measured once, which keeps
-    a 128^3 step inside the time limit (about 2 s of replay per profiled launch on the H200).
+    a 128^3 step inside the time limit (about 1.3 s of replay per profiled launch on the H200).
+    None profiles every launch that matches (the library pass: see `LIBRARY_LAUNCH`).
     `stop_after_s`: the profiled program exits after that long, and ncu writes the launches done so far.
     """
     sections = [a for s in SECTIONS for a in ("--section", s)]
@@ -276,7 +288,7 @@ def ncu_command(*, kernels: list[str], config: str, preset: str, report: Path, m
                   if launches_per_config else [])
     target = [python, "-m", "medddpm.capture", "--config", config, "--preset", preset]
     return ["ncu", *nvtx, "--clock-control", "none", *per_config,
-            "--kernel-name-base", "demangled", "--kernel-name", f"regex:{kernel_regex(kernels)}",
+            "--kernel-name-base", "demangled", "--kernel-name", f"regex:{name_regex}",
             *sections, *extra, "-o", str(report), "-f",
             *target, *(["--size", str(size)] if size else []), *(["--batch", str(batch)] if batch != 1 else []),
             *(["--stop-after", f"{stop_after_s:g}"] if stop_after_s else [])]
@@ -345,14 +357,46 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def _profile(cmd: list[str], report: Path, *, timeout_s: float, stop_s: float, env: dict,
+             cwd: str) -> tuple[pd.DataFrame, str]:
+    """One ncu pass and its export: (long table, message); an empty table where it failed."""
+    try:
+        prof = _run(cmd, timeout_s=timeout_s, env=env, cwd=cwd)
+        report.with_suffix(".log").write_text(prof.stdout + prof.stderr)
+        stopped = STOPPED in prof.stdout + prof.stderr
+        if (prof.returncode != 0 and not stopped) or not report.is_file():
+            return empty_table(), f"ncu exited {prof.returncode}: {_tail(prof.stdout + prof.stderr)}"
+        exported = _run(export_command(report, ncu=cmd[0]), timeout_s=timeout_s)
+        if exported.returncode != 0:
+            return empty_table(), f"ncu export exited {exported.returncode}: {_tail(exported.stderr or exported.stdout)}"
+        csv = report.with_suffix(".csv")
+        csv.write_text(exported.stdout)
+        df = parse_details_csv(csv)
+    except subprocess.TimeoutExpired as e:
+        return empty_table(), f"ncu timed out after {e.timeout:.0f} s"
+    except (OSError, ValueError, pd.errors.ParserError) as e:
+        return empty_table(), f"{type(e).__name__}: {e}"
+    if df.empty:
+        return df, "ncu profiled no kernel (did the NVTX range or the name filter match?)"
+    cut = f" before the step was stopped at {stop_s:.0f} s" if stopped else ""
+    return df, f"{df['kernel_id'].nunique()} launches{cut}"
+
+
 def run_ncu(*, kernels_df: pd.DataFrame, config: str, preset: str, out_dir: Path, size: int | str | None = None,
-            batch: int = 1, timeout_s: int = 420, coverage: float = COVERAGE) -> tuple[pd.DataFrame, dict]:
-    """Profile the kernels covering `coverage` of the step; (long table, status). Never raises for ncu."""
+            batch: int = 1, timeout_s: int = 420, coverage: float = COVERAGE,
+            passes: tuple[str, ...] = PASSES) -> tuple[pd.DataFrame, dict]:
+    """Profile the kernels covering `coverage` of the step, in the `passes` that have selected kernels
+    (see `PASSES`; they share `timeout_s`); (long table, status). Never raises for ncu."""
+    if unknown := sorted(set(passes) - set(PASSES)):
+        raise ValueError(f"unknown ncu pass {', '.join(unknown)}: choose from {', '.join(PASSES)}")
     out_dir = Path(out_dir)
-    report = out_dir / f"ncu-{config}-{preset}{size or ''}.ncu-rep"
     names = select_kernels(kernels_df, coverage=coverage)
+    chosen = dict(zip(PASSES, split_library(names)))
+    todo = [p for p in PASSES if p in passes and chosen[p]]
+    reports = {p: out_dir / f"ncu-{config}-{preset}{size or ''}-{p}.ncu-rep" for p in todo}
     status = {"status": "skipped", "message": "", "selected_kernels": len(names),
-              "coverage": covered(kernels_df, names), "dropped_metrics": [], "report": str(report)}
+              "coverage": covered(kernels_df, names), "dropped_metrics": [],
+              "passes": {p: {"report": str(r)} for p, r in reports.items()}}
 
     def done(state: str, message: str, df: pd.DataFrame | None = None) -> tuple[pd.DataFrame, dict]:
         return (empty_table() if df is None else df), status | {"status": state, "message": message}
@@ -362,43 +406,35 @@ def run_ncu(*, kernels_df: pd.DataFrame, config: str, preset: str, out_dir: Path
         return done("skipped", "ncu is not on PATH")
     if not _cuda_available():
         return done("skipped", "no CUDA device")
-    if not names:
-        return done("skipped", "no kernel time to profile")
+    if not todo:
+        return done("skipped", "no kernel time to profile" if not names else f"no selected kernel in the {' and '.join(passes)} pass")
     metrics, status["dropped_metrics"] = split_available(EXTRA_METRICS, available_metrics(ncu))
     out_dir.mkdir(parents=True, exist_ok=True)
-    # The program stops itself before the timeout, so that ncu still writes what it profiled; the
-    # timeout (which kills ncu, and so loses the report) stays as the backstop.
-    stop_s = max(timeout_s - STOP_MARGIN_S, timeout_s / 2)
-    cmd = ncu_command(kernels=names, config=config, preset=preset, size=size, batch=batch, report=report,
-                      metrics=metrics, stop_after_s=stop_s)
-    cmd[0] = ncu
     # capture runs as `python -m medddpm.capture`: the package's parent must be importable
     root = str(Path(__file__).resolve().parents[1])
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    try:
-        prof = _run(cmd, timeout_s=timeout_s, env=env, cwd=root)
-        report.with_suffix(".log").write_text(prof.stdout + prof.stderr)
-        stopped = STOPPED in prof.stdout + prof.stderr
-        if (prof.returncode != 0 and not stopped) or not report.is_file():
-            return done("error", f"ncu exited {prof.returncode}: {_tail(prof.stdout + prof.stderr)}")
-        exported = _run(export_command(report, ncu=ncu), timeout_s=timeout_s)
-        if exported.returncode != 0:
-            why = _tail(exported.stderr or exported.stdout)
-            return done("error", f"ncu export exited {exported.returncode}: {why}")
-        csv = report.with_suffix(".csv")
-        csv.write_text(exported.stdout)
-        df = parse_details_csv(csv)
-    except subprocess.TimeoutExpired as e:
-        return done("error", f"ncu timed out after {e.timeout:.0f} s")
-    except (OSError, ValueError, pd.errors.ParserError) as e:
-        return done("error", f"{type(e).__name__}: {e}")
-    if df.empty:
-        return done("error", "ncu profiled no kernel (did the NVTX range or the name filter match?)", df)
-    n = df["kernel_id"].nunique()
+    start, tables = time.monotonic(), []
+    for i, name in enumerate(todo):
+        # what is left, shared by the passes still to run; the own pass usually ends early
+        budget = (timeout_s - (time.monotonic() - start)) / (len(todo) - i)
+        # The program stops itself before the timeout, so that ncu still writes what it profiled; the
+        # timeout (which kills ncu, and so loses the report) stays as the backstop.
+        stop_s = max(budget - STOP_MARGIN_S, budget / 2)
+        cmd = ncu_command(name_regex=kernel_regex(chosen["own"]) if name == "own" else LIBRARY_LAUNCH,
+                          launches_per_config=1 if name == "own" else None, config=config, preset=preset,
+                          size=size, batch=batch, report=reports[name], metrics=metrics, stop_after_s=stop_s)
+        cmd[0] = ncu
+        df, message = _profile(cmd, reports[name], timeout_s=budget, stop_s=stop_s, env=env, cwd=root)
+        status["passes"][name] |= {"message": message, "launches": int(df["kernel_id"].nunique())}
+        if not df.empty:  # ids stay unique across the passes
+            tables.append(df.assign(kernel_id=df["kernel_id"] + sum(t["kernel_id"].max() + 1 for t in tables)))
+    said = "; ".join(f"{p}: {status['passes'][p]['message']}" for p in todo)
+    if not tables:
+        return done("error", said)
+    df = pd.concat(tables, ignore_index=True).astype(COLUMNS)
     status["profiled_coverage"] = got = profiled_coverage(kernels_df, df)
     short = f"; they cover {got:.2%} of step time, short of {coverage:.0%}" if got < coverage - 1e-9 else ""
-    cut = f" before the step was stopped at {stop_s:.0f} s" if stopped else ""
-    return done("ok", f"{n} kernel launches profiled{cut}{short}", df)
+    return done("ok", f"{df['kernel_id'].nunique()} kernel launches profiled ({said}){short}", df)
 
 
 # ------------------------------------------------------------------------------------------ parsing

@@ -54,12 +54,12 @@ def stand_in(monkeypatch, tmp_path):
     return lambda details: fake_ncu(tmp_path / "bin", details)
 
 
-def only_kernels(tmp_path: Path, keep: int) -> Path:
-    """The fixture's CSV with only the launches of its first `keep` kernel names."""
+def only_kernels(tmp_path: Path, keep: int, *, first: int = 0) -> Path:
+    """The fixture's CSV with only the launches of `keep` of its kernel names, from the `first`."""
     df = ncu.parse_details_csv(DETAILS)
-    names = df.groupby("kernel_id")["kernel"].first().unique()[:keep]
+    names = df.groupby("kernel_id")["kernel"].first().unique()[first:first + keep]
     lines = gzip.open(DETAILS, "rt").read().splitlines(keepends=True)
-    out = tmp_path / f"details-{keep}.csv.gz"
+    out = tmp_path / f"details-{first}-{keep}.csv.gz"
     with gzip.open(out, "wt") as f:
         f.writelines(line for i, line in enumerate(lines) if i == 0 or any(f'"{n}"' in line for n in names))
     return out
@@ -87,6 +87,24 @@ def test_counters_replace_a_run_s_only_when_they_cover_more(run_dir, stand_in, t
     stand_in(DETAILS)  # every kernel: more than before
     add_counters(run_dir, device="cpu", timeout_s=60)
     assert schema.read_table(run_dir / "ncu.parquet")["kernel"].nunique() > 2
+
+
+def test_counters_merge_adds_a_pass_to_the_run_s(run_dir, stand_in, tmp_path):
+    stand_in(only_kernels(tmp_path, 1))  # 45% of the step
+    add_counters(run_dir, device="cpu", timeout_s=60)
+    before = schema.read_table(run_dir / "ncu.parquet", "ncu")
+    stand_in(only_kernels(tmp_path, 1, first=1))  # another 36%: alone, it covers less and is not kept
+    assert add_counters(run_dir, device="cpu", timeout_s=60)["kept"].startswith("the run's counters (covers 36.00%")
+    status = add_counters(run_dir, device="cpu", timeout_s=60, merge=True)
+    assert status["profiled_coverage"] == pytest.approx(0.81), status
+    assert status["message"].endswith(f"added to the run's {before['kernel_id'].nunique()} launches")
+    table = schema.read_table(run_dir / "ncu.parquet", "ncu")
+    assert table["kernel"].nunique() == 2 and table.groupby("kernel_id")["kernel"].nunique().eq(1).all()
+    assert table["kernel_id"].nunique() > before["kernel_id"].nunique()
+    assert table[table["kernel_id"].isin(before["kernel_id"])].reset_index(drop=True).equals(before)
+    recorded = json.loads(schema.read_table(run_dir / "run.parquet", "run").loc[0, "profilers"])["ncu"]
+    assert recorded["profiled_coverage"] == pytest.approx(0.81)
+    assert recorded["merged"]["profiled_coverage"] == pytest.approx(0.45)  # the counters it was added to
 
 
 def test_counters_refuse_what_they_cannot_count(run_dir, tmp_path):
