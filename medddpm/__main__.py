@@ -101,6 +101,8 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--combo-kernels", type=_bool, metavar="BOOL",
                    help="compiled graphs on a GPU: independent kernels fused side by side (fewer launches)")
     g.add_argument("--checkpointing", type=_bool, metavar="BOOL", help="activation checkpointing per U-Net block")
+    g.add_argument("--store-skip-grad", type=_bool, metavar="BOOL",
+                   help="each skip connection's gradient written out as soon as its decoder block computed it")
     g.add_argument("--pin-layout", type=_bool, metavar="BOOL",
                    help="compiled graphs: channels-last 3D pinned at every convolution input")
 
@@ -108,7 +110,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 _OVERRIDES = ("precision", "channels_last", "compile", "cuda_graphs", "fused_adam", "recompute_attention", "attention",
               "upsample", "checkpointing", "pin_layout", "group_norm", "pad_channels", "cudnn_try_all", "memory_budget",
               "aot_cse", "recompute_pointwise", "recompute_reads", "nd_tiling", "coordinate_descent", "combo_kernels",
-              "split_skip", "tap_gemm")
+              "split_skip", "tap_gemm", "store_skip_grad")
 
 
 def _config_from(args):

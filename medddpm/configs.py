@@ -52,6 +52,10 @@ class Config:
     # decoder blocks take the skip connection as a second input, not concatenated, where their GroupNorm
     # groups allow it (model.ResBlock.forward_parts): no 128-channel tensor at the top level
     split_skip: bool = False
+    # each skip connection's gradient written out (bf16 under autocast) as soon as its decoder block has computed
+    # it, through an operator Inductor cannot fuse into (model._StoreGradient); otherwise compiled backward graphs
+    # hold the top decoder blocks' whole float32 input gradient until the encoder reads the skip's slice
+    store_skip_grad: bool = False
     cudnn_try_all: bool = False  # cuDNN autotuning tries every algorithm (benchmark_limit 0), not PyTorch's first 10
     # compiled graphs: activations AOTAutograd's partitioner may keep, as a fraction of what it keeps by
     # default (functorch's activation_memory_budget; 0 = recompute the whole compiled region in backward)

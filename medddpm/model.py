@@ -500,6 +500,35 @@ class Upsample(nn.Module):
         return self.conv(x)
 
 
+@torch.library.custom_op("medddpm::stored_copy", mutates_args=())
+def stored_copy(x: torch.Tensor) -> torch.Tensor:
+    """A copy of x, through an operator Inductor cannot fuse into: what computes x is written out, in x's dtype."""
+    return x.clone()
+
+
+@stored_copy.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class _StoreGradient(torch.autograd.Function):
+    """The identity, whose backward writes the incoming gradient out as it arrives (`store_skip_grad`).
+
+    A compiled backward computes a decoder block's input gradient in float32 (the GroupNorm's) and casts and
+    slices it where each slice is read; the skip connection's slice is read by the encoder block that made
+    the skip, at the end of the backward, so the whole float32 gradient is held until then: 1 GiB at the top
+    level of the 128^3 model (data/nvidia-h200/NOTES.md, sessions 13 and 16). Stored here, the slice is
+    written in bf16 right away and the float32 gradient is freed."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return stored_copy(dy)
+
+
 class Level(nn.Module):
     """A residual block, optionally followed by attention, then optionally a resampler."""
 
@@ -507,9 +536,12 @@ class Level(nn.Module):
         super().__init__()
         self.res, self.attn, self.resample = res, attn, resample
 
-    def forward_skip(self, h, skip, emb, *, split: bool = False):
+    def forward_skip(self, h, skip, emb, *, split: bool = False, store_grad: bool = False):
         """A decoder block: the skip connection concatenated on the channel axis first, or, with `split`
-        where the block's GroupNorm groups allow it, taken as a second input (ResBlock.forward_parts)."""
+        where the block's GroupNorm groups allow it, taken as a second input (ResBlock.forward_parts).
+        `store_grad`: the skip's gradient is written out as soon as it is computed (_StoreGradient)."""
+        if store_grad and torch.is_grad_enabled():
+            skip = _StoreGradient.apply(skip)
         if split and self.res.splits((h, skip)):
             return self._after_res(self.res.forward_parts((h, skip), emb))
         return self(torch.cat([h, skip], dim=1), emb)
@@ -533,14 +565,17 @@ class UNet3D(nn.Module):
     `recompute_attention`, whose inner checkpoint would only recompute attention a second time.
     `tap_gemm=True`: the output convolution as a GEMM and a sum of its 27 shifted taps (TapConv3d).
     `split_skip=True`: decoder blocks take the skip connection as a second input instead of a
-    concatenation, where their GroupNorm groups allow it (ResBlock.forward_parts)."""
+    concatenation, where their GroupNorm groups allow it (ResBlock.forward_parts).
+    `store_skip_grad=True`: each skip connection's gradient is written out as soon as a decoder block has
+    computed it (_StoreGradient)."""
 
     def __init__(self, spec: ModelSpec = ModelSpec(), *, attention: str = "math", recompute_attention: bool = True,
                  upsample: str = "interpolate", checkpointing: bool = False, group_norm: str = "aten",
-                 pad_channels: bool = False, tap_gemm: bool = False, split_skip: bool = False):
+                 pad_channels: bool = False, tap_gemm: bool = False, split_skip: bool = False,
+                 store_skip_grad: bool = False):
         super().__init__()
         self.spec = spec
-        self.checkpointing, self.split_skip = checkpointing, split_skip
+        self.checkpointing, self.split_skip, self.store_skip_grad = checkpointing, split_skip, store_skip_grad
         ch = spec.base_channels
         emb_dim = 4 * ch
         attn = lambda c: Attention(c, kind=attention, recompute=recompute_attention and not checkpointing,  # noqa: E731
@@ -601,7 +636,8 @@ class UNet3D(nn.Module):
         for block in self.up:
             # The skip concatenation runs inside the checkpoint: only h and the skip (held anyway)
             # are kept, not their concatenation, which at the top level is the largest tensor.
-            h = self._block(functools.partial(block.forward_skip, split=self.split_skip), h, hs.pop(), emb)
+            decoder = functools.partial(block.forward_skip, split=self.split_skip, store_grad=self.store_skip_grad)
+            h = self._block(decoder, h, hs.pop(), emb)
         return self._block(self.out, h)
 
     def _block(self, fn, *args):

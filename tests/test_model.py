@@ -417,6 +417,45 @@ def test_split_skip_gives_the_same_model_without_the_concatenations(tiny_spec, g
         torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-10, atol=1e-13, msg=name)
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_store_skip_grad_gives_the_same_model_and_stores_each_skip_gradient(tiny_spec, checkpointing):
+    """The switch adds an identity on each decoder block's skip connection, whose backward copies the gradient
+    out (model._StoreGradient): the same outputs and gradients, one copy per decoder block."""
+    torch.manual_seed(0)
+    plain = UNet3D(tiny_spec, group_norm="chunked", checkpointing=checkpointing).double()
+    for p in plain.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    stored = UNet3D(tiny_spec, group_norm="chunked", checkpointing=checkpointing, store_skip_grad=True).double()
+    stored.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 4, 16, 16, 16, dtype=torch.float64).to(memory_format=torch.channels_last_3d)
+    t = torch.tensor([3, 180])
+    ya, yb = plain(x, t), stored(x, t)
+    torch.testing.assert_close(yb, ya, rtol=0, atol=0)
+    copies = []
+    with _OpCalls(torch.ops.medddpm.stored_copy.default, copies):
+        yb.square().sum().backward()
+    ya.square().sum().backward()
+    assert len(copies) == len(stored.up)
+    for (name, pa), pb in zip(plain.named_parameters(), stored.parameters()):
+        torch.testing.assert_close(pb.grad, pa.grad, rtol=0, atol=0, msg=name)
+    with torch.no_grad(), _OpCalls(torch.ops.medddpm.stored_copy.default, copies):
+        stored(x, t)  # nothing to store without a backward
+    assert len(copies) == len(stored.up)
+
+
+class _OpCalls(TorchDispatchMode):
+    """Appends the shapes of every call of one operator."""
+
+    def __init__(self, op, calls: list):
+        super().__init__()
+        self.op, self.calls = op, calls
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is self.op:
+            self.calls.append(tuple(args[0].shape))
+        return func(*args, **(kwargs or {}))
+
+
 def test_split_skip_keeps_the_concatenation_where_groups_straddle_the_parts():
     """The paper's model: a 128+64-channel block has groups of 6 channels, which straddle its parts."""
     spec = ModelSpec(size=32, mask_channels=3, channel_mult=(1, 1, 2, 3, 4))  # the paper's 128^3 widths
