@@ -244,10 +244,11 @@ LIBRARY = re.compile(r"xmma|cudnn|cask|cutlass|nvjet")
 # At launch time ncu names a launch of cuDNN's (and cuBLAS's) xmma kernels after the launch before it,
 # printed mangled (H200, ncu 2025.3.1: a dgrad launch logged as `_ZN7cutlass7Kernel2I42cutlass_80_simt_sgemm...`,
 # the kernel launched just before it); the report's names are right. Its name filter and its
-# per-launch-config filter see the launch-time name, so with those a pass of opt12 profiled 0 or 1 of its
-# 60 dgrad launches a step; without them, 37 in its first 266 cuDNN and cuBLAS launches
-# (data/nvidia-h200/NOTES.md, session 16). So the library pass admits every library name, in either
-# spelling, and any mangled name (one after a C++ kernel; a launch right after a Triton kernel is still missed).
+# per-launch-config filter see the launch-time name: filtered by the selected names, one launch a
+# configuration, a pass over opt12 profiled 0 or 1 of its 60 dgrad launches a step; filtered by library
+# names alone, every launch, 37 in its first 266 (data/nvidia-h200/NOTES.md, session 16). So the library
+# pass admits every library name, in either spelling, and any mangled name (a launch after a C++ kernel;
+# one right after a Triton kernel is still missed).
 LIBRARY_LAUNCH = r"xmma|cudnn|cask|cutlass|nvjet|^_Z"
 PASSES = ("own", "library")
 
@@ -368,7 +369,8 @@ def _profile(cmd: list[str], report: Path, *, timeout_s: float, stop_s: float, e
             return empty_table(), f"ncu exited {prof.returncode}: {_tail(prof.stdout + prof.stderr)}"
         exported = _run(export_command(report, ncu=cmd[0]), timeout_s=timeout_s)
         if exported.returncode != 0:
-            return empty_table(), f"ncu export exited {exported.returncode}: {_tail(exported.stderr or exported.stdout)}"
+            why = _tail(exported.stderr or exported.stdout)
+            return empty_table(), f"ncu export exited {exported.returncode}: {why}"
         csv = report.with_suffix(".csv")
         csv.write_text(exported.stdout)
         df = parse_details_csv(csv)
@@ -407,7 +409,8 @@ def run_ncu(*, kernels_df: pd.DataFrame, config: str, preset: str, out_dir: Path
     if not _cuda_available():
         return done("skipped", "no CUDA device")
     if not todo:
-        return done("skipped", "no kernel time to profile" if not names else f"no selected kernel in the {' and '.join(passes)} pass")
+        return done("skipped", "no kernel time to profile" if not names
+                    else f"no selected kernel in the {' and '.join(passes)} pass")
     metrics, status["dropped_metrics"] = split_available(EXTRA_METRICS, available_metrics(ncu))
     out_dir.mkdir(parents=True, exist_ok=True)
     # capture runs as `python -m medddpm.capture`: the package's parent must be importable
