@@ -248,7 +248,7 @@ LIBRARY = re.compile(r"xmma|cudnn|cask|cutlass|nvjet")
 # configuration, a pass over opt12 profiled 0 or 1 of its 60 dgrad launches a step; filtered by library
 # names alone, every launch, 37 in its first 266 (data/nvidia-h200/NOTES.md, session 16). So the library
 # pass admits every library name, in either spelling, and any mangled name (a launch after a C++ kernel;
-# one right after a Triton kernel is still missed).
+# one right after a Triton kernel would carry that kernel's plain name and still be missed).
 LIBRARY_LAUNCH = r"xmma|cudnn|cask|cutlass|nvjet|^_Z"
 PASSES = ("own", "library")
 
