@@ -1216,7 +1216,10 @@ def compiled_saved(preset: str = "paper", configs=COMPILED_SAVED, root: str | os
     if missing:
         raise DataError(f"{path}: no {preset} trace of {', '.join(missing)} (`python -m medddpm saved --preset "
                         f"{preset} --configs {','.join(missing)} --write`)")
-    table["current"] = [json.loads(s) == get_config(c).flags for s, c in zip(table["switches"], table["config"])]
+    # a switch that came after the trace had the value it was added with (schema.ADDED), as for a run's row
+    before = {k: v for k, v in schema.ADDED["run"].items() if k in get_config("baseline").flags}
+    table["current"] = [before | json.loads(s) == get_config(c).flags
+                        for s, c in zip(table["switches"], table["config"])]
     table["activations_gib"] = table["activation_bytes"] / _GIB
     table["float32_gib"] = table["float32_bytes"] / _GIB
     order = {c: i for i, c in enumerate(configs)}  # the configurations as asked, each one's torch versions together
