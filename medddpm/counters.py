@@ -16,7 +16,6 @@ import datetime as dt
 import json
 from pathlib import Path
 
-import pandas as pd
 import torch
 
 from . import schema
@@ -24,7 +23,7 @@ from .bookdata import redefined
 from .env import device_name, git_commit, gpu_slug
 from .measure import NCU_REPORTS
 from .model import format_size, parse_size
-from .ncu import COLUMNS, COVERAGE, PASSES, profiled_coverage, run_ncu
+from .ncu import COVERAGE, PASSES, join_launches, profiled_coverage, run_ncu
 
 
 class CountersError(ValueError):
@@ -70,10 +69,9 @@ def add_counters(run_dir: str | Path, *, timeout_s: int = 420, coverage: float =
     status |= {"git_commit": git_commit(), "time_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
     recorded = json.loads(run["profilers"] or "{}")
     if merge and old_df is not None and status["status"] == "ok":
-        base = old_df[list(COLUMNS)]
-        df = pd.concat([base, df.assign(kernel_id=df["kernel_id"] + base["kernel_id"].max() + 1)], ignore_index=True)
+        df = join_launches([old_df, df])
         status |= {"profiled_coverage": profiled_coverage(kernels, df), "merged": recorded.get("ncu", {})}
-        status["message"] += f"; added to the run's {base['kernel_id'].nunique()} launches"
+        status["message"] += f"; added to the run's {old_df['kernel_id'].nunique()} launches"
     got = status.get("profiled_coverage", 0.0)
     if status["status"] != "ok" or (got < had and not force):
         why = status["message"] if status["status"] != "ok" else f"covers {got:.2%}, the run's counters {had:.2%}"

@@ -140,6 +140,15 @@ def empty_table() -> pd.DataFrame:
     return pd.DataFrame({c: pd.Series(dtype=t) for c, t in COLUMNS.items()})
 
 
+def join_launches(tables: list[pd.DataFrame]) -> pd.DataFrame:
+    """Long tables of several ncu passes as one, each pass's kernel ids shifted past those before it."""
+    shifted, start = [], 0
+    for t in (t[list(COLUMNS)] for t in tables if not t.empty):
+        shifted.append(t.assign(kernel_id=t["kernel_id"] - t["kernel_id"].min() + start))
+        start = int(shifted[-1]["kernel_id"].max()) + 1
+    return pd.concat(shifted, ignore_index=True).astype(COLUMNS) if shifted else empty_table()
+
+
 # ---------------------------------------------------------------------------------------- selection
 
 def _kernel_times(kernels: pd.DataFrame) -> pd.Series:
@@ -429,12 +438,11 @@ def run_ncu(*, kernels_df: pd.DataFrame, config: str, preset: str, out_dir: Path
         cmd[0] = ncu
         df, message = _profile(cmd, reports[name], timeout_s=budget, stop_s=stop_s, env=env, cwd=root)
         status["passes"][name] |= {"message": message, "launches": int(df["kernel_id"].nunique())}
-        if not df.empty:  # ids stay unique across the passes
-            tables.append(df.assign(kernel_id=df["kernel_id"] + sum(t["kernel_id"].max() + 1 for t in tables)))
+        tables.append(df)
     said = "; ".join(f"{p}: {status['passes'][p]['message']}" for p in todo)
-    if not tables:
+    df = join_launches(tables)
+    if df.empty:
         return done("error", said)
-    df = pd.concat(tables, ignore_index=True).astype(COLUMNS)
     status["profiled_coverage"] = got = profiled_coverage(kernels_df, df)
     short = f"; they cover {got:.2%} of step time, short of {coverage:.0%}" if got < coverage - 1e-9 else ""
     return done("ok", f"{df['kernel_id'].nunique()} kernel launches profiled ({said}){short}", df)

@@ -313,6 +313,16 @@ def test_run_ncu_keeps_a_stopped_step(monkeypatch, tmp_path):
     assert not df.empty and df["kernel_id"].nunique() == ncu.parse_details_csv(DETAILS["opt1"])["kernel_id"].nunique()
 
 
+def test_join_launches_keeps_every_pass_s_launches_apart():
+    df = ncu.parse_details_csv(DETAILS["opt1"])
+    later = df.assign(kernel_id=df["kernel_id"] + 40)  # a table whose ids do not start at 0
+    joined = ncu.join_launches([df, ncu.empty_table(), later])
+    assert len(joined) == 2 * len(df) and sorted(joined["kernel_id"].unique()) == list(range(24))
+    assert joined.dtypes.to_dict() == expected_dtypes()
+    assert joined.groupby("kernel_id")["kernel"].nunique().eq(1).all()
+    assert ncu.join_launches([ncu.empty_table()]).empty
+
+
 DGRAD = "sm90_xmma_dgrad_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_tilesize128x64x32_warpgroupsize1x1x1_g1_" \
         "execute_segment_k_off_kernel__5x_cudnn"
 
