@@ -7,7 +7,9 @@ The new `ncu.parquet` replaces the old one only when it covers at least as much 
 with `force`), and the run row's `profilers` entry for ncu records the commit and time of the pass.
 With `merge`, the new launches are added to the run's counters instead (e.g. a library pass over a
 run whose counters came from one pass that missed cuDNN's launches: see `medddpm.ncu.PASSES`); the
-entry then keeps the one before it under "merged".
+entry then keeps the one before it under "merged". A merge profiles only what the run's counters lack:
+the kernels they do not cover, and the library launches after those their library passes reached, so
+that counters too slow for one lease add up over several.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from .bookdata import redefined
 from .env import device_name, git_commit, gpu_slug
 from .measure import NCU_REPORTS
 from .model import format_size, parse_size
-from .ncu import COVERAGE, PASSES, join_launches, profiled_coverage, run_ncu
+from .ncu import COVERAGE, PASSES, join_launches, library_launches_done, profiled_coverage, run_ncu
 
 
 class CountersError(ValueError):
@@ -62,13 +64,15 @@ def add_counters(run_dir: str | Path, *, timeout_s: int = 420, coverage: float =
     old = run_dir / "ncu.parquet"
     old_df = schema.read_table(old, "ncu") if old.is_file() else None
     had = profiled_coverage(kernels, old_df) if old_df is not None else 0.0
+    recorded = json.loads(run["profilers"] or "{}")
+    merging = merge and old_df is not None
     df, status = run_ncu(kernels_df=kernels, config=run["config"], preset=run["preset"],
                          size=format_size(parse_size(run["shape"])), batch=int(run["batch"]),
                          out_dir=NCU_REPORTS / run["gpu_slug"] / run_dir.name, timeout_s=timeout_s, coverage=coverage,
-                         passes=passes)
+                         passes=passes, profiled=old_df if merging else None,
+                         library_skip=library_launches_done(recorded.get("ncu", {})) if merging else 0)
     status |= {"git_commit": git_commit(), "time_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
-    recorded = json.loads(run["profilers"] or "{}")
-    if merge and old_df is not None and status["status"] == "ok":
+    if merging and status["status"] == "ok":
         df = join_launches([old_df, df])
         status |= {"profiled_coverage": profiled_coverage(kernels, df), "merged": recorded.get("ncu", {})}
         status["message"] += f"; added to the run's {old_df['kernel_id'].nunique()} launches"

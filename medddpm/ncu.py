@@ -183,13 +183,16 @@ def covered(kernels: pd.DataFrame, names: list[str]) -> float:
     return float(t[t.index.isin(names)].sum() / t.sum()) if t.sum() > 0 else 0.0
 
 
+def profiled_names(kernels: pd.DataFrame, ncu: pd.DataFrame) -> set[str]:
+    """The profiler's kernel names that ncu's table covers (names matched as in `match_kernel`)."""
+    names = _kernel_times(kernels).index.tolist()
+    return {n for k in ncu["kernel"].unique() for n in match_kernel(k, names)}
+
+
 def profiled_coverage(kernels: pd.DataFrame, ncu: pd.DataFrame) -> float:
-    """Fraction of the step's kernel time in kernels that ncu actually profiled (names matched as in
-    `match_kernel`): the selection aims at 80%, this says what the counters cover."""
-    t = _kernel_times(kernels)
-    names = t.index.tolist()
-    hit = {n for k in ncu["kernel"].unique() for n in match_kernel(k, names)}
-    return covered(kernels, sorted(hit))
+    """Fraction of the step's kernel time in kernels that ncu actually profiled: the selection aims at
+    `COVERAGE`, this says what the counters cover."""
+    return covered(kernels, sorted(profiled_names(kernels, ncu)))
 
 
 # ------------------------------------------------------------------------------------ name matching
@@ -279,13 +282,15 @@ def kernel_regex(names: list[str]) -> str:
 
 def ncu_command(*, name_regex: str, config: str, preset: str, report: Path, metrics: list[str],
                 size: int | str | None = None, batch: int = 1, launches_per_config: int | None = 1,
-                stop_after_s: float | None = None, python: str = sys.executable) -> list[str]:
+                launch_skip: int = 0, stop_after_s: float | None = None, python: str = sys.executable) -> list[str]:
     """ncu over `medddpm.capture`: one step (NVTX range), the launches whose name matches, clocks untouched.
 
     `launches_per_config`: profile only the first N launches of each launch configuration (kernel,
     grid, block, shared memory); a layer repeated with the same shape is measured once, which keeps
     a 128^3 step inside the time limit (about 1.3 s of replay per profiled launch on the H200).
     None profiles every launch that matches (the library pass: see `LIBRARY_LAUNCH`).
+    `launch_skip`: pass over the first N launches that match (ncu counts them after its filters), so that
+    a library pass goes on where an earlier one stopped.
     `stop_after_s`: the profiled program exits after that long, and ncu writes the launches done so far.
     """
     sections = [a for s in SECTIONS for a in ("--section", s)]
@@ -297,7 +302,8 @@ def ncu_command(*, name_regex: str, config: str, preset: str, report: Path, metr
     per_config = (["--filter-mode", "per-launch-config", "--launch-count", str(launches_per_config)]
                   if launches_per_config else [])
     target = [python, "-m", "medddpm.capture", "--config", config, "--preset", preset]
-    return ["ncu", *nvtx, "--clock-control", "none", *per_config,
+    skip = ["--launch-skip", str(launch_skip)] if launch_skip else []
+    return ["ncu", *nvtx, "--clock-control", "none", *per_config, *skip,
             "--kernel-name-base", "demangled", "--kernel-name", f"regex:{name_regex}",
             *sections, *extra, "-o", str(report), "-f",
             *target, *(["--size", str(size)] if size else []), *(["--batch", str(batch)] if batch != 1 else []),
@@ -394,20 +400,27 @@ def _profile(cmd: list[str], report: Path, *, timeout_s: float, stop_s: float, e
 
 
 def run_ncu(*, kernels_df: pd.DataFrame, config: str, preset: str, out_dir: Path, size: int | str | None = None,
-            batch: int = 1, timeout_s: int = 420, coverage: float = COVERAGE,
-            passes: tuple[str, ...] = PASSES) -> tuple[pd.DataFrame, dict]:
+            batch: int = 1, timeout_s: int = 420, coverage: float = COVERAGE, passes: tuple[str, ...] = PASSES,
+            profiled: pd.DataFrame | None = None, library_skip: int = 0) -> tuple[pd.DataFrame, dict]:
     """Profile the kernels covering `coverage` of the step, in the `passes` that have selected kernels
-    (see `PASSES`; they share `timeout_s`); (long table, status). Never raises for ncu."""
+    (see `PASSES`; they share `timeout_s`); (long table, status). Never raises for ncu.
+
+    To add to counters a run has (`profiled`, their table): the own pass leaves out the kernels that table
+    covers, and the library pass, which cannot filter by real name, skips the first `library_skip`
+    launches (those earlier library passes profiled: `library_launches_done`)."""
     if unknown := sorted(set(passes) - set(PASSES)):
         raise ValueError(f"unknown ncu pass {', '.join(unknown)}: choose from {', '.join(PASSES)}")
     out_dir = Path(out_dir)
     names = select_kernels(kernels_df, coverage=coverage)
-    chosen = dict(zip(PASSES, split_library(names)))
+    had = profiled_names(kernels_df, profiled) if profiled is not None else set()
+    chosen = dict(zip(PASSES, split_library([n for n in names if n not in had])))
     todo = [p for p in PASSES if p in passes and chosen[p]]
     reports = {p: out_dir / f"ncu-{config}-{preset}{size or ''}-{p}.ncu-rep" for p in todo}
     status = {"status": "skipped", "message": "", "selected_kernels": len(names),
               "coverage": covered(kernels_df, names), "dropped_metrics": [],
-              "passes": {p: {"report": str(r)} for p, r in reports.items()}}
+              "passes": {p: {"report": str(r), "kernels": len(chosen[p])} for p, r in reports.items()}}
+    if "library" in todo:
+        status["passes"]["library"]["first_launch"] = library_skip
 
     def done(state: str, message: str, df: pd.DataFrame | None = None) -> tuple[pd.DataFrame, dict]:
         return (empty_table() if df is None else df), status | {"status": state, "message": message}
@@ -419,7 +432,7 @@ def run_ncu(*, kernels_df: pd.DataFrame, config: str, preset: str, out_dir: Path
         return done("skipped", "no CUDA device")
     if not todo:
         return done("skipped", "no kernel time to profile" if not names
-                    else f"no selected kernel in the {' and '.join(passes)} pass")
+                    else f"no selected kernel left to profile in the {' and '.join(passes)} pass")
     metrics, status["dropped_metrics"] = split_available(EXTRA_METRICS, available_metrics(ncu))
     out_dir.mkdir(parents=True, exist_ok=True)
     # capture runs as `python -m medddpm.capture`: the package's parent must be importable
@@ -433,7 +446,8 @@ def run_ncu(*, kernels_df: pd.DataFrame, config: str, preset: str, out_dir: Path
         # timeout (which kills ncu, and so loses the report) stays as the backstop.
         stop_s = max(budget - STOP_MARGIN_S, budget / 2)
         cmd = ncu_command(name_regex=kernel_regex(chosen["own"]) if name == "own" else LIBRARY_LAUNCH,
-                          launches_per_config=1 if name == "own" else None, config=config, preset=preset,
+                          launches_per_config=1 if name == "own" else None,
+                          launch_skip=library_skip if name == "library" else 0, config=config, preset=preset,
                           size=size, batch=batch, report=reports[name], metrics=metrics, stop_after_s=stop_s)
         cmd[0] = ncu
         df, message = _profile(cmd, reports[name], timeout_s=budget, stop_s=stop_s, env=env, cwd=root)
@@ -446,6 +460,14 @@ def run_ncu(*, kernels_df: pd.DataFrame, config: str, preset: str, out_dir: Path
     status["profiled_coverage"] = got = profiled_coverage(kernels_df, df)
     short = f"; they cover {got:.2%} of step time, short of {coverage:.0%}" if got < coverage - 1e-9 else ""
     return done("ok", f"{df['kernel_id'].nunique()} kernel launches profiled ({said}){short}", df)
+
+
+def library_launches_done(status: dict) -> int:
+    """Where the next library pass over a run starts: the launches its library passes profiled, in launch
+    order from the step's first (`status` is a run's ncu entry, with those it was merged onto)."""
+    lib = status.get("passes", {}).get("library", {})
+    here = lib.get("first_launch", 0) + lib.get("launches", 0)
+    return max(here, library_launches_done(status["merged"]) if "merged" in status else 0)
 
 
 # ------------------------------------------------------------------------------------------ parsing

@@ -3,6 +3,7 @@ real H200 output (no GPU or ncu needed)."""
 
 import gzip
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -105,6 +106,35 @@ def test_counters_merge_adds_a_pass_to_the_run_s(run_dir, stand_in, tmp_path):
     recorded = json.loads(schema.read_table(run_dir / "run.parquet", "run").loc[0, "profilers"])["ncu"]
     assert recorded["profiled_coverage"] == pytest.approx(0.81)
     assert recorded["merged"]["profiled_coverage"] == pytest.approx(0.45)  # the counters it was added to
+
+
+def test_a_merge_profiles_only_what_the_run_s_counters_lack(run_dir, stand_in, tmp_path, monkeypatch):
+    # Each merge's own pass leaves out the kernels already covered, and its library pass skips the launches
+    # the library passes before it profiled (session 16's passes, which predate `first_launch`, from the first).
+    calls = []
+    real = ncu._profile
+    monkeypatch.setattr(ncu, "_profile", lambda cmd, *a, **k: (calls.append(cmd), real(cmd, *a, **k))[1])
+    names = schema.read_table(run_dir / "kernels.parquet", "kernels")["kernel"].tolist()
+    stand_in(only_kernels(tmp_path, 1))  # covers the first kernel alone
+    add_counters(run_dir, device="cpu", timeout_s=60, passes=("own",))
+    own = re.compile(calls[-1][calls[-1].index("--kernel-name") + 1].removeprefix("regex:"))
+    assert all(own.search(n) for n in names[:3])  # 85% of the step: the first three kernels
+    status = add_counters(run_dir, device="cpu", timeout_s=60, passes=("own",), merge=True)
+    own = re.compile(calls[-1][calls[-1].index("--kernel-name") + 1].removeprefix("regex:"))
+    assert not own.search(names[0]) and all(own.search(n) for n in names[1:3])
+    assert status["passes"]["own"]["kernels"] == 2
+
+    row = schema.read_table(run_dir / "run.parquet", "run")
+    recorded = json.loads(row.loc[0, "profilers"])
+    recorded["ncu"]["merged"]["passes"] = {"library": {"launches": 97}}  # as session 16 recorded one
+    row.loc[0, "profilers"] = json.dumps(recorded)
+    schema.write_table(row, run_dir / "run.parquet", "run")
+    assert ncu.library_launches_done(recorded["ncu"]) == 97
+    library = {"launches": 12, "first_launch": 97}
+    assert ncu.library_launches_done({"passes": {"library": library}, "merged": recorded["ncu"]}) == 109
+    # the stand-in's table covers the first kernel only: nothing is left for the own pass of this selection
+    status = add_counters(run_dir, device="cpu", timeout_s=60, passes=("own",), merge=True, coverage=0.4)
+    assert status["status"] == "skipped" and "no selected kernel left" in status["message"], status
 
 
 def test_counters_refuse_what_they_cannot_count(run_dir, tmp_path):

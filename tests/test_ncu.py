@@ -201,7 +201,11 @@ def test_ncu_command(tmp_path):
                               report=report, metrics=[])
     assert "--filter-mode" not in library and "--launch-count" not in library
     assert library[library.index("--kernel-name") + 1] == f"regex:{ncu.LIBRARY_LAUNCH}"
-    assert "--metrics" not in library
+    assert "--metrics" not in library and "--launch-skip" not in library
+    # ... going on after the first 97 launches an earlier library pass profiled
+    later = ncu.ncu_command(name_regex=ncu.LIBRARY_LAUNCH, launches_per_config=None, launch_skip=97, config="c",
+                            preset="smoke", report=report, metrics=[])
+    assert later[later.index("--launch-skip") + 1] == "97" and later.index("--launch-skip") < later.index("-o")
     brats = ncu.ncu_command(name_regex="x", config="best", preset="brats", size="192x192x144", batch=2,
                             report=report, metrics=[])
     assert brats[-6:] == ["--preset", "brats", "--size", "192x192x144", "--batch", "2"]
@@ -362,6 +366,16 @@ case "$report $*" in *-own.ncu-rep*per-launch-config*) ;; *-library.ncu-rep*per-
                              passes=("library",))
     assert list(status["passes"]) == ["library"] and status["profiled_coverage"] == pytest.approx(0.6)
     assert (tmp_path / "calls").read_text().count("\n") == 1
+    # Adding to the own pass's counters: its kernel is covered, so only the library pass runs, after the
+    # 97 launches that earlier library passes profiled
+    commands = []
+    real = ncu._profile
+    monkeypatch.setattr(ncu, "_profile", lambda cmd, *a, **kw: (commands.append(cmd), real(cmd, *a, **kw))[1])
+    own = ncu.parse_details_csv(tmp_path / "own.csv")
+    df, status = ncu.run_ncu(kernels_df=k, config="opt12", preset="paper", out_dir=tmp_path / "out", timeout_s=200,
+                             profiled=own, library_skip=97)
+    assert list(status["passes"]) == ["library"] and status["passes"]["library"]["first_launch"] == 97
+    assert len(commands) == 1 and commands[0][commands[0].index("--launch-skip") + 1] == "97"
     with pytest.raises(ValueError, match="unknown ncu pass cudnn: choose from own, library"):
         ncu.run_ncu(kernels_df=k, config="opt12", preset="paper", out_dir=tmp_path, passes=("cudnn",))
 
