@@ -56,6 +56,10 @@ class Config:
     # it, through an operator Inductor cannot fuse into (model._StoreGradient); otherwise compiled backward graphs
     # hold the top decoder blocks' whole float32 input gradient until the encoder reads the skip's slice
     store_skip_grad: bool = False
+    # each GroupNorm's input gradient written out in the activations' dtype (bf16 under autocast) where it is
+    # computed, through Inductor's realize barrier after the cast (model._Upcast); otherwise a compiled backward
+    # stores it in float32 where two kernels read it (1 GiB a top-level decoder block at 128^3)
+    store_norm_grad: bool = False
     cudnn_try_all: bool = False  # cuDNN autotuning tries every algorithm (benchmark_limit 0), not PyTorch's first 10
     # compiled graphs: activations AOTAutograd's partitioner may keep, as a fraction of what it keeps by
     # default (functorch's activation_memory_budget; 0 = recompute the whole compiled region in backward)
@@ -210,6 +214,7 @@ class Resolved:
     nd_tiling: bool
     coordinate_descent: bool
     combo_kernels: bool
+    store_norm_grad: bool
     not_applicable: dict[str, str]  # flag -> why it is off on this device
 
     @property
@@ -251,13 +256,16 @@ def resolve(config: Config, device: torch.device | str) -> Resolved:
     reads = config.recompute_reads and config.compile
     if config.recompute_reads and not reads:
         na["recompute_reads"] = "an Inductor fusion choice: needs compile"
+    norm_grad = config.store_norm_grad and config.compile
+    if config.store_norm_grad and not norm_grad:
+        na["store_norm_grad"] = "a barrier for Inductor's fusion (eager writes every gradient out anyway): needs compile"
     triton = {f: getattr(config, f) and config.compile and device.type == "cuda" for f in TRITON_OPTIONS}
     for f, on in triton.items():
         if getattr(config, f) and not on:
             na[f] = f"Inductor's {TRITON_OPTIONS[f]} shapes the Triton kernels of compiled graphs: needs compile and " \
                     "a CUDA device"
     return Resolved(config, device, precision, config.channels_last, config.compile, graphs, config.fused_adam, pin,
-                    try_all, budget, cse, recompute, reads, **triton, not_applicable=na)
+                    try_all, budget, cse, recompute, reads, **triton, store_norm_grad=norm_grad, not_applicable=na)
 
 
 DEFAULT_BENCHMARK_LIMIT = torch.backends.cudnn.benchmark_limit  # PyTorch's: 10 (None in a build without cuDNN)

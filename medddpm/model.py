@@ -178,6 +178,33 @@ def _affine(mean, rstd, weight, bias):
     return scale, (shift + bias if bias is not None else shift)
 
 
+def _realized(x: torch.Tensor) -> torch.Tensor:
+    """x, written out in its own dtype where a compiled graph computes it: Inductor's realize barrier
+    (`torch._inductor.test_operators`, whose lowering stores its input and copies nothing), so that the
+    float32 arithmetic before a cast stays in registers. Eager: x itself."""
+    if not torch.compiler.is_compiling():
+        return x
+    return torch.ops._inductor_test.realize(x)
+
+
+class _Upcast(torch.autograd.Function):
+    """x.to(dtype), whose backward casts the gradient back and writes it out in x's dtype (`store_norm_grad`).
+
+    A compiled backward computes a GroupNorm's input gradient in float32, and where two kernels read it (a
+    decoder block's input gradient, sliced into the skip's part and the upsampling's) Inductor stores that
+    float32 sum and casts in each reader: 1 GiB for each of the top two decoder blocks of the 128^3 model,
+    live at best-ckpt's peak (data/nvidia-h200/NOTES.md, session 17). Stored after the cast, it is 0.5 GiB."""
+
+    @staticmethod
+    def forward(ctx, x, dtype):
+        ctx.dtype = x.dtype
+        return x.to(dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _realized(dy.to(ctx.dtype)), None
+
+
 class _GroupNormSiLU(torch.autograd.Function):
     """silu(group_norm(x)) (or group_norm(x) with `silu=False`) computed in float32 whatever x's dtype,
     output in x's dtype, with a hand-written backward (`group_norm="fused"`).
@@ -191,13 +218,13 @@ class _GroupNormSiLU(torch.autograd.Function):
     SiLU's input is recomputed (data/nvidia-h200/NOTES.md, session 13)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, groups: int, eps: float, silu: bool):
+    def forward(ctx, x, weight, bias, groups: int, eps: float, silu: bool, store_grad: bool = False):
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
         mean, rstd = _group_stats(xf, groups, eps)
         scale, shift = _affine(mean, rstd, weight, bias)
         a = xf * _bcast(scale, x) + _bcast(shift, x)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
-        ctx.groups, ctx.silu = groups, silu
+        ctx.groups, ctx.silu, ctx.store_grad = groups, silu, store_grad
         # A new tensor even where x is float32 (a bf16 x makes it a cast anyway): torch 2.11's Dynamo gave every
         # input a zero gradient when the output was the intermediate itself (pytorch/pytorch#180642, fixed in 2.12)
         return (F.silu(a) if silu else a).to(x.dtype, copy=True)
@@ -227,7 +254,8 @@ class _GroupNormSiLU(torch.autograd.Function):
         dx = da * _bcast(scale, x) - _bcast(rstd * m1, x) - xhat * _bcast(rstd * m2, x)
         dweight = sum_da_xhat.sum(0) if weight is not None else None
         dbias = sum_da.sum(0) if bias is not None else None
-        return dx.to(x.dtype), dweight, dbias, None, None, None
+        dx = dx.to(x.dtype)
+        return _realized(dx) if ctx.store_grad else dx, dweight, dbias, None, None, None, None
 
 
 def _bcast(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -247,6 +275,7 @@ class GroupNorm32(nn.GroupNorm):
         assert not silu or kind == "fused", f"only the fused group norm takes its SiLU in, not {kind!r}"
         super().__init__(num_groups, num_channels)
         self.kind, self.silu = kind, silu
+        self.store_grad = False  # UNet3D(store_norm_grad=True) sets it on every GroupNorm (_Upcast)
 
     def forward(self, x):
         return self._norm(x, self.num_groups, self.weight, self.bias)
@@ -270,10 +299,13 @@ class GroupNorm32(nn.GroupNorm):
 
     def _norm(self, x, groups, weight, bias):
         if self.kind == "fused":
-            return _GroupNormSiLU.apply(x, weight, bias, groups, self.eps, self.silu)
+            return _GroupNormSiLU.apply(x, weight, bias, groups, self.eps, self.silu, self.store_grad)
         dtype = torch.promote_types(x.dtype, torch.float32)  # bf16 -> fp32; a float64 model (tests) stays float64
         fn = group_norm_chunked if self.kind == "chunked" else F.group_norm
-        return fn(x.to(dtype), groups, weight, bias, self.eps).to(x.dtype)
+        # (no _Upcast where there is no cast: torch 2.11's Dynamo gives an input returned as it is a zero
+        # gradient, pytorch/pytorch#180642)
+        xf = _Upcast.apply(x, dtype) if self.store_grad and x.dtype != dtype else x.to(dtype)
+        return fn(xf, groups, weight, bias, self.eps).to(x.dtype)
 
 
 def norm(channels: int, *, kind: str = "aten") -> nn.GroupNorm:
@@ -567,12 +599,14 @@ class UNet3D(nn.Module):
     `split_skip=True`: decoder blocks take the skip connection as a second input instead of a
     concatenation, where their GroupNorm groups allow it (ResBlock.forward_parts).
     `store_skip_grad=True`: each skip connection's gradient is written out as soon as a decoder block has
-    computed it (_StoreGradient)."""
+    computed it (_StoreGradient).
+    `store_norm_grad=True`: each GroupNorm's input gradient is written out in the activations' dtype, not
+    in float32 (_Upcast; compiled graphs only)."""
 
     def __init__(self, spec: ModelSpec = ModelSpec(), *, attention: str = "math", recompute_attention: bool = True,
                  upsample: str = "interpolate", checkpointing: bool = False, group_norm: str = "aten",
                  pad_channels: bool = False, tap_gemm: bool = False, split_skip: bool = False,
-                 store_skip_grad: bool = False):
+                 store_skip_grad: bool = False, store_norm_grad: bool = False):
         super().__init__()
         self.spec = spec
         self.checkpointing, self.split_skip, self.store_skip_grad = checkpointing, split_skip, store_skip_grad
@@ -614,6 +648,11 @@ class UNet3D(nn.Module):
 
         self.out = nn.Sequential(*norm_silu(ch, kind=group_norm),
                                  zero_init((TapConv3d if tap_gemm else conv)(ch, spec.image_channels, 3, padding=1)))
+        if store_norm_grad:
+            import torch._inductor.test_operators  # noqa: F401 - registers torch.ops._inductor_test.realize
+            for m in self.modules():
+                if isinstance(m, GroupNorm32):
+                    m.store_grad = True
 
     def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         spec = self.spec

@@ -72,7 +72,7 @@ def test_memory_budget_is_a_number_in_a_name_and_needs_compile():
     assert r.memory_budget == 1.0 and "needs compile" in r.not_applicable["memory_budget"]
 
 
-@pytest.mark.parametrize("switch", ["recompute_pointwise", "recompute_reads"])
+@pytest.mark.parametrize("switch", ["recompute_pointwise", "recompute_reads", "store_norm_grad"])
 def test_inductor_fusion_switches_need_compile(switch):
     assert getattr(resolve(get_config(f"best+{switch}=true"), "cpu"), switch)
     r = resolve(get_config(f"opt1+{switch}=true"), "cpu")

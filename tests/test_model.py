@@ -443,6 +443,33 @@ def test_store_skip_grad_gives_the_same_model_and_stores_each_skip_gradient(tiny
     assert len(copies) == len(stored.up)
 
 
+@pytest.mark.parametrize("kind", ["chunked", "fused"])
+def test_store_norm_grad_gives_the_same_model_and_touches_only_compiled_graphs(tiny_spec, kind):
+    """The switch routes each GroupNorm's bf16 -> float32 cast through model._Upcast, whose backward casts the
+    gradient back behind Inductor's realize barrier; outside a compiled graph that barrier is the identity, so
+    eager outputs and gradients are bit for bit those without it (no upcast at all in a float64 model)."""
+    import torch._inductor.test_operators  # noqa: F401 - the barrier's operator, so that its calls can be counted
+
+    torch.manual_seed(0)
+    plain = UNet3D(tiny_spec, group_norm=kind)
+    for p in plain.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    stored = UNet3D(tiny_spec, group_norm=kind, store_norm_grad=True)
+    stored.load_state_dict(plain.state_dict())
+    norms = [m for m in stored.modules() if isinstance(m, GroupNorm32)]
+    assert norms and all(m.store_grad for m in norms)
+    assert not any(m.store_grad for m in plain.modules() if isinstance(m, GroupNorm32))
+    x = torch.randn(1, 4, 16, 16, 16).to(memory_format=torch.channels_last_3d)
+    t = torch.tensor([70])
+    barriers = []
+    for model in (plain, stored):
+        with torch.autocast("cpu", dtype=torch.bfloat16), _OpCalls(torch.ops._inductor_test.realize.default, barriers):
+            model(x, t).float().square().sum().backward()
+    assert not barriers
+    for (name, pa), pb in zip(plain.named_parameters(), stored.parameters()):
+        torch.testing.assert_close(pb.grad, pa.grad, rtol=0, atol=0, msg=name)
+
+
 class _OpCalls(TorchDispatchMode):
     """Appends the shapes of every call of one operator."""
 
