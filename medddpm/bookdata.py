@@ -588,22 +588,32 @@ def ncu_coverage(data: Data) -> pd.DataFrame:
 
 
 def roofline_points(ncu_df: pd.DataFrame) -> pd.DataFrame:
-    """Per profiled kernel: arithmetic intensity (FLOP per DRAM byte) and achieved FLOP/s.
+    """Per profiled kernel of each run: arithmetic intensity (FLOP per DRAM byte) and achieved FLOP/s of
+    all its profiled launches together (their FLOPs over their bytes and over their time; `launches`),
+    so that a run profiled launch by launch (the library pass) draws as many points as kernels.
 
     FLOPs come from ncu's FP32/FP16/FP64 thread-instruction counts (an FMA is two), which do not see
     tensor-core (HMMA/GMMA) math: tensor-core kernels are drawn with what the SASS counters see."""
+    cols = ["gpu_slug", "config", "kernel", "launches", "duration_ns", "flops", "bytes", "intensity", "flops_per_s",
+            "tensor_pipe_pct"]
     k = ncu_kernels(ncu_df)
     if k.empty or "flop_fp32" not in k:
-        return pd.DataFrame(columns=["gpu_slug", "config", "kernel", "flops", "bytes", "intensity", "flops_per_s"])
+        return pd.DataFrame(columns=cols)
     k = k.copy()
     k["flops"] = k[["flop_fp32", "flop_fp16", "flop_fp64"]].sum(axis=1, min_count=1)
     k["bytes"] = k["dram_bytes_per_s"] * k["duration_ns"] / 1e9
-    k["intensity"] = k["flops"] / k["bytes"]
-    k["flops_per_s"] = k["flops"] / (k["duration_ns"] / 1e9)
-    k = k[np.isfinite(k["intensity"]) & (k["intensity"] > 0) & (k["flops_per_s"] > 0)]
+    k = k[(k["flops"] > 0) & (k["bytes"] > 0) & (k["duration_ns"] > 0)]
     k["kernel"] = k["kernel"].str.slice(0, 160)
-    return k[["gpu_slug", "config", "kernel", "duration_ns", "flops", "bytes", "intensity", "flops_per_s",
-              "tensor_pipe_pct"]].reset_index(drop=True)
+    k["pipe_ns"] = k["tensor_pipe_pct"] * k["duration_ns"]
+    k["piped_ns"] = k["duration_ns"].where(k["tensor_pipe_pct"].notna())
+    g = k.groupby(["gpu_slug", "config", "kernel"], as_index=False, sort=False).agg(
+        launches=("kernel_id", "size"), duration_ns=("duration_ns", "sum"), flops=("flops", "sum"),
+        bytes=("bytes", "sum"), pipe_ns=("pipe_ns", "sum"), piped_ns=("piped_ns", "sum"))
+    g["intensity"] = g["flops"] / g["bytes"]
+    g["flops_per_s"] = g["flops"] / (g["duration_ns"] / 1e9)
+    # duration-weighted over the launches ncu gave it for; NaN where it gave none
+    g["tensor_pipe_pct"] = g["pipe_ns"] / g["piped_ns"].where(g["piped_ns"] > 0)
+    return g[cols]
 
 
 def ncu_priorities(data: Data, n: int = 10) -> pd.DataFrame:
@@ -1158,6 +1168,22 @@ def memory_targets(mem: pd.DataFrame, targets=MEMORY_TARGETS, *, configs=tuple(C
                                "evidence": f"{best['label']}: {best['peak_gib']:.2f} GiB at {best['train_median_ms']:.4g} "
                                            f"ms a micro-step{note}" + measured})
     return pd.DataFrame(rows, columns=cols)
+
+
+def checkpointed_benches(tried: pd.DataFrame) -> pd.DataFrame:
+    """The training benches (`bench_runs`) of checkpointed configurations, for the checkpointed peak's target:
+    their switches over the named configuration's (`lever`: what the name adds, or "as named"), peak and
+    step time. A name's switches are those of its commit, so each bench stands alone (no pooling)."""
+    cols = [*BENCH_COLUMNS, "base", "lever"]
+    if tried.empty:
+        return pd.DataFrame(columns=cols)
+    t = tried[tried["phase"] == "train"].copy()
+    parts = t["config"].str.split("+")
+    t["base"], t["lever"] = parts.str[0], parts.str[1:].str.join(" + ").replace("", "as named")
+    ckpt = t["base"].map(lambda b: b in CONFIGS and CONFIGS[b].checkpointing) | t["config"].str.contains(
+        r"\+checkpointing=true", regex=True)
+    keep = ckpt & ~t["config"].str.contains(r"\+checkpointing=false", regex=True)
+    return t[keep].sort_values(["gpu_slug", "time_utc", "source"], kind="stable", ignore_index=True)[cols]
 
 
 def check_memory(mem: pd.DataFrame) -> None:

@@ -424,13 +424,14 @@ def priorities(prio: pd.DataFrame) -> alt.Chart:
 
 
 def roofline(points: pd.DataFrame) -> alt.LayerChart:
-    """Achieved FLOP/s against arithmetic intensity (log-log), roofs where the GPU's peaks are known;
-    GPU dropdown, legend picks configurations, size = kernel duration."""
+    """Achieved FLOP/s against arithmetic intensity (log-log), one dot per kernel of a run (its profiled
+    launches together), roofs where the GPU's peaks are known; GPU dropdown, legend picks configurations,
+    size = the launches' duration."""
     if points.empty:
         return _empty("no Nsight Compute FLOP and byte counts in the data")
     # only the columns drawn or in the tooltip: the page embeds every GPU's points
     df = _light(points.assign(tflops=points["flops_per_s"] / 1e12, duration_us=points["duration_ns"] / 1e3)[
-        ["gpu_slug", "config", "kernel", "intensity", "tflops", "duration_us", "tensor_pipe_pct"]])
+        ["gpu_slug", "config", "kernel", "launches", "intensity", "tflops", "duration_us", "tensor_pipe_pct"]])
     gpu = _gpu_param(df)
     pick = alt.selection_point(fields=["config"], bind="legend")
     dots = alt.Chart(df).transform_filter(alt.datum.gpu_slug == gpu).mark_circle().encode(
@@ -441,7 +442,7 @@ def roofline(points: pd.DataFrame) -> alt.LayerChart:
         opacity=alt.condition(pick, alt.value(0.9), alt.value(0.1)),
         tooltip=["kernel:N", "config:N", alt.Tooltip("intensity:Q", format=".3g"),
                  alt.Tooltip("tflops:Q", title="TFLOP/s", format=".3g"),
-                 alt.Tooltip("duration_us:Q", title="µs", format=".3g"),
+                 alt.Tooltip("duration_us:Q", title="µs (profiled launches)", format=".3g"), "launches:Q",
                  alt.Tooltip("tensor_pipe_pct:Q", title="tensor pipe %", format=".3g")]).add_params(pick)
     roofs = []
     for slug in sorted(df["gpu_slug"].unique()):
@@ -671,6 +672,33 @@ def memory_fits(fits_df: pd.DataFrame) -> alt.LayerChart | alt.Chart:
     text = base.mark_text(fontSize=11).encode(x=x, y=y, text="batch_text:N", tooltip=tip)
     return alt.layer(cells, text).add_params(gpu, model).properties(
         width="container", height=_height(df, 3, row=30), title="What fits where: batch 1, and the largest batch")
+
+
+def checkpointed_benches(benches: pd.DataFrame, *, target_gib: float) -> alt.LayerChart | alt.Chart:
+    """Each bench of a checkpointed configuration: peak allocated against step time, one point per bench
+    (`bookdata.checkpointed_benches`), the target as a rule; GPU dropdown, legend picks the lever."""
+    if benches.empty:
+        return _empty("no bench of a checkpointed configuration")
+    df = _light(benches)
+    df["commit"] = df["git_commit"].str[:7]
+    gpu = _gpu_param(df)
+    pick = alt.selection_point(fields=["lever"], bind="legend")
+    points = alt.Chart(df).transform_filter(alt.datum.gpu_slug == gpu).mark_point(filled=True, size=90).encode(
+        x=alt.X("peak_mem_gib:Q", title="peak allocated (GiB)", scale=alt.Scale(zero=False)),
+        y=alt.Y("median_ms:Q", title="median micro-step time (ms)", scale=alt.Scale(zero=False)),
+        color=alt.Color("lever:N", legend=alt.Legend(title="switches over the name (click)", labelLimit=320)),
+        shape=alt.Shape("base:N", legend=alt.Legend(title="configuration")),
+        opacity=alt.condition(pick, alt.value(1.0), alt.value(0.15)),
+        tooltip=["gpu_slug:N", "config:N", alt.Tooltip("median_ms:Q", format=".4g"),
+                 alt.Tooltip("p10_ms:Q", title="p10 ms", format=".4g"), alt.Tooltip("p90_ms:Q", title="p90 ms", format=".4g"),
+                 "steps:Q", alt.Tooltip("peak_mem_gib:Q", title="peak allocated GiB", format=".3g"),
+                 alt.Tooltip("commit:N", title="commit (the name's switches then)"), "torch:N",
+                 alt.Tooltip("source:N", title="file")]).add_params(pick)
+    target = alt.Chart(pd.DataFrame({"x": [target_gib], "label": [f"target: {target_gib:g} GiB"]}))
+    rule = target.mark_rule(strokeDash=[4, 3], color="#333").encode(x="x:Q")
+    label = target.mark_text(align="left", dx=4, dy=-6, color="#333").encode(x="x:Q", y=alt.value(0), text="label:N")
+    return alt.layer(points, rule, label).add_params(gpu).properties(
+        width="container", height=320, title="Checkpointed configurations benched: peak memory and step time")
 
 
 def switch_costs(costs: pd.DataFrame) -> alt.LayerChart | alt.Chart:

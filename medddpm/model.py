@@ -192,8 +192,9 @@ class _Upcast(torch.autograd.Function):
 
     A compiled backward computes a GroupNorm's input gradient in float32, and where two kernels read it (a
     decoder block's input gradient, sliced into the skip's part and the upsampling's) Inductor stores that
-    float32 sum and casts in each reader: 1 GiB for each of the top two decoder blocks of the 128^3 model,
-    live at best-ckpt's peak (data/nvidia-h200/NOTES.md, session 17). Stored after the cast, it is 0.5 GiB."""
+    float32 sum and casts in each reader: 1 GiB for each of the top two decoder blocks of the 128^3 model, one
+    of them live at best-ckpt+store_skip_grad's peak (data/nvidia-h200/NOTES.md, session 17). Stored after the
+    cast, it is 0.5 GiB."""
 
     @staticmethod
     def forward(ctx, x, dtype):

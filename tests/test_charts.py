@@ -333,6 +333,43 @@ def test_load_errors_name_the_folder(real, tmp_path):
         bd.load("quality", root)
 
 
+def test_roofline_points_take_a_kernel_s_launches_together(monkeypatch):
+    # two launches of one kernel (a layer profiled twice by the library pass) and one of another; FLOPs over
+    # bytes and time of the two together, tensor pipe weighted by the launches ncu gave it for
+    per_launch = pd.DataFrame({
+        "gpu_slug": "g", "config": "bf16", "kernel_id": [0, 1, 2], "kernel": ["conv", "conv", "add"],
+        "duration_ns": [1e6, 3e6, 1e5], "flop_fp32": [4e9, 4e9, 1e6], "flop_fp16": [0.0, 0.0, 0.0],
+        "flop_fp64": [0.0, 0.0, 0.0], "dram_bytes_per_s": [1e12, 1e12, 2e12], "tensor_pipe_pct": [40.0, np.nan, 0.0]})
+    monkeypatch.setattr(bd, "ncu_kernels", lambda ncu_df: per_launch)
+    p = bd.roofline_points(pd.DataFrame()).set_index("kernel")
+    assert p.loc["conv", "launches"] == 2 and p.loc["add", "launches"] == 1
+    assert p.loc["conv", "intensity"] == pytest.approx(8e9 / 4e9)  # 8 GFLOP over 1 GB + 3 GB (1 TB/s, 4 ms)
+    assert p.loc["conv", "flops_per_s"] == pytest.approx(8e9 / 4e-3)
+    assert p.loc["conv", "tensor_pipe_pct"] == pytest.approx(40.0)
+    assert p.loc["add", "intensity"] == pytest.approx(1e6 / 2e8)
+
+
+def test_checkpointed_benches_are_those_whose_configuration_checkpoints(real, tmp_path):
+    root = _tree(tmp_path)
+    run = {"median_ms": 68.0, "p10_ms": 67.0, "p90_ms": 72.0, "step_ms": [68.0] * 30, "peak_mem_bytes": 4.39 * 2**30}
+    names = ["best-ckpt", "best-ckpt+store_skip_grad=true+cuda_graphs=false", "best", "best+checkpointing=true",
+             "opt1-ckpt+checkpointing=false"]
+    doc = {"environment": {"git_commit": "e3af6ad" + "0" * 33, "time_utc": "2026-12-02T06:00:00+00:00"},
+           "spec": {"size": 128, "mask_channels": 3}, "runs": [{**run, "config": n} for n in names]}
+    (root / "cpu" / "notes" / "bench-ckpt.json").write_text(json.dumps(doc))
+    (root / "cpu" / "notes" / "bench-sample.json").write_text(json.dumps({**doc, "phase": "sample"}))
+    got = bd.checkpointed_benches(bd.bench_runs(root, phase=None))
+    assert sorted(got[["config", "base", "lever"]].values.tolist()) == [
+        ["best+checkpointing=true", "best", "checkpointing=true"],
+        ["best-ckpt", "best-ckpt", "as named"],
+        ["best-ckpt+store_skip_grad=true+cuda_graphs=false", "best-ckpt", "store_skip_grad=true + cuda_graphs=false"]]
+    assert got["peak_mem_gib"].tolist() == pytest.approx([4.39] * 3)
+    spec = charts.checkpointed_benches(got, target_gib=4.0).to_dict()
+    assert {"target: 4 GiB"} <= {v for d in spec["datasets"].values() for r in d for v in r.values()}
+    assert bd.checkpointed_benches(bd.bench_runs(root).iloc[:0]).empty
+    assert "no bench" in json.dumps(charts.checkpointed_benches(got.iloc[:0], target_gib=4.0).to_dict())
+
+
 def test_bench_json_is_read_from_non_run_folders(real, tmp_path):
     root = _tree(tmp_path)
     good = {"environment": {"torch": "x"}, "spec": {"size": 128, "mask_channels": 3, "base_channels": 64},
