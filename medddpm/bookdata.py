@@ -603,7 +603,6 @@ def roofline_points(ncu_df: pd.DataFrame) -> pd.DataFrame:
     k["flops"] = k[["flop_fp32", "flop_fp16", "flop_fp64"]].sum(axis=1, min_count=1)
     k["bytes"] = k["dram_bytes_per_s"] * k["duration_ns"] / 1e9
     k = k[(k["flops"] > 0) & (k["bytes"] > 0) & (k["duration_ns"] > 0)]
-    k["kernel"] = k["kernel"].str.slice(0, 160)
     k["pipe_ns"] = k["tensor_pipe_pct"] * k["duration_ns"]
     k["piped_ns"] = k["duration_ns"].where(k["tensor_pipe_pct"].notna())
     g = k.groupby(["gpu_slug", "config", "kernel"], as_index=False, sort=False).agg(
@@ -613,6 +612,7 @@ def roofline_points(ncu_df: pd.DataFrame) -> pd.DataFrame:
     g["flops_per_s"] = g["flops"] / (g["duration_ns"] / 1e9)
     # duration-weighted over the launches ncu gave it for; NaN where it gave none
     g["tensor_pipe_pct"] = g["pipe_ns"] / g["piped_ns"].where(g["piped_ns"] > 0)
+    g["kernel"] = g["kernel"].str.slice(0, 160)  # a label: kernels are told apart by their whole names above
     return g[cols]
 
 
@@ -1170,14 +1170,19 @@ def memory_targets(mem: pd.DataFrame, targets=MEMORY_TARGETS, *, configs=tuple(C
     return pd.DataFrame(rows, columns=cols)
 
 
-def checkpointed_benches(tried: pd.DataFrame) -> pd.DataFrame:
+def checkpointed_benches(tried: pd.DataFrame, *, shape: str | None = None) -> pd.DataFrame:
     """The training benches (`bench_runs`) of checkpointed configurations, for the checkpointed peak's target:
     their switches over the named configuration's (`lever`: what the name adds, or "as named"), peak and
-    step time. A name's switches are those of its commit, so each bench stands alone (no pooling)."""
+    step time; `shape` (e.g. "128x128x128"): only benches of that input size. A name's switches are those
+    of its commit, so each bench stands alone (no pooling)."""
+    from .model import parse_size
+
     cols = [*BENCH_COLUMNS, "base", "lever"]
     if tried.empty:
         return pd.DataFrame(columns=cols)
     t = tried[tried["phase"] == "train"].copy()
+    if shape is not None:
+        t = t[t["size"].map(lambda s: pd.notna(s) and parse_size(s) == parse_size(shape))]
     parts = t["config"].str.split("+")
     t["base"], t["lever"] = parts.str[0], parts.str[1:].str.join(" + ").replace("", "as named")
     ckpt = t["base"].map(lambda b: b in CONFIGS and CONFIGS[b].checkpointing) | t["config"].str.contains(

@@ -337,11 +337,14 @@ def test_roofline_points_take_a_kernel_s_launches_together(monkeypatch):
     # two launches of one kernel (a layer profiled twice by the library pass) and one of another; FLOPs over
     # bytes and time of the two together, tensor pipe weighted by the launches ncu gave it for
     per_launch = pd.DataFrame({
-        "gpu_slug": "g", "config": "bf16", "kernel_id": [0, 1, 2], "kernel": ["conv", "conv", "add"],
-        "duration_ns": [1e6, 3e6, 1e5], "flop_fp32": [4e9, 4e9, 1e6], "flop_fp16": [0.0, 0.0, 0.0],
-        "flop_fp64": [0.0, 0.0, 0.0], "dram_bytes_per_s": [1e12, 1e12, 2e12], "tensor_pipe_pct": [40.0, np.nan, 0.0]})
+        "gpu_slug": "g", "config": "bf16", "kernel_id": [0, 1, 2, 3], "kernel": ["conv", "conv", "add", "x" * 200],
+        "duration_ns": [1e6, 3e6, 1e5, 1e5], "flop_fp32": [4e9, 4e9, 1e6, 1e6], "flop_fp16": 0.0, "flop_fp64": 0.0,
+        "dram_bytes_per_s": [1e12, 1e12, 2e12, 2e12], "tensor_pipe_pct": [40.0, np.nan, 0.0, 0.0]})
+    per_launch = pd.concat([per_launch, per_launch.iloc[[3]].assign(kernel_id=4, kernel="x" * 199 + "y")])
     monkeypatch.setattr(bd, "ncu_kernels", lambda ncu_df: per_launch)
-    p = bd.roofline_points(pd.DataFrame()).set_index("kernel")
+    p = bd.roofline_points(pd.DataFrame())
+    assert (p["kernel"] == "x" * 160).sum() == 2 and p["launches"].sum() == 5  # alike in their labels, apart
+    p = p.set_index("kernel").drop("x" * 160)
     assert p.loc["conv", "launches"] == 2 and p.loc["add", "launches"] == 1
     assert p.loc["conv", "intensity"] == pytest.approx(8e9 / 4e9)  # 8 GFLOP over 1 GB + 3 GB (1 TB/s, 4 ms)
     assert p.loc["conv", "flops_per_s"] == pytest.approx(8e9 / 4e-3)
@@ -364,6 +367,8 @@ def test_checkpointed_benches_are_those_whose_configuration_checkpoints(real, tm
         ["best-ckpt", "best-ckpt", "as named"],
         ["best-ckpt+store_skip_grad=true+cuda_graphs=false", "best-ckpt", "store_skip_grad=true + cuda_graphs=false"]]
     assert got["peak_mem_gib"].tolist() == pytest.approx([4.39] * 3)
+    assert len(bd.checkpointed_benches(bd.bench_runs(root), shape="128x128x128")) == 3
+    assert bd.checkpointed_benches(bd.bench_runs(root), shape="192x192x144").empty
     spec = charts.checkpointed_benches(got, target_gib=4.0).to_dict()
     assert {"target: 4 GiB"} <= {v for d in spec["datasets"].values() for r in d for v in r.values()}
     assert bd.checkpointed_benches(bd.bench_runs(root).iloc[:0]).empty

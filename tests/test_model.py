@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from medddpm import model as model_module
 from medddpm.diffusion import GaussianDiffusion, cosine_betas
 from medddpm.flops import count
 from medddpm.model import (UPSAMPLE_KINDS, Attention, GroupNorm32, ModelSpec, UNet3D, Upsample, _GroupNormSiLU,
@@ -444,7 +445,7 @@ def test_store_skip_grad_gives_the_same_model_and_stores_each_skip_gradient(tiny
 
 
 @pytest.mark.parametrize("kind", ["chunked", "fused"])
-def test_store_norm_grad_gives_the_same_model_and_touches_only_compiled_graphs(tiny_spec, kind):
+def test_store_norm_grad_gives_the_same_model_and_touches_only_compiled_graphs(tiny_spec, kind, monkeypatch):
     """The switch routes each GroupNorm's bf16 -> float32 cast through model._Upcast, whose backward casts the
     gradient back behind Inductor's realize barrier; outside a compiled graph that barrier is the identity, so
     eager outputs and gradients are bit for bit those without it (no upcast at all in a float64 model)."""
@@ -461,11 +462,15 @@ def test_store_norm_grad_gives_the_same_model_and_touches_only_compiled_graphs(t
     assert not any(m.store_grad for m in plain.modules() if isinstance(m, GroupNorm32))
     x = torch.randn(1, 4, 16, 16, 16).to(memory_format=torch.channels_last_3d)
     t = torch.tensor([70])
-    barriers = []
+    barriers, upcasts = [], []
+    real = model_module._Upcast.apply
+    monkeypatch.setattr(model_module._Upcast, "apply", lambda *a: (upcasts.append(a[0].dtype), real(*a))[1])
     for model in (plain, stored):
         with torch.autocast("cpu", dtype=torch.bfloat16), _OpCalls(torch.ops._inductor_test.realize.default, barriers):
             model(x, t).float().square().sum().backward()
     assert not barriers
+    # the chunked kind casts through _Upcast (bf16 activations, the stored model only); the fused one casts inside
+    assert (set(upcasts) == {torch.bfloat16}) if kind == "chunked" else not upcasts
     for (name, pa), pb in zip(plain.named_parameters(), stored.parameters()):
         torch.testing.assert_close(pb.grad, pa.grad, rtol=0, atol=0, msg=name)
 
