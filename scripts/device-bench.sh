@@ -15,22 +15,15 @@ deadline=$1
 name=$2
 shift 2
 out=${OUT:-runs/out}
-cache=${BENCH_CACHE:-runs/inductor}
-carried=${AUTOTUNE_IN:-runs/autotune.tgz}
-mkdir -p "$out" "$cache"
+mkdir -p "$out"
 out=$(cd "$out" && pwd)
-cache=$(cd "$cache" && pwd)
-if [ -f "$carried" ]; then
-  tar -xzf "$carried" -C "$cache" || exit 2
-  echo "device-bench: $(tar -tzf "$carried" | grep -c '\.best_config$') tuned kernels carried in"
-fi
+source scripts/inductor-cache.sh
+autotune_in device-bench || exit 2
 # Leave time to pack what was tuned; `timeout` stops the bench, whose JSON holds every finished configuration.
 left=$((deadline - SECONDS - 15))
 ((left > 0)) || { echo "device-bench: deadline $deadline s leaves no time for the bench" >&2; exit 2; }
-TORCHINDUCTOR_CACHE_DIR=$cache timeout -k 5 "$left" \
-  python3 -m medddpm bench "$@" --json "$out/$name.json"
+timeout -k 5 "$left" python3 -m medddpm bench "$@" --json "$out/$name.json"
 rc=$?
-(cd "$cache" && find . -name '*.best_config' -print0 | tar -czf "$out/.autotune.tgz" --null -T -) \
-  && mv "$out/.autotune.tgz" "$out/autotune.tgz"
+autotune_out "$out"
 echo "device-bench: bench exit $rc; $(tar -tzf "$out/autotune.tgz" | grep -c '\.best_config$') tuned kernels packed"
 exit $rc

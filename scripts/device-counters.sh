@@ -5,6 +5,9 @@
 # $OUT, so that what was counted comes back even if the lease ends in the middle of the next one.
 # Usage: scripts/device-counters.sh DEADLINE_S RUN_DIR [RUN_DIR ...]   (e.g. data/nvidia-h200/bf16)
 #   COUNTERS_ARGS: more `python -m medddpm counters` flags, e.g. "--coverage 0.9".
+#   Inductor's cache is device-bench.sh's (scripts/inductor-cache.sh): on a warm lease, a compiled configuration
+#   benched (or profiled) just before starts its ncu pass from the cache instead of compiling and tuning under ncu
+#   (best-ckpt's library pass did not reach its step in 306 s that way); AUTOTUNE_IN carries block sizes in.
 # Unpack here with: tar -xzf counters.tgz   (from the repository root)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -12,7 +15,10 @@ deadline=$1
 shift
 out=${OUT:-runs/out}
 mkdir -p "$out" runs/ncu
+out=$(cd "$out" && pwd)
 python3 -m medddpm counters --check "$@" || exit 2  # every folder, before any profiling
+source scripts/inductor-cache.sh
+autotune_in device-counters || exit 2
 for run in "$@"; do
   left=$((deadline - SECONDS))
   if ((left < 120)); then
@@ -25,4 +31,5 @@ for run in "$@"; do
   tar -czf "$out/.counters.tgz" "${@/%//run.parquet}" "${@/%//ncu.parquet}" --ignore-failed-read 2>/dev/null
   mv "$out/.counters.tgz" "$out/counters.tgz"
   tar -czf "$out/.ncu.tgz" --exclude='*.ncu-rep' -C runs ncu && mv "$out/.ncu.tgz" "$out/ncu.tgz"
+  autotune_out "$out"
 done

@@ -338,7 +338,8 @@ def test_store_skip_grad_and_store_norm_grad_free_the_float32_input_gradient_of_
     through most of the backward; with it, every top-level float32 buffer is freed soon after it is written;
     with store_norm_grad too, there is none (the gradient is stored in bf16). Each computes the same loss and
     gradients. (On the H200 at 128^3: 1 GiB of best-ckpt's 4.64 GiB peak, and with store_skip_grad a 1 GiB
-    float32 buffer live at its 4.39 GiB peak: data/nvidia-h200/NOTES.md, sessions 13, 16 and 17.)"""
+    float32 buffer live at its 4.39 GiB peak: data/nvidia-h200/NOTES.md, sessions 13, 16 and 17. There
+    store_norm_grad raised the peak to 4.88 GiB, session 18: this traces the CPU's graph, not the GPU's.)"""
     import re
 
     from torch._inductor.utils import run_and_get_code
