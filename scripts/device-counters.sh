@@ -5,9 +5,10 @@
 # $OUT, so that what was counted comes back even if the lease ends in the middle of the next one.
 # Usage: scripts/device-counters.sh DEADLINE_S RUN_DIR [RUN_DIR ...]   (e.g. data/nvidia-h200/bf16)
 #   COUNTERS_ARGS: more `python -m medddpm counters` flags, e.g. "--coverage 0.9".
-#   Inductor's cache is device-bench.sh's (scripts/inductor-cache.sh): on a warm lease, a compiled configuration
-#   benched (or profiled) just before starts its ncu pass from the cache instead of compiling and tuning under ncu
-#   (best-ckpt's library pass did not reach its step in 306 s that way); AUTOTUNE_IN carries block sizes in.
+#   Inductor's cache is device-bench.sh's (scripts/inductor-cache.sh), so that on a warm lease a compiled
+#   configuration benched (or profiled) just before can start its ncu pass from the cache instead of compiling and
+#   tuning under ncu (best-ckpt's library pass did not reach its step in 306 s; the cached start is not measured
+#   yet); AUTOTUNE_IN carries block sizes in.
 # Unpack here with: tar -xzf counters.tgz   (from the repository root)
 set -uo pipefail
 cd "$(dirname "$0")/.."
