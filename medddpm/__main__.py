@@ -14,7 +14,7 @@ from .configs import (CONFIGS, AttentionKind, ConfigError, GroupNormKind, Precis
                       parse_config_list, resolve)
 from .data import DataError
 from .model import ModelSpec, format_size, parse_size
-from .ncu import COVERAGE, PASSES
+from .ncu import BOTH, COVERAGE, PASSES
 from .storage import atomic_write
 
 PRESET_NAMES = ("smoke", "paper", "brats")  # measure.PRESETS, without importing the measurement stack
@@ -354,7 +354,9 @@ def cmd_counters(args) -> None:
 
     from .counters import add_counters, check_run
     from .measure import NCU_MIN_S
+    from .ncu import check_passes
 
+    check_passes(tuple(args.passes))
     for run in args.runs:  # every folder checked before any GPU work
         check_run(run)
     if args.check:
@@ -507,8 +509,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--coverage", type=_fraction, default=COVERAGE,
                    help="share of the step's kernel time to select for profiling")
     p.add_argument("--force", action="store_true", help="keep the new counters even if they cover less")
-    p.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES),
-                   help="own: PyTorch's and Triton's kernels, by name; library: every cuDNN and cuBLAS launch")
+    p.add_argument("--passes", nargs="+", choices=[*PASSES, BOTH], default=list(PASSES),
+                   help="own: PyTorch's and Triton's kernels, by name; library: every cuDNN and cuBLAS launch; "
+                        f"{BOTH}: the two filters in one process, one launch a configuration (one warm-up)")
     p.add_argument("--merge", action="store_true", help="add the new launches to the run's counters")
     p.add_argument("--check", action="store_true", help="only check that every folder can be given counters here")
     p.set_defaults(func=cmd_counters)

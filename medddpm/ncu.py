@@ -26,7 +26,9 @@ tokens appear in it in order: `kernel_regex` (with ``--kernel-name-base demangle
 ncu cannot name cuDNN's and cuBLAS's launches when it filters them (it gives them the launch before's
 name), so a step is profiled in two passes (`PASSES`): "own" filters the selected kernels of PyTorch and
 Triton by name, one launch per launch configuration; "library" profiles every cuDNN and cuBLAS launch
-of the step in launch order (`LIBRARY_LAUNCH`), for as long as it is given. Their tables are joined.
+of the step in launch order (`LIBRARY_LAUNCH`), for as long as it is given. Their tables are joined. Each
+pass is its own process and pays the step's warm-up again; where that is long (opt2's cuDNN autotuning, 199 s
+at 128^3 on the H200), "both" takes both filters in one process, one launch a configuration.
 """
 
 from __future__ import annotations
@@ -263,6 +265,11 @@ LIBRARY = re.compile(r"xmma|cudnn|cask|cutlass|nvjet")
 # one right after a Triton kernel would carry that kernel's plain name and still be missed).
 LIBRARY_LAUNCH = r"xmma|cudnn|cask|cutlass|nvjet|^_Z"
 PASSES = ("own", "library")
+# Both filters in one process, one launch per launch configuration (per logged name, grid, block, shared
+# memory): a library launch then counts under the name of the launch before it, so a convolution repeated
+# after the same kernel at the same grid is profiled once. Coverage needs one launch of each kernel; in the
+# first 266 launches of opt12's step (tests/fixtures/ncu), that filter keeps 125, fprop, dgrad and wgrad among them.
+BOTH = "both"
 
 
 def split_library(names: list[str]) -> tuple[list[str], list[str]]:
@@ -276,6 +283,20 @@ def kernel_regex(names: list[str]) -> str:
     if not patterns:
         raise ValueError("no kernel names to match")
     return "|".join(f"({p})" for p in patterns)
+
+
+def check_passes(passes: tuple[str, ...]) -> None:
+    """ValueError, with one line saying why, for passes `run_ncu` cannot run."""
+    if unknown := sorted(set(passes) - {*PASSES, BOTH}):
+        raise ValueError(f"unknown ncu pass {', '.join(unknown)}: choose from {', '.join(PASSES)} or {BOTH}")
+    if BOTH in passes and len(set(passes)) > 1:
+        raise ValueError(f"the {BOTH} pass profiles {' and '.join(PASSES)} in one process: ask for it alone")
+
+
+def pass_regex(name: str, own: list[str]) -> str:
+    """A pass's name filter: the own kernels by name ("own"), every library launch ("library"), or both."""
+    parts = [kernel_regex(own)] if name in ("own", BOTH) and own else []
+    return "|".join(parts + ([LIBRARY_LAUNCH] if name in ("library", BOTH) else []))
 
 
 # ------------------------------------------------------------------------------------------ command
@@ -403,18 +424,18 @@ def run_ncu(*, kernels_df: pd.DataFrame, config: str, preset: str, out_dir: Path
             batch: int = 1, timeout_s: int = 420, coverage: float = COVERAGE, passes: tuple[str, ...] = PASSES,
             profiled: pd.DataFrame | None = None, library_skip: int = 0) -> tuple[pd.DataFrame, dict]:
     """Profile the kernels covering `coverage` of the step, in the `passes` that have selected kernels
-    (see `PASSES`; they share `timeout_s`); (long table, status). Never raises for ncu.
+    (see `PASSES`, or `BOTH` alone; they share `timeout_s`); (long table, status). Never raises for ncu.
 
     To add to counters a run has (`profiled`, their table): the own pass leaves out the kernels that table
     covers, and the library pass, which cannot filter by real name, skips the first `library_skip`
     launches (those earlier library passes profiled: `library_launches_done`)."""
-    if unknown := sorted(set(passes) - set(PASSES)):
-        raise ValueError(f"unknown ncu pass {', '.join(unknown)}: choose from {', '.join(PASSES)}")
+    check_passes(passes)
     out_dir = Path(out_dir)
     names = select_kernels(kernels_df, coverage=coverage)
     had = profiled_names(kernels_df, profiled) if profiled is not None else set()
     chosen = dict(zip(PASSES, split_library([n for n in names if n not in had])))
-    todo = [p for p in PASSES if p in passes and chosen[p]]
+    chosen[BOTH] = chosen["own"] + chosen["library"]
+    todo = [p for p in (*PASSES, BOTH) if p in passes and chosen[p]]
     reports = {p: out_dir / f"ncu-{config}-{preset}{size or ''}-{p}.ncu-rep" for p in todo}
     status = {"status": "skipped", "message": "", "selected_kernels": len(names),
               "coverage": covered(kernels_df, names), "dropped_metrics": [],
@@ -445,8 +466,7 @@ def run_ncu(*, kernels_df: pd.DataFrame, config: str, preset: str, out_dir: Path
         # The program stops itself before the timeout, so that ncu still writes what it profiled; the
         # timeout (which kills ncu, and so loses the report) stays as the backstop.
         stop_s = max(budget - STOP_MARGIN_S, budget / 2)
-        cmd = ncu_command(name_regex=kernel_regex(chosen["own"]) if name == "own" else LIBRARY_LAUNCH,
-                          launches_per_config=1 if name == "own" else None,
+        cmd = ncu_command(name_regex=pass_regex(name, chosen["own"]), launches_per_config=None if name == "library" else 1,
                           launch_skip=library_skip if name == "library" else 0, config=config, preset=preset,
                           size=size, batch=batch, report=reports[name], metrics=metrics, stop_after_s=stop_s)
         cmd[0] = ncu

@@ -380,6 +380,44 @@ case "$report $*" in *-own.ncu-rep*per-launch-config*) ;; *-library.ncu-rep*per-
         ncu.run_ncu(kernels_df=k, config="opt12", preset="paper", out_dir=tmp_path, passes=("cudnn",))
 
 
+def test_run_ncu_both_filters_in_one_process(monkeypatch, tmp_path):
+    # `both`: one ncu process (one warm-up) with the own kernels' names and every library launch in its filter,
+    # one launch a configuration. The stand-in exports the fixture with its first kernel renamed to a cuDNN dgrad
+    # kernel, so that the one report holds both; it fails unless it gets that filter.
+    text = gzip.decompress(DETAILS["opt1"].read_bytes()).decode()
+    first = ncu.parse_details_csv(DETAILS["opt1"]).groupby("kernel_id")["kernel"].first()[0]
+    (tmp_path / "both.csv").write_text(text.replace(f'"{first}"', f'"{DGRAD}"'))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "ncu"
+    fake.write_text(f"""#!/bin/sh
+case "$1" in --query-metrics) exit 1;; -i) cat {tmp_path}/both.csv; exit 0;; esac
+for a; do [ "$prev" = -o ] && touch "$a" && report=$a; [ "$prev" = --kernel-name ] && regex=$a; prev=$a; done
+printf '%s %s\\n' "$report" "$regex" >> {tmp_path}/calls
+case "$*" in *per-launch-config*) ;; *) exit 8;; esac
+""")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    monkeypatch.setattr(ncu, "_cuda_available", lambda: True)
+    k = kernels_frame([(PAIRS[2]["profiler"], 40, "elementwise"), (DGRAD, 60, "convolution")])
+    df, status = ncu.run_ncu(kernels_df=k, config="opt2", preset="paper", out_dir=tmp_path / "out", timeout_s=200,
+                             passes=("both",))
+    assert status["status"] == "ok", status
+    assert list(status["passes"]) == ["both"] and status["passes"]["both"]["kernels"] == 2
+    assert status["profiled_coverage"] == pytest.approx(1.0) and df["kernel_id"].nunique() == 12
+    [(report, regex)] = [line.split(" ", 1) for line in (tmp_path / "calls").read_text().splitlines()]
+    assert Path(report).name == "ncu-opt2-paper-both.ncu-rep"
+    regex = re.compile(regex.removeprefix("regex:"))
+    # the own kernel by its ncu name, and a library launch under the mangled name of the kernel before it
+    assert regex.search(PAIRS[2]["ncu"]) and all(regex.search(a["logged"]) for a in LAUNCHES)
+    assert not any(regex.search(n) for n in OTHERS)
+    assert ncu.pass_regex("both", []) == ncu.pass_regex("library", []) == ncu.LIBRARY_LAUNCH
+    for bad, why in ((("both", "own"), "the both pass profiles own and library in one process: ask for it alone"),
+                     (("al",), "unknown ncu pass al: choose from own, library or both")):
+        with pytest.raises(ValueError, match=re.escape(why)):
+            ncu.run_ncu(kernels_df=k, config="opt2", preset="paper", out_dir=tmp_path, passes=bad)
+
+
 # --------------------------------------------------------------------------------------- priorities
 
 def test_priorities():
