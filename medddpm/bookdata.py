@@ -587,6 +587,13 @@ def ncu_coverage(data: Data) -> pd.DataFrame:
     return _sort(pd.DataFrame(rows, columns=["gpu_slug", "config", "selected", "profiled", "launches"]))
 
 
+def uncounted_runs(data: Data) -> pd.DataFrame:
+    """GPU runs measured (status ok) that have no counters at all: `ncu_coverage` cannot list them."""
+    r = data.run
+    r = r[(r["gpu_name"] != "cpu") & (r["status"] == "ok") & ~r["run_id"].isin(data.ncu["run_id"])]
+    return _sort(r[["gpu_slug", "config"]].reset_index(drop=True))
+
+
 def roofline_points(ncu_df: pd.DataFrame) -> pd.DataFrame:
     """Per profiled kernel of each run: arithmetic intensity (FLOP per DRAM byte) and achieved FLOP/s of
     all its profiled launches together (their FLOPs over their bytes and over their time; `launches`),

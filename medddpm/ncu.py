@@ -33,6 +33,7 @@ at 128^3 on the H200), "both" takes both filters in one process, one launch a co
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gzip
 import io
@@ -371,17 +372,21 @@ def split_available(metrics: list[str], available: set[str]) -> tuple[list[str],
 
 # ------------------------------------------------------------------------------------------- runner
 
-def _run(cmd: list[str], *, timeout_s: float, **kwargs) -> subprocess.CompletedProcess:
-    """subprocess.run, but a timeout kills the whole process group (ncu and the Python it launched)."""
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True, **kwargs) as proc:
-        try:
-            out, err = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+def _run(cmd: list[str], *, timeout_s: float, log: Path | None = None, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run, but a timeout kills the whole process group (ncu and the Python it launched). With
+    `log`, stdout and stderr go to that file as they come (the result's stdout reads it back), so that a
+    pass killed by the timeout still leaves its log."""
+    with open(log, "w") if log else contextlib.nullcontext() as sink:
+        streams = {"stdout": sink, "stderr": subprocess.STDOUT} if sink else \
+            {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+        with subprocess.Popen(cmd, text=True, start_new_session=True, **streams, **kwargs) as proc:
+            try:
+                out, err = proc.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+                raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, Path(log).read_text() if log else out, err or "")
 
 
 def _tail(text: str, lines: int = 5) -> str:
@@ -398,8 +403,7 @@ def _profile(cmd: list[str], report: Path, *, timeout_s: float, stop_s: float, e
              cwd: str) -> tuple[pd.DataFrame, str]:
     """One ncu pass and its export: (long table, message); an empty table where it failed."""
     try:
-        prof = _run(cmd, timeout_s=timeout_s, env=env, cwd=cwd)
-        report.with_suffix(".log").write_text(prof.stdout + prof.stderr)
+        prof = _run(cmd, timeout_s=timeout_s, log=report.with_suffix(".log"), env=env, cwd=cwd)
         stopped = STOPPED in prof.stdout + prof.stderr
         if (prof.returncode != 0 and not stopped) or not report.is_file():
             return empty_table(), f"ncu exited {prof.returncode}: {_tail(prof.stdout + prof.stderr)}"
@@ -411,7 +415,8 @@ def _profile(cmd: list[str], report: Path, *, timeout_s: float, stop_s: float, e
         csv.write_text(exported.stdout)
         df = parse_details_csv(csv)
     except subprocess.TimeoutExpired as e:
-        return empty_table(), f"ncu timed out after {e.timeout:.0f} s"
+        log = report.with_suffix(".log")
+        return empty_table(), f"ncu timed out after {e.timeout:.0f} s ({log.name}: {_tail(log.read_text(errors='replace'), 2)})"
     except (OSError, ValueError, pd.errors.ParserError) as e:
         return empty_table(), f"{type(e).__name__}: {e}"
     if df.empty:

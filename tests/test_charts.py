@@ -465,6 +465,18 @@ def test_ncu_coverage_says_what_the_counters_stand_for(real):
     assert less["profiled"].iloc[0] <= cov.loc[cov["config"] == one["config"].iloc[0], "profiled"].iloc[0]
 
 
+def test_uncounted_runs_are_the_gpu_runs_without_counters(real):
+    none = bd.uncounted_runs(real)
+    gpu = real.run[(real.run["gpu_name"] != "cpu") & (real.run["status"] == "ok")]
+    listed = set(bd.ncu_coverage(real)["config"] + "@" + bd.ncu_coverage(real)["gpu_slug"])
+    assert set(none["config"] + "@" + none["gpu_slug"]) == set(gpu["config"] + "@" + gpu["gpu_slug"]) - listed
+    # drop one run's counters: it is listed, and no CPU run ever is
+    run_id = real.ncu["run_id"].iloc[0] if not real.ncu.empty else pytest.skip("no GPU run with Nsight Compute")
+    fewer = bd.uncounted_runs(bd.Data(run=real.run, steps=real.steps, kernels=real.kernels,
+                                      ncu=real.ncu[real.ncu["run_id"] != run_id], quality=real.quality))
+    assert len(fewer) == len(none) + 1 and (fewer["gpu_slug"] != "cpu").all()
+
+
 def test_launching_ops_says_who_makes_the_copies():
     k = pd.DataFrame({"gpu_slug": "g", "config": ["a"] * 4 + ["b"], "category": ["layout"] * 3 + ["convolution", "layout"],
                       "op": ["aten::convolution_backward", "aten::convolution_backward", "aten::contiguous", "aten::conv3d", ""],

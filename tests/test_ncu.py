@@ -285,7 +285,7 @@ def test_run_ncu_skipped_without_ncu(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("script,timeout,expect", [("echo boom >&2; exit 3", 30, "exited 3: boom"),
-                                                    ("/bin/sleep 30", 1, "timed out")])
+                                                    ("echo compiling; /bin/sleep 30", 1, "timed out after 1 s (")])
 def test_run_ncu_failure_is_recorded(monkeypatch, tmp_path, script, timeout, expect):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -297,6 +297,9 @@ def test_run_ncu_failure_is_recorded(monkeypatch, tmp_path, script, timeout, exp
     df, status = ncu.run_ncu(kernels_df=kernels_frame([("a", 1, "gemm")]), config="opt1", preset="smoke",
                              out_dir=tmp_path / "out", timeout_s=timeout)
     assert df.empty and status["status"] == "error" and expect in status["message"]
+    # what ncu said before it stopped or was killed stays in its log
+    logged = "boom" if "boom" in script else "compiling"
+    assert (tmp_path / "out/ncu-opt1-smoke-own.log").read_text() == f"{logged}\n" and logged in status["message"]
 
 
 def test_run_ncu_keeps_a_stopped_step(monkeypatch, tmp_path):
