@@ -132,6 +132,10 @@ COLUMNS = {"kernel": "str", "kernel_id": "int64", "kind": "str", "section": "str
 
 STOP_MARGIN_S = 60  # for ncu to write and export the report after the profiled program stopped
 STOPPED = "medddpm.capture: stopped"  # what capture prints when --stop-after ends it
+# If the program has not stopped itself by then (best-ckpt's pass under ncu went 60 s past its stop, session 19),
+# its processes are killed this long before the timeout, leaving ncu that long to write what it profiled.
+KILL_MARGIN_S = 20
+KILLED = "medddpm.ncu: the profiled program was killed"  # what the log says then
 NON_KERNEL_CATEGORIES = ("memcpy",)  # copies and fills (medddpm.kernels files memsets here too): not kernels
 # Step time the selection aims at: 80% is what the counters must cover, and matching ncu's names back to
 # the profiler's loses a few points (cuDNN's dgrad launches, 2-3% of sdpa's and graphs' H200 steps)
@@ -372,20 +376,51 @@ def split_available(metrics: list[str], available: set[str]) -> tuple[list[str],
 
 # ------------------------------------------------------------------------------------------- runner
 
-def _run(cmd: list[str], *, timeout_s: float, log: Path | None = None, **kwargs) -> subprocess.CompletedProcess:
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc; empty where there is none)."""
+    parent = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    found, todo = [], [pid]
+    while todo:
+        above = todo.pop()
+        kids = [p for p, pp in parent.items() if pp == above]
+        found += kids
+        todo += kids
+    return found
+
+
+def _run(cmd: list[str], *, timeout_s: float, log: Path | None = None, kill_margin_s: float = 0,
+         **kwargs) -> subprocess.CompletedProcess:
     """subprocess.run, but a timeout kills the whole process group (ncu and the Python it launched). With
     `log`, stdout and stderr go to that file as they come (the result's stdout reads it back), so that a
-    pass killed by the timeout still leaves its log."""
+    pass killed by the timeout still leaves its log. With `kill_margin_s`, the processes `cmd` started are
+    killed that long before the timeout (at most a quarter of it), and `cmd` (ncu) gets the rest to finish."""
+    kill_margin_s = min(kill_margin_s, timeout_s / 4)
     with open(log, "w") if log else contextlib.nullcontext() as sink:
         streams = {"stdout": sink, "stderr": subprocess.STDOUT} if sink else \
             {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
         with subprocess.Popen(cmd, text=True, start_new_session=True, **streams, **kwargs) as proc:
             try:
-                out, err = proc.communicate(timeout=timeout_s)
+                try:
+                    out, err = proc.communicate(timeout=timeout_s - kill_margin_s)
+                except subprocess.TimeoutExpired:
+                    if not kill_margin_s:
+                        raise
+                    for pid in _descendants(proc.pid):
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
+                    if sink:
+                        sink.write(f"\n{KILLED} at {timeout_s - kill_margin_s:.0f} s\n")
+                        sink.flush()
+                    out, err = proc.communicate(timeout=kill_margin_s)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.communicate()
-                raise
+                raise subprocess.TimeoutExpired(cmd, timeout_s) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, Path(log).read_text() if log else out, err or "")
 
 
@@ -403,8 +438,9 @@ def _profile(cmd: list[str], report: Path, *, timeout_s: float, stop_s: float, e
              cwd: str) -> tuple[pd.DataFrame, str]:
     """One ncu pass and its export: (long table, message); an empty table where it failed."""
     try:
-        prof = _run(cmd, timeout_s=timeout_s, log=report.with_suffix(".log"), env=env, cwd=cwd)
-        stopped = STOPPED in prof.stdout + prof.stderr
+        margin = min(KILL_MARGIN_S, timeout_s / 4)
+        prof = _run(cmd, timeout_s=timeout_s, log=report.with_suffix(".log"), kill_margin_s=margin, env=env, cwd=cwd)
+        stopped = STOPPED in prof.stdout + prof.stderr or KILLED in prof.stdout
         if (prof.returncode != 0 and not stopped) or not report.is_file():
             return empty_table(), f"ncu exited {prof.returncode}: {_tail(prof.stdout + prof.stderr)}"
         exported = _run(export_command(report, ncu=cmd[0]), timeout_s=timeout_s)
@@ -422,6 +458,7 @@ def _profile(cmd: list[str], report: Path, *, timeout_s: float, stop_s: float, e
     if df.empty:
         return df, "ncu profiled no kernel (did the NVTX range or the name filter match?)"
     cut = f" before the step was stopped at {stop_s:.0f} s" if stopped else ""
+    cut = f" before the program was killed at {timeout_s - margin:.0f} s" if KILLED in prof.stdout else cut
     return df, f"{df['kernel_id'].nunique()} launches{cut}"
 
 
