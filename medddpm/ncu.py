@@ -505,8 +505,9 @@ def run_ncu(*, kernels_df: pd.DataFrame, config: str, preset: str, out_dir: Path
     for i, name in enumerate(todo):
         # what is left, shared by the passes still to run; the own pass usually ends early
         budget = (timeout_s - (time.monotonic() - start)) / (len(todo) - i)
-        # The program stops itself before the timeout, so that ncu still writes what it profiled; the
-        # timeout (which kills ncu, and so loses the report) stays as the backstop.
+        # The program stops itself before the timeout, so that ncu still writes what it profiled; failing
+        # that it is killed `KILL_MARGIN_S` before it, and the timeout (which kills ncu, and so loses the
+        # report) stays as the last backstop.
         stop_s = max(budget - STOP_MARGIN_S, budget / 2)
         cmd = ncu_command(name_regex=pass_regex(name, chosen["own"]), launches_per_config=None if name == "library" else 1,
                           launch_skip=library_skip if name == "library" else 0, config=config, preset=preset,
