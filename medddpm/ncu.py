@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import IO
 
 import pandas as pd
+import psutil
 
 NVTX_RANGE = "medddpm_step"  # medddpm.capture.NVTX_RANGE (not imported: capture imports torch)
 
@@ -376,30 +377,12 @@ def split_available(metrics: list[str], available: set[str]) -> tuple[list[str],
 
 # ------------------------------------------------------------------------------------------- runner
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below `pid` (from /proc; empty where there is none)."""
-    parent = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-    found, todo = [], [pid]
-    while todo:
-        above = todo.pop()
-        kids = [p for p, pp in parent.items() if pp == above]
-        found += kids
-        todo += kids
-    return found
-
-
 def _run(cmd: list[str], *, timeout_s: float, log: Path | None = None, kill_margin_s: float = 0,
          **kwargs) -> subprocess.CompletedProcess:
     """subprocess.run, but a timeout kills the whole process group (ncu and the Python it launched). With
     `log`, stdout and stderr go to that file as they come (the result's stdout reads it back), so that a
-    pass killed by the timeout still leaves its log. With `kill_margin_s`, the processes `cmd` started are
-    killed that long before the timeout (at most a quarter of it), and `cmd` (ncu) gets the rest to finish."""
-    kill_margin_s = min(kill_margin_s, timeout_s / 4)
+    pass killed by the timeout still leaves its log. With `kill_margin_s` (less than `timeout_s`), the processes
+    `cmd` started are killed that long before the timeout, and `cmd` (ncu) gets the rest to finish."""
     with open(log, "w") if log else contextlib.nullcontext() as sink:
         streams = {"stdout": sink, "stderr": subprocess.STDOUT} if sink else \
             {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
@@ -410,9 +393,9 @@ def _run(cmd: list[str], *, timeout_s: float, log: Path | None = None, kill_marg
                 except subprocess.TimeoutExpired:
                     if not kill_margin_s:
                         raise
-                    for pid in _descendants(proc.pid):
-                        with contextlib.suppress(ProcessLookupError):
-                            os.kill(pid, signal.SIGKILL)
+                    for child in psutil.Process(proc.pid).children(recursive=True):
+                        with contextlib.suppress(psutil.NoSuchProcess):
+                            child.kill()
                     if sink:
                         sink.write(f"\n{KILLED} at {timeout_s - kill_margin_s:.0f} s\n")
                         sink.flush()
