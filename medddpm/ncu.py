@@ -408,7 +408,8 @@ def _run(cmd: list[str], *, timeout_s: float, log: Path | None = None, kill_marg
 
 
 def _tail(text: str, lines: int = 5) -> str:
-    return " | ".join(text.strip().splitlines()[-lines:])
+    """The last `lines` non-blank lines of `text`, on one line."""
+    return " | ".join([line for line in text.splitlines() if line.strip()][-lines:])
 
 
 def _cuda_available() -> bool:

@@ -285,11 +285,13 @@ def test_run_ncu_skipped_without_ncu(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("script,timeout,expect", [
-    ("echo boom >&2; exit 3", 30, "exited 3: boom"),
+    ("echo boom >&2; exit 3", 30, ["exited 3: boom"]),
     # the profiled program never stops itself: it is killed before the timeout, and ncu ends without a report
-    ("echo compiling; /bin/sleep 30", 2, "exited 137: compiling |  | medddpm.ncu: the profiled program was killed at 1 s"),
-    # ncu itself does not end: killed at the timeout
-    ("echo compiling; while :; do /bin/sleep 1; done", 2, "timed out after 2 s (ncu-opt1-smoke-own.log: medddpm.ncu: the profiled program was killed")])
+    ("echo compiling; /bin/sleep 30", 2, ["exited 137: compiling | medddpm.ncu: the profiled program was killed at 1 s"]),
+    # ncu itself does not end: killed at the timeout (whether sh then reports "Killed" depends on the shell and
+    # on when the kill lands, so only the marker is asserted)
+    ("echo compiling; while :; do /bin/sleep 1; done", 2,
+     ["timed out after 2 s (ncu-opt1-smoke-own.log: ", "medddpm.ncu: the profiled program was killed at 1 s"])])
 def test_run_ncu_failure_is_recorded(monkeypatch, tmp_path, script, timeout, expect):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -300,7 +302,8 @@ def test_run_ncu_failure_is_recorded(monkeypatch, tmp_path, script, timeout, exp
     monkeypatch.setattr(ncu, "_cuda_available", lambda: True)
     df, status = ncu.run_ncu(kernels_df=kernels_frame([("a", 1, "gemm")]), config="opt1", preset="smoke",
                              out_dir=tmp_path / "out", timeout_s=timeout)
-    assert df.empty and status["status"] == "error" and expect in status["message"], status["message"]
+    assert df.empty and status["status"] == "error", status
+    assert all(part in status["message"] for part in expect), status["message"]
     # what ncu said before it stopped or was killed stays in its log
     logged = "boom" if "boom" in script else "compiling"
     assert (tmp_path / "out/ncu-opt1-smoke-own.log").read_text().startswith(f"{logged}\n")
