@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 import sys
 from pathlib import Path
 from typing import get_args
@@ -194,6 +193,12 @@ def cmd_saved(args) -> None:
             print(f"  recorded in {args.write}")
 
 
+def cmd_peak(args) -> None:
+    from .snapshot import describe
+
+    print("\n\n".join(describe(path, top=args.top) for path in args.snapshots))
+
+
 def cmd_configs(args) -> None:
     from .env import pick_device
 
@@ -248,6 +253,7 @@ def cmd_sample(args) -> None:
 def cmd_bench(args) -> None:
     from .bench import bench_sample, bench_train
     from .env import environment, pick_device
+    from .snapshot import snapshot_name
 
     if args.reference and args.phase == "sample":
         raise ValueError("--reference times training steps only; drop it or use --phase train")
@@ -271,8 +277,8 @@ def cmd_bench(args) -> None:
                "phase": args.phase, "runs": []}
     bench = bench_sample if args.phase == "sample" else bench_train
 
-    def snapshot(c):  # a file name of letters, digits, '_', '.' and '-' (best+memory_budget=0 -> best_memory_budget_0)
-        return Path(args.memory_snapshot) / ("memory-" + re.sub(r"[^\w.-]", "_", c.name) + ".pickle")
+    def snapshot(c):  # memory-<config as letters, digits, '_', '.', '-'>-<commit>.pickle (bookdata.snapshot_peaks)
+        return Path(args.memory_snapshot) / snapshot_name(c.name, results["environment"]["git_commit"])
 
     jobs = [lambda c=c: bench(spec, c, device=device, warmup=args.warmup, steps=args.steps, seed=args.seed,
                               kernels=args.kernels or 0, **({"snapshot": snapshot(c)} if args.memory_snapshot else {}))
@@ -446,6 +452,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="also record each in the partition table the memory page reads (default "
                         "data/partition.parquet), replacing its row for this torch version; needs --preset")
     p.set_defaults(func=cmd_saved)
+
+    p = sub.add_parser("peak", help="what a memory snapshot (bench --memory-snapshot) holds at its peak, by the "
+                                    "model's line that allocated it: no GPU")
+    p.add_argument("snapshots", nargs="+", metavar="SNAPSHOT", help="memory-*.pickle or .pickle.gz files")
+    p.add_argument("--top", type=_positive, default=12, help="origins to list, largest first")
+    p.set_defaults(func=cmd_peak)
 
     p = sub.add_parser("sweep", help="run the producer notebook for each configuration into data/<gpu>/<config>/")
     p.add_argument("--configs", default="paper", help="paper, all, or comma-separated names")

@@ -3,6 +3,7 @@ step between device events, no profiler attached (nanoGPT's bench.py habit)."""
 
 from __future__ import annotations
 
+import pickle
 import statistics
 import time
 from pathlib import Path
@@ -16,6 +17,8 @@ from .data import make_brats_case, make_mni_pair, one_hot_condition
 from .diffusion import TIMESTEPS
 from .engine import Engine
 from .model import ModelSpec
+from .snapshot import SOURCES, package_source, sources
+from .storage import atomic_write
 
 
 def time_steps(fn: Callable[[], object], *, device: torch.device, warmup: int, steps: int,
@@ -105,11 +108,12 @@ def memory_snapshot(step: Callable[[], object], *, device: torch.device, path: s
     try:
         step()
         torch.cuda.synchronize(device)
-        tmp = Path(path).with_name(Path(path).name + ".partial")
-        torch.cuda.memory._dump_snapshot(str(tmp))
-        tmp.replace(path)
+        snap = torch.cuda.memory._snapshot()  # what _dump_snapshot pickles
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
+    # the frames name functions and lines only: keep what they were at this commit (medddpm.snapshot reads it)
+    snap[SOURCES] = sources(snap, package_source)
+    atomic_write(path, lambda f: pickle.dump(snap, f))
 
 
 def _result(engine: Engine, result: dict) -> dict:
@@ -136,6 +140,7 @@ def bench_train(spec: ModelSpec, config: Config | str, *, device: torch.device, 
         result |= kernel_summary(lambda: engine.step((x0, c)), device=engine.device, top=kernels)
     if snapshot:
         memory_snapshot(lambda: engine.step((x0, c)), device=engine.device, path=snapshot)
+        result["memory_snapshot"] = Path(snapshot).name
     return _result(engine, result)
 
 

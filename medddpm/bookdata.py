@@ -1198,6 +1198,61 @@ def checkpointed_benches(tried: pd.DataFrame, *, shape: str | None = None) -> pd
     return t[keep].sort_values(["gpu_slug", "time_utc", "source"], kind="stable", ignore_index=True)[cols]
 
 
+SNAPSHOT_COLUMNS = ["gpu_slug", "source", "config", "git_commit", "bench_source", "median_ms", "bench_peak_gib",
+                    "peak_gib", "held_gib", "phase", "event", "events", "origin", "function", "code", "blocks", "gib",
+                    "largest_gib"]
+
+
+def snapshot_peaks(root: str | os.PathLike | None = None, *, benches: pd.DataFrame | None = None) -> pd.DataFrame:
+    """What each allocator snapshot kept under data/ (``memory-<config>-<commit>.pickle[.gz]``, written by
+    `python -m medddpm bench --memory-snapshot` beside the bench's JSON) holds at its peak: one row per snapshot
+    and origin (`medddpm.snapshot.Peak.by_origin`), largest first; `function` is the origin without its line.
+    Each is paired with its bench (`bench_runs`, or `benches`): the same folder, configuration and commit, the
+    latest if several; `bench_peak_gib` is that bench's own peak (its timed steps), NaN without one."""
+    from .snapshot import file_config, load, parse_name, peak
+
+    root = Path(root) if root is not None else data_root()
+    benches = bench_runs(root, phase="train") if benches is None else benches
+    rows = []
+    for folder in scan(root).not_runs:
+        for path in sorted([*folder.glob("memory-*.pickle"), *folder.glob("memory-*.pickle.gz")]):
+            name, commit = parse_name(path.name)
+            try:
+                p = peak(load(path))
+            except ValueError as e:
+                raise DataError(str(e)) from None
+            here = str(path.parent.relative_to(root))
+            pair = benches[(benches["source"].map(lambda s: str(Path(s).parent)) == here)
+                           & (benches["config"].map(file_config) == name)
+                           & benches["git_commit"].str.startswith(commit)] if len(benches) else benches
+            b = pair.sort_values("time_utc").iloc[-1] if len(pair) else None
+            for r in p.by_origin().itertuples():
+                rows.append({"gpu_slug": folder.parent.name, "source": str(path.relative_to(root)),
+                             "config": b["config"] if b is not None else name,
+                             "git_commit": b["git_commit"] if b is not None else commit,
+                             "bench_source": b["source"] if b is not None else "",
+                             "median_ms": b["median_ms"] if b is not None else np.nan,
+                             "bench_peak_gib": b["peak_mem_gib"] if b is not None else np.nan,
+                             "peak_gib": p.bytes / 2**30, "held_gib": p.held_bytes / 2**30, "phase": p.phase,
+                             "event": p.event, "events": p.events, "origin": r.origin,
+                             "function": r.origin.split(" (")[0], "code": r.code, "blocks": r.blocks,
+                             "gib": r.bytes / 2**30, "largest_gib": r.largest / 2**30})
+    return pd.DataFrame(rows, columns=SNAPSHOT_COLUMNS)
+
+
+def check_snapshots(peaks: pd.DataFrame, *, tolerance: float = 0.05) -> None:
+    """A snapshot's peak is its live blocks' sum, and near its bench's own peak: the snapshot's step is one more
+    step of the same process (the allocator's peak over the timed steps is `bench_peak_gib`)."""
+    if peaks.empty:
+        return
+    for source, g in peaks.groupby("source"):
+        total, peak_gib = g["gib"].sum(), g["peak_gib"].iloc[0]
+        assert abs(total - peak_gib) < 1e-6 * max(peak_gib, 1), f"{source}: live blocks {total} != peak {peak_gib}"
+        bench = g["bench_peak_gib"].iloc[0]
+        assert pd.isna(bench) or abs(peak_gib - bench) <= tolerance * bench, \
+            f"{source}: snapshot peak {peak_gib:.3f} GiB, its bench's {bench:.3f} GiB"
+
+
 def check_memory(mem: pd.DataFrame) -> None:
     """Measured peaks are sane: positive, reserved at least allocated, under the card's own size."""
     if mem.empty:

@@ -701,6 +701,46 @@ def checkpointed_benches(benches: pd.DataFrame, *, target_gib: float) -> alt.Lay
         width="container", height=320, title="Checkpointed configurations benched: peak memory and step time")
 
 
+def snapshot_peaks(peaks: pd.DataFrame, *, target_gib: float | None = None, top: int = 8) -> alt.LayerChart | alt.Chart:
+    """What is live at each allocator snapshot's peak (`bookdata.snapshot_peaks`): one stacked bar a snapshot,
+    a segment a function of the model (its `top` largest across the snapshots, the rest as "other"); the lines
+    and statements in the tooltip; GPU dropdown, legend picks the function; the target as a rule."""
+    if peaks.empty:
+        return _empty("no memory snapshot in the data")
+    df = peaks.copy()
+    big = df.groupby("function")["gib"].sum().sort_values(ascending=False).index[:top]
+    df["part"] = df["function"].where(df["function"].isin(big), "other")
+    df["line"] = df["origin"] + np.where(df["code"] != "", ": " + df["code"], "")
+    df["snapshot"] = (df["config"] + " @ " + df["git_commit"].str[:7] + " (" + df["peak_gib"].map("{:.2f}".format)
+                      + " GiB)")
+    g = df.sort_values("gib", ascending=False).groupby(["gpu_slug", "snapshot", "part"], sort=False)
+    agg = g.agg(gib=("gib", "sum"), blocks=("blocks", "sum"), largest_gib=("largest_gib", "max"),
+                lines=("line", lambda s: " | ".join(s.iloc[:3]) + (f" | and {len(s) - 3} more" if len(s) > 3 else "")),
+                peak_gib=("peak_gib", "first"), phase=("phase", "first"), source=("source", "first")).reset_index()
+    agg = _light(agg)
+    gpu = _gpu_param(agg)
+    pick = alt.selection_point(fields=["part"], bind="legend")
+    order = [*big, "other"]
+    bars = alt.Chart(agg).transform_filter(alt.datum.gpu_slug == gpu).mark_bar().encode(
+        y=alt.Y("snapshot:N", title=None, axis=alt.Axis(labelLimit=420)),
+        x=alt.X("sum(gib):Q", title="allocated at the peak (GiB)"),
+        color=alt.Color("part:N", scale=alt.Scale(domain=order, range=PALETTE[:len(order)]),
+                        legend=alt.Legend(title="allocated by (click)", labelLimit=260)),
+        order=alt.Order("gib:Q", sort="descending"),
+        opacity=alt.condition(pick, alt.value(1.0), alt.value(0.2)),
+        tooltip=["snapshot:N", alt.Tooltip("part:N", title="allocated by"), alt.Tooltip("gib:Q", title="GiB", format=".3f"),
+                 "blocks:Q", alt.Tooltip("largest_gib:Q", title="largest block GiB", format=".3f"),
+                 alt.Tooltip("lines:N", title="lines (at that commit)"), alt.Tooltip("phase:N", title="peak in"),
+                 alt.Tooltip("source:N", title="file")]).add_params(pick)
+    layers = [bars]
+    if target_gib is not None:
+        rule = alt.Chart(pd.DataFrame({"x": [target_gib]})).mark_rule(strokeDash=[4, 3], color="#333").encode(
+            x="x:Q", tooltip=[alt.Tooltip("x:Q", title="target GiB")])
+        layers.append(rule)
+    return alt.layer(*layers).add_params(gpu).properties(
+        width="container", height=alt.Step(34), title="What is allocated at the peak of one training step")
+
+
 def switch_costs(costs: pd.DataFrame) -> alt.LayerChart | alt.Chart:
     """Step time with a memory-saving switch on over off (1 = free), one bar per measured pair; GPU
     dropdown, legend picks the switch; the memory it saved in the tooltip."""

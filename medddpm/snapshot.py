@@ -1,0 +1,236 @@
+"""What a CUDA allocator snapshot (`python -m medddpm bench --memory-snapshot`) holds at its peak.
+
+`torch.cuda.memory._dump_snapshot` writes the allocator's segments as they are at the end, and the trace of
+its events since the history was switched on (one training step here). `peak` replays the trace as
+`torch.cuda.max_memory_allocated` counts: an allocation adds its block's size, a free request takes it
+away. A block freed in the trace but never allocated in it, or allocated at the end and absent from it, was
+already held when the step began: the weights, their gradients, Adam's state and the batch.
+
+Each block is named by the innermost frame of this package that allocated it (Inductor keeps the model's
+source lines in a compiled graph's frames). The frames hold a function's name and line only, so the bench adds
+`SOURCES` to the file: for each of this package's lines in it, the function's qualified name and the statement,
+as they were when it ran, e.g. ``ResBlock.forward (model.py:382)``. https://pytorch.org/memory_viz draws the
+same file.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import gzip
+import os
+import pickle
+import re
+from pathlib import Path
+from typing import Callable
+
+import pandas as pd
+
+HELD = "held before the step"  # the origin of blocks allocated before the history began
+NO_FRAME = "inside torch"  # the origin of blocks allocated with no frame of this package
+PACKAGE_FRAME = re.compile(r"[/\\]medddpm[/\\](\w+\.py)$")
+SOURCES = "medddpm_sources"  # the key the bench adds: {"model.py:382": {"qualname": ..., "code": ...}}
+COLUMNS = ["address", "bytes", "origin", "code", "callers", "phase", "alloc_event", "free_event"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Peak:
+    """The largest allocated total of a snapshot's trace, and the blocks live then (`COLUMNS`, largest first;
+    `free_event` is NaN for a block still live at the end)."""
+
+    bytes: int
+    event: int  # index in the trace of the event that reached it
+    events: int  # events in the trace
+    held_bytes: int  # allocated before the trace began
+    phase: str  # the annotated phase (forward, backward, optimizer) the peak fell in, or ""
+    live: pd.DataFrame
+
+    def by_origin(self) -> pd.DataFrame:
+        """Live bytes at the peak by origin: origin, code, blocks, bytes, largest (one block's bytes)."""
+        g = self.live.groupby("origin", sort=False)
+        out = pd.DataFrame({"code": g["code"].first(), "blocks": g.size(), "bytes": g["bytes"].sum(),
+                            "largest": g["bytes"].max()}).reset_index()
+        return out.sort_values(["bytes", "origin"], ascending=[False, True], ignore_index=True)
+
+
+def snapshot_name(config: str, commit: str) -> str:
+    """The bench's file name for a configuration's snapshot: best+memory_budget=0 at 122441d..., ->
+    memory-best_memory_budget_0-122441d.pickle (`parse_name` reads it back)."""
+    head = commit.split("-")[0].lower()
+    short = head[:7] if re.fullmatch(r"[0-9a-f]{7,40}", head) else "unknown"
+    return f"memory-{file_config(config)}-{short}.pickle"
+
+
+def file_config(config: str) -> str:
+    """A configuration's name as a snapshot's file name spells it: letters, digits, '_', '.' and '-'."""
+    return re.sub(r"[^\w.-]", "_", config)
+
+
+def parse_name(name: str) -> tuple[str, str]:
+    """(the configuration as `snapshot_name` wrote it, the commit's first 7 digits or '') of a snapshot's file
+    name (.pickle or .pickle.gz)."""
+    m = re.fullmatch(r"memory-(.+?)(?:-([0-9a-f]{7}|unknown))?\.pickle(?:\.gz)?", name)
+    if not m:
+        raise ValueError(f"{name}: not a memory snapshot's name (memory-<config>-<commit>.pickle[.gz])")
+    return m.group(1), m.group(2) if m.group(2) and m.group(2) != "unknown" else ""
+
+
+def load(path: str | os.PathLike) -> dict:
+    """A snapshot pickle, gzipped or not; a clear error for anything else."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no memory snapshot at {path}")
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            snap = pickle.load(f)  # noqa: S301 (our own bench's files)
+    except (OSError, pickle.UnpicklingError, EOFError) as e:
+        raise ValueError(f"{path}: not a memory snapshot pickle ({e})") from None
+    if not isinstance(snap, dict) or not {"segments", "device_traces"} <= set(snap):
+        raise ValueError(f"{path}: not a memory snapshot (no 'segments' and 'device_traces'; "
+                         "written by torch.cuda.memory._dump_snapshot?)")
+    return snap
+
+
+def _ours(frames: list[dict]) -> list[tuple[str, dict]]:
+    """This package's frames, innermost first, each with its 'file.py:line' key."""
+    out = []
+    for f in frames:
+        m = PACKAGE_FRAME.search(f.get("filename", ""))
+        if m:
+            out.append((f"{m.group(1)}:{f['line']}", f))
+    return out
+
+
+def origin(frames: list[dict], sources: dict | None = None) -> tuple[str, str, str]:
+    """(the innermost frame of this package as 'function (file:line)', its statement, the package's callers
+    outward as 'f < g < h'); a function is given its qualified name where `sources` (`SOURCES`) knows it.
+    ('', '', '') for a block allocated by torch alone."""
+    ours = _ours(frames)
+    if not ours:
+        return "", "", ""
+    sources = sources or {}
+
+    def name(key, f):
+        return sources.get(key, {}).get("qualname") or f["name"]
+
+    key, f = ours[0]
+    return (f"{name(key, f)} ({key})", sources.get(key, {}).get("code", ""),
+            " < ".join(name(k, g) for k, g in ours[1:5]))
+
+
+def sources(snap: dict, read: Callable[[str], str | None]) -> dict:
+    """`SOURCES` for a snapshot: each of this package's lines its frames name, with the enclosing function's
+    qualified name and the statement; `read(file_name)` gives a module's text (None: unknown)."""
+    keys = {k for t in snap["device_traces"] for e in t for k, _ in _ours(e.get("frames") or [])}
+    out, parsed = {}, {}
+    for key in sorted(keys):
+        file, line = key.rsplit(":", 1)
+        if file not in parsed:
+            text = read(file)
+            parsed[file] = (text.splitlines(), _functions(ast.parse(text))) if text is not None else None
+        if parsed[file] is None:
+            continue
+        lines, functions = parsed[file]
+        line = int(line)
+        inner = [(q, a, b) for q, a, b in functions if a <= line <= b]
+        out[key] = {"qualname": max(inner, key=lambda f: f[1])[0] if inner else "",
+                    "code": lines[line - 1].strip() if 0 < line <= len(lines) else ""}
+    return out
+
+
+def _functions(tree: ast.AST, prefix: str = "") -> list[tuple[str, int, int]]:
+    """(qualified name, first line, last line) of every function and method in a module."""
+    out = []
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            name = prefix + node.name
+            if not isinstance(node, ast.ClassDef):
+                out.append((name, node.lineno, node.end_lineno))
+            out += _functions(node, name + ".")
+    return out
+
+
+def package_source(file: str) -> str | None:
+    """This package's module `file` as it is now (what `sources` reads when the bench writes a snapshot)."""
+    path = Path(__file__).with_name(file)
+    return path.read_text() if path.is_file() else None
+
+
+def _phases(snap: dict) -> list[tuple[float, float, str]]:
+    """(start, end, name) of the annotated phases (`_record_memory_history` marks forward, backward, optimizer)."""
+    starts, out = {}, []
+    for a in snap.get("external_annotations") or []:
+        if a.get("stage") == "START":
+            starts[a["name"]] = a["time_us"]
+        elif a.get("stage") == "END" and a.get("name") in starts:
+            out.append((starts.pop(a["name"]), a["time_us"], a["name"]))
+    return out
+
+
+def _phase_at(phases, time_us) -> str:
+    return next((name for start, end, name in phases if time_us is not None and start <= time_us <= end), "")
+
+
+def peak(snap: dict, *, device: int | None = None) -> Peak:
+    """Replay the trace of one device (the only one that has events, unless `device` says which)."""
+    traces = snap["device_traces"]
+    if device is None:
+        busy = [i for i, t in enumerate(traces) if t]
+        if len(busy) != 1:
+            raise ValueError(f"the snapshot has events on {len(busy)} devices; say which (device=)")
+        device = busy[0]
+    trace = traces[device]
+    phases, known = _phases(snap), snap.get(SOURCES)
+    first = {}  # address -> the first event that names it
+    for e in trace:
+        first.setdefault(e["addr"], e["action"])
+    live = {}  # address -> row
+    for seg in snap["segments"]:
+        if seg.get("device", device) != device:
+            continue
+        for b in seg["blocks"]:
+            if b["state"] == "active_allocated" and b["address"] not in first:
+                live[b["address"]] = _row(b["address"], b["size"], HELD, "", "", "", -1)
+    for e in trace:  # freed before it was allocated: held from the start
+        if first[e["addr"]] == "free_requested" and e["action"] == "free_requested" and e["addr"] not in live:
+            live[e["addr"]] = _row(e["addr"], e["size"], HELD, "", "", "", -1)
+    held = sum(r["bytes"] for r in live.values())
+    total, best, best_event, at_best = held, held, -1, dict(live)
+    for i, e in enumerate(trace):
+        if e["action"] == "alloc":
+            name, code, callers = origin(e.get("frames") or [], known)
+            live[e["addr"]] = _row(e["addr"], e["size"], name or NO_FRAME, code, callers,
+                                   _phase_at(phases, e.get("time_us")), i)
+            total += e["size"]
+            if total > best:
+                best, best_event, at_best = total, i, dict(live)
+        elif e["action"] == "free_requested" and e["addr"] in live:
+            total -= live.pop(e["addr"])["bytes"]
+    freed = {}  # the free request that ended each block live at the peak
+    for i, e in enumerate(trace[best_event + 1:], start=best_event + 1):
+        if e["action"] == "free_requested" and e["addr"] in at_best and e["addr"] not in freed:
+            freed[e["addr"]] = i
+    df = pd.DataFrame(list(at_best.values()), columns=COLUMNS[:-1])
+    df["free_event"] = df["address"].map(freed).astype(float)
+    df = df.sort_values(["bytes", "alloc_event"], ascending=[False, True], ignore_index=True)
+    at = trace[best_event].get("time_us") if best_event >= 0 else None
+    return Peak(bytes=int(best), event=best_event, events=len(trace), held_bytes=int(held),
+                phase=_phase_at(phases, at), live=df)
+
+
+def _row(address, size, name, code, callers, phase, event) -> dict:
+    return {"address": address, "bytes": int(size), "origin": name, "code": code, "callers": callers,
+            "phase": phase, "alloc_event": event}
+
+
+def describe(path: str | os.PathLike, *, top: int = 12) -> str:
+    """A few lines for a terminal: the peak, then its live bytes by origin."""
+    p = peak(load(path))
+    gib = 2 ** 30
+    lines = [f"{Path(path).name}: peak {p.bytes / gib:.3f} GiB allocated at event {p.event} of {p.events}"
+             f"{f' ({p.phase})' if p.phase else ''}; {p.held_bytes / gib:.3f} GiB {HELD}"]
+    for r in p.by_origin().head(top).itertuples():
+        lines.append(f"  {r.bytes / gib:7.3f} GiB  {r.blocks:4d} blocks (largest {r.largest / gib:.3f})  {r.origin}"
+                     + (f"  {r.code}" if r.code else ""))
+    return "\n".join(lines)
