@@ -330,7 +330,9 @@ def ncu_command(*, name_regex: str, config: str, preset: str, report: Path, metr
                   if launches_per_config else [])
     target = [python, "-m", "medddpm.capture", "--config", config, "--preset", preset]
     skip = ["--launch-skip", str(launch_skip)] if launch_skip else []
-    return ["ncu", *nvtx, "--clock-control", "none", *per_config, *skip,
+    # application-only: ncu's default (all) also injects itself into every process the program starts, which
+    # for a compiled configuration are Inductor's compile workers; the step runs in the program's own process.
+    return ["ncu", *nvtx, "--target-processes", "application-only", "--clock-control", "none", *per_config, *skip,
             "--kernel-name-base", "demangled", "--kernel-name", f"regex:{name_regex}",
             *sections, *extra, "-o", str(report), "-f",
             *target, *(["--size", str(size)] if size else []), *(["--batch", str(batch)] if batch != 1 else []),

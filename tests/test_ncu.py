@@ -183,6 +183,7 @@ def test_ncu_command(tmp_path):
                           metrics=["a__b.sum", "c__d.ratio"], python="/usr/bin/python3")
     joined = " ".join(cmd)
     assert cmd[0] == "ncu" and "--clock-control none" in joined
+    assert "--target-processes application-only" in joined  # not into Inductor's compile workers
     assert "--nvtx --nvtx-include medddpm_step/" in joined
     assert "--set" not in cmd and "full" not in cmd
     assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--section"] == list(ncu.SECTIONS)
