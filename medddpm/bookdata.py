@@ -1207,8 +1207,8 @@ def snapshot_peaks(root: str | os.PathLike | None = None, *, benches: pd.DataFra
     """What each allocator snapshot kept under data/ (``memory-<config>-<commit>.pickle[.gz]``, written by
     `python -m medddpm bench --memory-snapshot` beside the bench's JSON) holds at its peak: one row per snapshot
     and origin (`medddpm.snapshot.Peak.by_origin`), largest first; `function` is the origin without its line.
-    Each is paired with its bench (`bench_runs`, or `benches`): the same folder, configuration and commit, the
-    latest if several; `bench_peak_gib` is that bench's own peak (its timed steps), NaN without one."""
+    Each is paired with its bench (`bench_runs`, or `benches`): the same folder, configuration and commit (any
+    commit where the name has none), the latest if several; `bench_peak_gib` is that bench's own peak (its timed steps), NaN without one."""
     from .snapshot import file_config, load, parse_name, peak
 
     root = Path(root) if root is not None else data_root()
