@@ -1213,6 +1213,7 @@ def snapshot_peaks(root: str | os.PathLike | None = None, *, benches: pd.DataFra
 
     root = Path(root) if root is not None else data_root()
     benches = bench_runs(root, phase="train") if benches is None else benches
+    bench_folder = benches["source"].map(lambda s: str(Path(s).parent))
     rows = []
     for folder in scan(root).not_runs:
         for path in sorted([*folder.glob("memory-*.pickle"), *folder.glob("memory-*.pickle.gz")]):
@@ -1222,7 +1223,7 @@ def snapshot_peaks(root: str | os.PathLike | None = None, *, benches: pd.DataFra
             except ValueError as e:
                 raise DataError(str(e)) from None
             here = str(path.parent.relative_to(root))
-            pair = benches[(benches["source"].map(lambda s: str(Path(s).parent)) == here)
+            pair = benches[(bench_folder == here)
                            & (benches["config"].map(file_config) == name)
                            & benches["git_commit"].str.startswith(commit)] if len(benches) else benches
             b = pair.sort_values("time_utc").iloc[-1] if len(pair) else None

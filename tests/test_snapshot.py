@@ -123,12 +123,13 @@ def test_load_rejects_what_is_not_a_snapshot(tmp_path):
 
 def test_committed_snapshot_matches_its_bench():
     """Session 17's snapshot (NOTES.md): traced peak at event 846 in the backward, the chunked GroupNorm's 1 GiB
-    float32 gradient live at it; its bench measured 4,612,535,808 bytes over 3 timed steps."""
+    float32 gradient live at it, within 0.5% of the peak its bench measured over 3 timed steps."""
     if not STORE_SKIP.is_file():
         pytest.skip("no committed H200 snapshot")
     p = snapshot.peak(snapshot.load(STORE_SKIP))
+    measured = json.loads((TUNING / "bench-ckpt-store-skip-nographs.json").read_text())["runs"][0]["peak_mem_bytes"]
     assert p.event == 846 and p.phase == "backward" and abs(p.held_bytes / 2**30 - 0.551) < 0.001
-    assert abs(p.bytes - 4_612_535_808) < 0.005 * 4_612_535_808
+    assert abs(p.bytes - measured) < 0.005 * measured
     top = p.live.iloc[0]
     assert top["bytes"] == 2**30 and top["origin"].startswith("_group_stats (model.py:")
     assert "var_mean" in top["code"]
