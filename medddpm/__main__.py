@@ -104,6 +104,9 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    help="each skip connection's gradient written out as soon as its decoder block computed it")
     g.add_argument("--store-norm-grad", type=_bool, metavar="BOOL",
                    help="compiled graphs: each GroupNorm's input gradient written out in the activations' dtype")
+    g.add_argument("--narrow-checkpoints", type=_bool, metavar="BOOL",
+                   help="with checkpointing: the stem and each decoder upsampling recomputed in the checkpoints after "
+                        "them, which keep their narrow inputs")
     g.add_argument("--pin-layout", type=_bool, metavar="BOOL",
                    help="compiled graphs: channels-last 3D pinned at every convolution input")
 
@@ -111,7 +114,8 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 _OVERRIDES = ("precision", "channels_last", "compile", "cuda_graphs", "fused_adam", "recompute_attention", "attention",
               "upsample", "checkpointing", "pin_layout", "group_norm", "pad_channels", "cudnn_try_all", "memory_budget",
               "aot_cse", "recompute_pointwise", "recompute_reads", "nd_tiling", "coordinate_descent", "combo_kernels",
-              "split_skip", "tap_gemm", "store_skip_grad", "store_norm_grad")
+              "split_skip", "tap_gemm", "store_skip_grad", "store_norm_grad",
+              "narrow_checkpoints")
 
 
 def _config_from(args):

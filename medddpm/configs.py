@@ -61,6 +61,10 @@ class Config:
     # stores it in float32 where two kernels read it (1 GiB a top-level decoder block at 128^3). Measured a loss:
     # best-ckpt+store_skip_grad 77.1 ms, 4.88 GiB with it, 68.1 ms, 4.39 GiB without (NOTES.md, session 18)
     store_norm_grad: bool = False
+    # with checkpointing: the stem and each decoder level's upsampling run inside the checkpoints of the blocks that
+    # read their outputs, so that the checkpoints keep the narrow tensors before them (the stem's 4-8 input channels,
+    # the upsampling's 8x fewer voxels), not two full-size 64-channel tensors through the whole backward
+    narrow_checkpoints: bool = False
     cudnn_try_all: bool = False  # cuDNN autotuning tries every algorithm (benchmark_limit 0), not PyTorch's first 10
     # compiled graphs: activations AOTAutograd's partitioner may keep, as a fraction of what it keeps by
     # default (functorch's activation_memory_budget; 0 = recompute the whole compiled region in backward)
@@ -260,6 +264,8 @@ def resolve(config: Config, device: torch.device | str) -> Resolved:
     norm_grad = config.store_norm_grad and config.compile
     if config.store_norm_grad and not norm_grad:
         na["store_norm_grad"] = "a barrier for Inductor's fusion (eager writes every gradient out anyway): needs compile"
+    if config.narrow_checkpoints and not config.checkpointing:
+        na["narrow_checkpoints"] = "moves layers into the checkpoints of the blocks after them: needs checkpointing"
     triton = {f: getattr(config, f) and config.compile and device.type == "cuda" for f in TRITON_OPTIONS}
     for f, on in triton.items():
         if getattr(config, f) and not on:

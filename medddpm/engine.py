@@ -122,7 +122,7 @@ class Engine:
                        upsample=config.upsample, checkpointing=config.checkpointing, group_norm=config.group_norm,
                        pad_channels=config.pad_channels, tap_gemm=config.tap_gemm,
                        split_skip=config.split_skip, store_skip_grad=config.store_skip_grad,
-                       store_norm_grad=self.run.store_norm_grad)
+                       store_norm_grad=self.run.store_norm_grad, narrow_checkpoints=config.narrow_checkpoints)
         self.model = model.to(self.device, memory_format=self.run.memory_format)
         self.denoiser = self._compile(self.model) if self.run.compile else self.model
         # Sampling saves nothing for a backward, so `recompute_pointwise` and `recompute_reads` only add work

@@ -569,23 +569,24 @@ class Level(nn.Module):
         super().__init__()
         self.res, self.attn, self.resample = res, attn, resample
 
-    def forward_skip(self, h, skip, emb, *, split: bool = False, store_grad: bool = False):
+    def forward_skip(self, h, skip, emb, *, split: bool = False, store_grad: bool = False, resample: bool = True):
         """A decoder block: the skip connection concatenated on the channel axis first, or, with `split`
         where the block's GroupNorm groups allow it, taken as a second input (ResBlock.forward_parts).
-        `store_grad`: the skip's gradient is written out as soon as it is computed (_StoreGradient)."""
+        `store_grad`: the skip's gradient is written out as soon as it is computed (_StoreGradient).
+        `resample=False`: the block's resampler is left to the caller."""
         if store_grad and torch.is_grad_enabled():
             skip = _StoreGradient.apply(skip)
         if split and self.res.splits((h, skip)):
-            return self._after_res(self.res.forward_parts((h, skip), emb))
-        return self(torch.cat([h, skip], dim=1), emb)
+            return self._after_res(self.res.forward_parts((h, skip), emb), resample=resample)
+        return self._after_res(self.res(torch.cat([h, skip], dim=1), emb), resample=resample)
 
     def forward(self, x, emb):
         return self._after_res(self.res(x, emb))
 
-    def _after_res(self, x):
+    def _after_res(self, x, *, resample: bool = True):
         if self.attn is not None:
             x = self.attn(x)
-        if self.resample is not None:
+        if self.resample is not None and resample:
             x = self.resample(x)
         return x
 
@@ -602,15 +603,20 @@ class UNet3D(nn.Module):
     `store_skip_grad=True`: each skip connection's gradient is written out as soon as a decoder block has
     computed it (_StoreGradient).
     `store_norm_grad=True`: each GroupNorm's input gradient is written out in the activations' dtype, not
-    in float32 (_Upcast; compiled graphs only)."""
+    in float32 (_Upcast; compiled graphs only).
+    `narrow_checkpoints=True` (with `checkpointing`): the stem and each decoder level's upsampling run inside the
+    checkpoints of the blocks that read their outputs, so that the checkpoints keep the narrow tensors before
+    them (see `forward`)."""
 
     def __init__(self, spec: ModelSpec = ModelSpec(), *, attention: str = "math", recompute_attention: bool = True,
                  upsample: str = "interpolate", checkpointing: bool = False, group_norm: str = "aten",
                  pad_channels: bool = False, tap_gemm: bool = False, split_skip: bool = False,
-                 store_skip_grad: bool = False, store_norm_grad: bool = False):
+                 store_skip_grad: bool = False, store_norm_grad: bool = False, narrow_checkpoints: bool = False):
         super().__init__()
+        assert spec.num_res_blocks >= 1, "each level needs a residual block (the stem's output is its input)"
         self.spec = spec
         self.checkpointing, self.split_skip, self.store_skip_grad = checkpointing, split_skip, store_skip_grad
+        self.narrow_checkpoints = narrow_checkpoints
         ch = spec.base_channels
         emb_dim = 4 * ch
         attn = lambda c: Attention(c, kind=attention, recompute=recompute_attention and not checkpointing,  # noqa: E731
@@ -664,21 +670,44 @@ class UNet3D(nn.Module):
         # in the weights' dtype: a float64 model (tests) takes it too; autocast casts as it does anyway
         emb = timestep_embedding(t, spec.time_dim, max_period=spec.max_period).to(self.time_embed[0].weight.dtype)
         emb = self.time_embed(emb)
-        h = self.stem(x)
+        # `narrow_checkpoints`: the stem's output (base channels at full size, a skip kept from the first encoder
+        # block to the last decoder block) is recomputed from x inside the two checkpoints that read it, and a
+        # decoder level's upsampling runs in the next block's checkpoint, which keeps its input (8x fewer voxels).
+        # The cost: the stem runs 4 times instead of once, and each upsampling's convolution once more (plain, a
+        # recomputation stops before it, the last layer of its block: checkpoint's early stop)
+        narrow = self.narrow_checkpoints and self.checkpointing and torch.is_grad_enabled()
+        h = x if narrow else self.stem(x)
         hs = [h]
-        for block in self.down:
+        for i, block in enumerate(self.down):
             # A downsample-only entry saves just its input, which is kept anyway: nothing to gain.
-            h = block(h, emb) if isinstance(block, _DownOnly) else self._block(block, h, emb)
+            if isinstance(block, _DownOnly):
+                h = block(h, emb)
+            else:
+                h = self._block(functools.partial(_after, block, before=self.stem) if narrow and i == 0 else block,
+                                h, emb)
             hs.append(h)
         h = self._block(self.middle[0], h, emb)
         h = self._block(self.middle[1], h)
         h = self._block(self.middle[2], h, emb)
+        upsample = None  # narrow: the previous decoder level's upsampling, left to this block's checkpoint
         for block in self.up:
             # The skip concatenation runs inside the checkpoint: only h and the skip (held anyway)
             # are kept, not their concatenation, which at the top level is the largest tensor.
-            decoder = functools.partial(block.forward_skip, split=self.split_skip, store_grad=self.store_skip_grad)
+            skip_stem = self.stem if narrow and len(hs) == 1 else None  # the last skip is x
+            decoder = functools.partial(self._decode, block, upsample=upsample, skip_stem=skip_stem, resample=not narrow)
             h = self._block(decoder, h, hs.pop(), emb)
+            upsample = block.resample if narrow else None
+        assert upsample is None, "the top decoder level has no upsampling"
         return self._block(self.out, h)
+
+    def _decode(self, block: "Level", h, skip, emb, *, upsample: nn.Module | None, skip_stem: nn.Module | None,
+                resample: bool):
+        """A decoder block, with h upsampled and the skip made by the stem first where `narrow_checkpoints`
+        leaves them to it. A skip made here sends its gradient straight into the stem: nothing to store."""
+        h = upsample(h) if upsample is not None else h
+        skip = skip_stem(skip) if skip_stem is not None else skip
+        return block.forward_skip(h, skip, emb, split=self.split_skip, resample=resample,
+                                  store_grad=self.store_skip_grad and skip_stem is None)
 
     def _block(self, fn, *args):
         """fn(*args), under activation checkpointing when it is on and a backward will follow.
@@ -693,6 +722,11 @@ class UNet3D(nn.Module):
             # without (data/nvidia-h200/NOTES.md, sessions 13 and 15)
             return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
         return fn(*args)
+
+
+def _after(block: nn.Module, x, *args, before: nn.Module):
+    """block(before(x), *args): two layers as one checkpointed function."""
+    return block(before(x), *args)
 
 
 class _DownOnly(nn.Module):

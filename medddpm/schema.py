@@ -58,6 +58,8 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "split_skip": (B, "decoder blocks take the skip connection as a second input, not concatenated"),
         "store_skip_grad": (B, "each skip connection's gradient written out as soon as its decoder block computed it"),
         "store_norm_grad": (B, "each GroupNorm's input gradient written out in the activations' dtype, not float32"),
+        "narrow_checkpoints": (B, "the stem and each decoder upsampling recomputed inside the checkpoints of the "
+                                  "blocks after them, which keep the narrow tensors before them"),
         "cudnn_try_all": (B, "cuDNN autotuning tried every algorithm (benchmark_limit 0; as requested)"),
         "memory_budget": (F, "activations the compiled graphs' partitioner may keep, as a fraction of its default "
                              "(as requested; 1 = PyTorch's default)"),
@@ -229,6 +231,7 @@ ADDED: dict[str, dict[str, object]] = {
         "recompute_reads": False,  # the switch came in session 15
         "store_skip_grad": False,  # the switch came in session 16
         "store_norm_grad": False,  # the switch came in session 17
+        "narrow_checkpoints": False,  # the switch came in session 21
     },
     "kernels": {"op": ""},  # which operator launched a kernel: recorded since session 3 (not known before)
 }

@@ -444,6 +444,75 @@ def test_store_skip_grad_gives_the_same_model_and_stores_each_skip_gradient(tiny
     assert len(copies) == len(stored.up)
 
 
+@pytest.mark.parametrize("store_skip_grad", [False, True])
+def test_narrow_checkpoints_give_the_same_model_and_keep_no_stem_or_upsampled_output(tiny_spec, store_skip_grad):
+    """With checkpointing, `narrow_checkpoints` runs the stem inside the two checkpoints that read its output and
+    each decoder upsampling inside the next block's checkpoint: the same outputs and gradients (the stem's weight
+    gradient summed from two backward passes instead of one), and after the forward no stem output or upsampled
+    tensor is alive (plain checkpointing keeps both as block inputs). The stem runs four times (two forwards, two
+    recomputations) instead of once, and each upsampling twice instead of once."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    spec = ModelSpec(size=16, mask_channels=3, base_channels=32, channel_mult=(1, 2, 2), attention_ds=(4,))
+    plain = UNet3D(spec, group_norm="chunked", checkpointing=True, store_skip_grad=store_skip_grad).double()
+    for p in plain.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    narrow = UNet3D(spec, group_norm="chunked", checkpointing=True, store_skip_grad=store_skip_grad,
+                    narrow_checkpoints=True).double()
+    narrow.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 4, 16, 16, 16, dtype=torch.float64).to(memory_format=torch.channels_last_3d)
+    t = torch.tensor([3, 180])
+
+    def watch(model):
+        outputs, calls = {"stem": [], "upsample": []}, {"stem": 0, "upsample": 0}
+
+        def hook(kind):
+            def record(module, args, out):
+                calls[kind] += 1
+                outputs[kind].append(weakref.ref(out))
+            return record
+        model.stem.register_forward_hook(hook("stem"))
+        ups = [m for m in model.modules() if isinstance(m, Upsample)]
+        assert len(ups) == len(spec.channel_mult) - 1
+        for m in ups:
+            m.register_forward_hook(hook("upsample"))
+        return outputs, calls
+
+    (out_a, calls_a), (out_b, calls_b) = watch(plain), watch(narrow)
+    ups = [m for m in plain.modules() if isinstance(m, Upsample)]
+    ya, yb = plain(x, t), narrow(x, t)
+    torch.testing.assert_close(yb, ya, rtol=0, atol=0)
+    gc.collect()
+    alive = lambda refs: sum(r() is not None for r in refs)  # noqa: E731
+    assert alive(out_a["stem"]) == 1 and alive(out_a["upsample"]) == len(ups)
+    assert alive(out_b["stem"]) == 0 and alive(out_b["upsample"]) == 0
+    ya.square().sum().backward()
+    yb.square().sum().backward()
+    for (name, pa), pb in zip(plain.named_parameters(), narrow.parameters()):
+        torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-12, atol=1e-15, msg=name)
+    assert (calls_a["stem"], calls_b["stem"]) == (1, 4)
+    # a checkpoint's recomputation stops once it has what the backward needs (torch.utils.checkpoint's early
+    # stop): plain, an upsampling's convolution is the last layer of its block and is not run again
+    assert (calls_a["upsample"], calls_b["upsample"]) == (len(ups), 2 * len(ups))
+    with torch.no_grad():  # sampling: no checkpoints, the plain forward
+        torch.testing.assert_close(narrow(x, t), plain(x, t), rtol=0, atol=0)
+    assert calls_b["stem"] == 5
+
+
+def test_narrow_checkpoints_without_checkpointing_is_the_plain_model_and_recorded_as_not_applicable(tiny_spec):
+    plain = UNet3D(tiny_spec, group_norm="chunked")
+    narrow = UNet3D(tiny_spec, group_norm="chunked", narrow_checkpoints=True)
+    narrow.load_state_dict(plain.state_dict())
+    x, t = torch.randn(1, 4, 16, 16, 16), torch.tensor([7])
+    torch.testing.assert_close(narrow(x, t), plain(x, t), rtol=0, atol=0)
+    from medddpm.configs import CONFIGS, resolve
+    assert "narrow_checkpoints" in resolve(CONFIGS["best"].with_flags(narrow_checkpoints=True), "cpu").not_applicable
+    assert resolve(CONFIGS["best-ckpt"].with_flags(narrow_checkpoints=True), "cpu").not_applicable.keys() == \
+        resolve(CONFIGS["best-ckpt"], "cpu").not_applicable.keys()
+
+
 @pytest.mark.parametrize("kind", ["chunked", "fused"])
 def test_store_norm_grad_gives_the_same_model_and_touches_only_compiled_graphs(tiny_spec, kind, monkeypatch):
     """The switch routes each GroupNorm's bf16 -> float32 cast through model._Upcast, whose backward casts the
