@@ -227,12 +227,13 @@ def test_pin_layout_needs_compile_and_channels_last():
 @pytest.mark.parametrize("flags", [dict(group_norm="chunked", pin_layout=True), dict(pad_channels=True, pin_layout=True),
                                    dict(tap_gemm=True, pin_layout=True), dict(group_norm="fused", pin_layout=True),
                                    dict(group_norm="fused", checkpointing=True),
-                                   dict(split_skip=True, aot_cse=False, checkpointing=True)],
+                                   dict(split_skip=True, aot_cse=False, checkpointing=True),
+                                   dict(narrow_checkpoints=True, store_skip_grad=True, checkpointing=True)],
                          ids=lambda flags: "+".join(f"{k}={v}" for k, v in flags.items()))
 def test_best_levers_compile_to_the_same_step(flags):
     """best's model-side levers (chunked and fused GroupNorm, padded stem and output channels, the output as a
-    tap GEMM), compiled with the layout pass, and split_skip partitioned without CSE (functorch config
-    patched around the compile): the same loss and gradients as the plain step run eagerly (fp32, so the
+    tap GEMM), compiled with the layout pass, split_skip partitioned without CSE (functorch config
+    patched around the compile), and the stem and upsampling inside the checkpoints after them: the same loss and gradients as the plain step run eagerly (fp32, so the
     comparison is tight). The fp32 fused GroupNorm is what torch 2.11's Dynamo got wrong (test_model.py)."""
     from medddpm.model import ModelSpec
 
