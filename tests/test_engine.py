@@ -233,7 +233,8 @@ def test_pin_layout_needs_compile_and_channels_last():
 def test_best_levers_compile_to_the_same_step(flags):
     """best's model-side levers (chunked and fused GroupNorm, padded stem and output channels, the output as a
     tap GEMM), compiled with the layout pass, split_skip partitioned without CSE (functorch config
-    patched around the compile), and the stem and upsampling inside the checkpoints after them: the same loss and gradients as the plain step run eagerly (fp32, so the
+    patched around the compile), and the stem and upsampling inside the checkpoints after them
+    (narrow_checkpoints): the same loss and gradients as the plain step run eagerly (fp32, so the
     comparison is tight). The fp32 fused GroupNorm is what torch 2.11's Dynamo got wrong (test_model.py)."""
     from medddpm.model import ModelSpec
 
