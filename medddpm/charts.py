@@ -14,7 +14,14 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from pathlib import Path
+
+# jsonschema (under Altair) imports rfc3987_syntax whenever it is installed (jupyter-events pulls it in), and
+# that builds some 35 Earley parsers: about 3 s of each page's start (python-jsonschema/jsonschema#1428).
+# Altair's schema has no "iri" format, the only checks it serves; marked absent, jsonschema leaves them out.
+if "jsonschema" not in sys.modules:
+    sys.modules.setdefault("rfc3987_syntax", None)
 
 import altair as alt
 import numpy as np
