@@ -7,12 +7,22 @@ a backward graph, which holds no forward convolution (pytorch/pytorch#189239). A
 inputs then follow the strides the graph's fake tensors recorded, and where those are not
 channels-last, cuDNN copies them (`contiguous(channels_last_3d)` in ATen) on every call.
 
-`PinChannelsLast` is a post-grad pass that puts a channels-last clone in front of every 5-D input of
-`convolution` and `convolution_backward` (the gradient, the saved input, the weight) that the graph
-does not already hold channels-last, with channels-last fake strides. Inductor's fallback for
-convolution keeps each input at the strides its graph recorded (`constrain_to_fx_strides`), so the
-kernel that produces the tensor writes it channels-last; the clone itself lowers to nothing more than
-that. The same idea as SandAI-org/MagiCompiler#36 for video VAEs. Values are unchanged.
+`ConvolutionInputs(channels_last=True)` is a post-grad pass that puts a channels-last clone in front
+of every 5-D input of `convolution` and `convolution_backward` (the gradient, the saved input, the
+weight) that the graph does not already hold channels-last, with channels-last fake strides.
+Inductor's fallback for convolution keeps each input at the strides its graph recorded
+(`constrain_to_fx_strides`), so the kernel that produces the tensor writes it channels-last; the clone
+itself lowers to nothing more than that. The same idea as SandAI-org/MagiCompiler#36 for video VAEs.
+Values are unchanged.
+
+The same pass, in every compiled graph with or without `pin_layout`, also writes out each input of
+`convolution_backward` that the graph computes as a view with a size-1 dimension (the batch).
+Inductor hands such a view to the operator with stride 0 there (pytorch/pytorch#174869), which ATen's
+`suggest_memory_format` does not take for channels-last: cuDNN then returns a contiguous weight
+gradient where the graph's fake tensors (normal strides) expected channels-last, and Inductor's
+stride check stops the step. Only recomputed inputs are such views (a saved one is a graph input):
+`narrow_checkpoints`' upsamplings, on the H200 with torch 2.11 (data/nvidia-h200/NOTES.md, session
+22). Written out, the view's producer computes straight into the new buffer.
 """
 
 from __future__ import annotations
@@ -32,13 +42,43 @@ def _needs_pin(node: torch.fx.Node) -> bool:
     return isinstance(val, torch.Tensor) and val.ndim == 5 and not val.is_contiguous(memory_format=CHANNELS_LAST)
 
 
-class PinChannelsLast(CustomGraphPass):
-    """Inductor post-grad pass (`post_grad_custom_post_pass`); `pinned` counts the inputs it pinned."""
+def _is_unit_view(node: torch.fx.Node) -> bool:
+    """A 5-D view computed in the graph with a size-1 dimension (which Inductor may give stride 0)."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return False
+    target = node.target
+    view = isinstance(target, torch._ops.OpOverload) and (target.is_view or target is aten._unsafe_view.default)
+    val = node.meta.get("val")
+    return view and isinstance(val, torch.Tensor) and val.ndim == 5 and 1 in val.shape
 
-    def __init__(self) -> None:
+
+class ConvolutionInputs(CustomGraphPass):
+    """Inductor post-grad pass (`post_grad_custom_post_pass`): `written` counts the view inputs of
+    `convolution_backward` it wrote out; with `channels_last`, `pinned` counts the inputs it pinned."""
+
+    def __init__(self, *, channels_last: bool) -> None:
+        self.channels_last = channels_last
+        self.written = 0
         self.pinned = 0
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        layout = CHANNELS_LAST if self.channels_last else torch.preserve_format
+        for node in list(graph.nodes):
+            view = node.args[1] if node.target is aten.convolution_backward.default else None
+            if not _is_unit_view(view):
+                continue
+            with graph.inserting_after(view):
+                out = graph.call_function(aten.clone.default, (view,), {"memory_format": layout})
+            out.meta["val"] = view.meta["val"].clone(memory_format=layout)
+            for user in list(view.users):  # the recomputed forward convolution reads the same buffer
+                for i in CONV_INPUTS.get(user.target, ()):
+                    if user.args[i] is view:
+                        user.update_arg(i, out)
+            self.written += 1
+        if self.channels_last:
+            self._pin(graph)
+
+    def _pin(self, graph: torch.fx.Graph) -> None:
         for node in list(graph.nodes):
             for i in CONV_INPUTS.get(node.target, ()):
                 arg = node.args[i]
@@ -51,16 +91,18 @@ class PinChannelsLast(CustomGraphPass):
                 self.pinned += 1
 
     def uuid(self) -> bytes:
-        return get_hash_for_files((__file__,))  # Inductor's cache keys on this pass's source
+        return get_hash_for_files((__file__,)) + bytes([self.channels_last])  # Inductor's cache keys on this
 
 
 def compile_options(*, pin_layout: bool) -> dict:
-    """Inductor options for `torch.compile(..., options=...)`.
+    """Inductor options for `torch.compile(..., options=...)`: the pass above, pinning channels-last only
+    with `pin_layout`.
 
-    Layout optimization goes off with the pass: where Inductor turns it on (inference graphs whose
+    Layout optimization goes off with the pinning: where Inductor turns it on (inference graphs whose
     convolutions it expects to gain from channels-last, `decide_layout_opt`), it pins channels-last
     at 2-D convolutions only and drops the fx-stride constraint on every convolution
     (`constrain_conv_to_fx_strides`), so a 3-D convolution's inputs fall back to contiguous and the
     pinned strides are lost: the sampler's denoising step on the H200 spent 5.9 of 24.3 ms in cuDNN's
     nchwToNhwc/nhwcToNchw copies (data/nvidia-h200/NOTES.md)."""
-    return {"post_grad_custom_post_pass": PinChannelsLast(), "layout_optimization": False} if pin_layout else {}
+    options = {"post_grad_custom_post_pass": ConvolutionInputs(channels_last=pin_layout)}
+    return {**options, "layout_optimization": False} if pin_layout else options

@@ -144,14 +144,16 @@ def test_pin_layout_pins_every_convolution_input_and_keeps_the_values(monkeypatc
     torch._dynamo.reset()
     seen = []
 
-    class Checked(layout.PinChannelsLast):
+    class Checked(layout.ConvolutionInputs):
         def __call__(self, graph):
             super().__call__(graph)
+            if not self.channels_last:
+                return
             convs = [n for n in graph.nodes if n.target in layout.CONV_INPUTS]
             seen.append((len(convs), sum(layout._needs_pin(n.args[i]) for n in convs for i in layout.CONV_INPUTS[n.target]),
                          self.pinned))
 
-    monkeypatch.setattr(layout, "PinChannelsLast", Checked)
+    monkeypatch.setattr(layout, "ConvolutionInputs", Checked)
     spec = ModelSpec(size=8, mask_channels=3, base_channels=32, channel_mult=(1, 2), attention_ds=(2,))
     plain = _randomized(spec, CONFIGS["compile"].with_flags(precision="fp32"))
     pinned = _randomized(spec, CONFIGS["compile"].with_flags(precision="fp32", pin_layout=True))
@@ -247,6 +249,32 @@ def test_best_levers_compile_to_the_same_step(flags):
     loss, grad = _loss_and_grads(engine, spec)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6, msg=str(flags))
     assert float((grad - ref_grad).norm() / ref_grad.norm()) < 1e-5, flags
+
+
+def test_narrow_checkpoints_write_out_the_recomputed_upsampling(monkeypatch, fresh_inductor):
+    """With narrow_checkpoints the backward graph recomputes each upsampling and hands the view it ends in to
+    convolution_backward, which on the H200 (torch 2.11) got it with stride 0 at the batch dimension and
+    returned a weight gradient in the wrong layout (medddpm.layout): the pass writes the view out, and the
+    compiled step (best-ckpt's switches, fp32) still gives the eager loss and gradients."""
+    from medddpm import layout
+    from medddpm.model import ModelSpec
+
+    torch._dynamo.reset()
+    written = []
+
+    class Counted(layout.ConvolutionInputs):
+        def __call__(self, graph):
+            super().__call__(graph)
+            written.append(self.written)
+
+    monkeypatch.setattr(layout, "ConvolutionInputs", Counted)
+    spec = ModelSpec(size=8, mask_channels=3, base_channels=32, channel_mult=(1, 2), attention_ds=(2,))
+    config = CONFIGS["best-ckpt"].with_flags(precision="fp32", store_skip_grad=True, narrow_checkpoints=True)
+    ref_loss, ref_grad = _loss_and_grads(_randomized(spec, config.with_flags(compile=False)), spec)
+    loss, grad = _loss_and_grads(_randomized(spec, config), spec)
+    assert len(written) == 2 and written[0] == 0 and written[1] >= 1, f"views written out per graph: {written}"
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert float((grad - ref_grad).norm() / ref_grad.norm()) < 1e-5
 
 
 def test_engine_sample_is_the_diffusion_sampler(tiny_spec):
