@@ -27,9 +27,9 @@ REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
-# The build's own cost: CPU seconds of scripts/book.sh and every process under it (the page kernels), about
-# 200 s for 14 pages here, some 1.2x that on the 2-core CI machine. Not its wall time: the suite's other
-# worker shares those cores, and a build beside compiling tests took 286-326 s of wall time there.
+# The build's own cost: CPU seconds of scripts/book.sh and every process under it (the page kernels): 197 s
+# for 14 pages on a 2-core development machine (NOTES.md, session 22). Not its wall time: the suite's other
+# worker shares the cores, and on the CI machine builds beside compiling tests took 286-326 s of wall time.
 BUILD_CPU_LIMIT_S = 480
 FAKE_SLUG, FAKE_NAME = "fake-gpu-x", "Fake GPU X"
 
