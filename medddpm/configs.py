@@ -151,10 +151,11 @@ CONFIGS: dict[str, Config] = {c.name: c for c in [
            description="opt1 with activation checkpointing per U-Net block (less memory, one more forward)"),
     # Its GroupNorm stays "chunked": the fused one raised the checkpointed peak from 4.64 to 5.74 GiB (H200,
     # data/nvidia-h200/NOTES.md, session 13; 6.14 GiB with a recompute-everything checkpoint policy, session 15).
-    # store_skip_grad and narrow_checkpoints: the two peaks of its backward 0.25 and ~0.5 GiB lower (sessions 17, 21-23)
-    Config("best-ckpt", **dict(_best, group_norm="chunked"), checkpointing=True, store_skip_grad=True,
-           narrow_checkpoints=True,
-           description="best with activation checkpointing per U-Net block (less memory, one more forward), "
+    # store_skip_grad and narrow_checkpoints lower its backward's peaks (sessions 17, 21-23); no CUDA graph: with
+    # checkpointing it saved no time (68.1 ms with, 68.4 without) and its pool held 0.09 GiB more (session 17)
+    Config("best-ckpt", **dict(_best, group_norm="chunked", cuda_graphs=False), checkpointing=True,
+           store_skip_grad=True, narrow_checkpoints=True,
+           description="best with activation checkpointing per U-Net block (less memory, one more forward), no CUDA graph, "
                        "skip gradients written out as computed, the stem and upsamplings recomputed inside the "
                        "checkpoints that read them"),
 ]}
