@@ -65,7 +65,7 @@ class Config:
     # read their outputs, so that the checkpoints keep the narrow tensors before them (the stem's 4-8 input channels,
     # the upsampling's 8x fewer voxels), not two full-size 64-channel tensors through the whole backward. On the H200
     # (torch 2.11) compiled best-ckpt with it failed an Inductor stride check in its backward (pytorch/pytorch#174869),
-    # which medddpm.layout's pass now avoids; not measured since (data/nvidia-h200/NOTES.md, sessions 21-22)
+    # which medddpm.layout's pass now avoids; it then lowered best-ckpt's peak 4.30 -> 4.23 GiB (NOTES.md, session 23)
     narrow_checkpoints: bool = False
     cudnn_try_all: bool = False  # cuDNN autotuning tries every algorithm (benchmark_limit 0), not PyTorch's first 10
     # compiled graphs: activations AOTAutograd's partitioner may keep, as a fraction of what it keeps by

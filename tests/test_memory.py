@@ -114,13 +114,16 @@ def test_switch_costs_pair_runs_that_differ_in_one_switch(run):
     gpu = costs[costs["gpu_slug"] == GPU]
     pairs = set(zip(gpu["model"], gpu["batch"], gpu["config_off"], gpu["config_on"], gpu["switch"]))
     h, b = "paper 128x128x128", "brats 192x192x144"
-    # best-ckpt keeps the chunked GroupNorm (configs.py): today's best and best-ckpt differ in two switches
-    assert CONFIGS["best-ckpt"].group_norm != CONFIGS["best"].group_norm
+    # best-ckpt keeps the chunked GroupNorm and more (configs.py): today's best and best-ckpt differ in more than
+    # checkpointing
+    differ = {k for k, v in CONFIGS["best-ckpt"].flags.items() if v != CONFIGS["best"].flags[k]}
+    assert "group_norm" in differ and len(differ) > 1
     assert pairs == {(h, 1, "opt1", "opt1-ckpt", "checkpointing"), (h, 1, "opt1", "bf16", "precision"),
                      (h, 1, "baseline", "bf16", "precision")}
-    # runs of the two made with the same GroupNorm (as the BraTS ones of session 3) pair, at each batch
+    # runs of the two that differ in checkpointing alone (as the BraTS ones of session 3) pair, at each batch
     same = run.copy()
-    same.loc[same["config"] == "best-ckpt", "group_norm"] = CONFIGS["best"].group_norm
+    for k in differ - {"checkpointing"}:
+        same.loc[same["config"] == "best-ckpt", k] = CONFIGS["best"].flags[k]
     also = bd.switch_costs(same)
     also = also[also["gpu_slug"] == GPU]
     assert set(zip(also["model"], also["batch"], also["config_off"], also["config_on"], also["switch"])) == pairs | {
