@@ -21,7 +21,7 @@ def test_paper_configurations_have_the_papers_switches():
 
 def test_checkpointed_configurations_are_their_twins_plus_checkpointing():
     # best-ckpt keeps the chunked GroupNorm: the fused one raised its peak (data/nvidia-h200/NOTES.md, session 13);
-    # its other switches lower its backward's peak at no cost in time (session 23)
+    # its other switches lower its peak: on the H200 4.64 -> 4.23 GiB, 68.1 -> 70.8 ms (session 23)
     ckpt_only = {"group_norm": "chunked", "store_skip_grad": True, "narrow_checkpoints": True, "cuda_graphs": False}
     for name, twin, also in (("opt1-ckpt", "opt1", {}), ("best-ckpt", "best", ckpt_only)):
         assert CONFIGS[name].checkpointing and not CONFIGS[twin].checkpointing
