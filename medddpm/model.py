@@ -187,6 +187,15 @@ def _realized(x: torch.Tensor) -> torch.Tensor:
     return torch.ops._inductor_test.realize(x)
 
 
+def _distinct(x: torch.Tensor) -> torch.Tensor:
+    """x, as a node of a compiled graph that no other is equal to (see `UNet3D._decode`); eager: x itself."""
+    if not torch.compiler.is_compiling():
+        return x
+    from torch._inductor.test_operators import realize  # registers the op; its backward passes the gradient on
+
+    return realize(x)
+
+
 class _Upcast(torch.autograd.Function):
     """x.to(dtype), whose backward casts the gradient back and writes it out in x's dtype (`store_norm_grad`).
 
@@ -705,7 +714,11 @@ class UNet3D(nn.Module):
         """A decoder block, with h upsampled and the skip made by the stem first where `narrow_checkpoints`
         leaves them to it. A skip made here sends its gradient straight into the stem: nothing to store."""
         h = upsample(h) if upsample is not None else h
-        skip = skip_stem(skip) if skip_stem is not None else skip
+        # Through Inductor's realize (stores its input, copies nothing): AOTAutograd's CSE, blind to checkpoint
+        # regions, merged this stem with the first encoder checkpoint's (the same ops on the same x; a clone is
+        # removed before CSE runs), and a node two regions share is saved for the backward: the stem's output,
+        # 0.25 GiB at 128^3, live through the whole backward (data/nvidia-h200/NOTES.md, session 24).
+        skip = skip_stem(_distinct(skip)) if skip_stem is not None else skip
         return block.forward_skip(h, skip, emb, split=self.split_skip, resample=resample,
                                   store_grad=self.store_skip_grad and skip_stem is None)
 
