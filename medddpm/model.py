@@ -181,14 +181,8 @@ def _affine(mean, rstd, weight, bias):
 def _realized(x: torch.Tensor) -> torch.Tensor:
     """x, written out in its own dtype where a compiled graph computes it: Inductor's realize barrier
     (`torch._inductor.test_operators`, whose lowering stores its input and copies nothing), so that the
-    float32 arithmetic before a cast stays in registers. Eager: x itself."""
-    if not torch.compiler.is_compiling():
-        return x
-    return torch.ops._inductor_test.realize(x)
-
-
-def _distinct(x: torch.Tensor) -> torch.Tensor:
-    """x, as a node of a compiled graph that no other is equal to (see `UNet3D._decode`); eager: x itself."""
+    float32 arithmetic before a cast stays in registers; also a node no other equals (`UNet3D._decode`).
+    Eager: x itself."""
     if not torch.compiler.is_compiling():
         return x
     from torch._inductor.test_operators import realize  # registers the op; its backward passes the gradient on
@@ -665,7 +659,6 @@ class UNet3D(nn.Module):
         self.out = nn.Sequential(*norm_silu(ch, kind=group_norm),
                                  zero_init((TapConv3d if tap_gemm else conv)(ch, spec.image_channels, 3, padding=1)))
         if store_norm_grad:
-            import torch._inductor.test_operators  # noqa: F401 - registers torch.ops._inductor_test.realize
             for m in self.modules():
                 if isinstance(m, GroupNorm32):
                     m.store_grad = True
@@ -718,7 +711,7 @@ class UNet3D(nn.Module):
         # regions, merged this stem with the first encoder checkpoint's (the same ops on the same x; a clone is
         # removed before CSE runs), and a node two regions share is saved for the backward: the stem's output,
         # 0.25 GiB at 128^3, live through the whole backward (data/nvidia-h200/NOTES.md, session 24).
-        skip = skip_stem(_distinct(skip)) if skip_stem is not None else skip
+        skip = skip_stem(_realized(skip)) if skip_stem is not None else skip
         return block.forward_skip(h, skip, emb, split=self.split_skip, resample=resample,
                                   store_grad=self.store_skip_grad and skip_stem is None)
 

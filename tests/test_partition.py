@@ -69,13 +69,13 @@ def test_split_skip_keeps_a_float32_skip_under_compile(saved):
     assert fp32_skips(saved[plain + "+aot_cse=false"]) == 0
     unshared = activation_bytes(saved[plain + "+aot_cse=false"])
     assert unshared <= activation_bytes(saved["best-ckpt+narrow_checkpoints=false"])
-    # With narrow_checkpoints each checkpoint makes its own stem output (model._distinct): nothing to share.
+    # With narrow_checkpoints each checkpoint makes its own stem output (model._realized): nothing to share.
     assert fp32_skips(saved["best-ckpt+split_skip=true"]) == 0
 
 
 def test_narrow_checkpoints_keep_no_stem_output(saved, monkeypatch):
     """best-ckpt (narrow_checkpoints) keeps its top level's three block outputs and not the stem's, which the
-    first encoder block and the last decoder block each recompute. Without `model._distinct` the two stems are
+    first encoder block and the last decoder block each recompute. Without `model._realized` the two stems are
     the same ops on the same input, CSE makes them one node, and the partitioner saves the node the two
     checkpoints share: the stem's output, 0.25 GiB live through the H200's whole backward at 128^3
     (data/nvidia-h200/NOTES.md, session 24)."""
@@ -85,7 +85,7 @@ def test_narrow_checkpoints_keep_no_stem_output(saved, monkeypatch):
     assert len(top(saved["best-ckpt"])) == 3 and "aten.convolution.default" not in set(top(saved["best-ckpt"])["op"])
     plain = top(saved["best-ckpt+narrow_checkpoints=false"])
     assert len(plain) == 4 and "aten.convolution.default" in set(plain["op"])  # the stem's output, kept
-    monkeypatch.setattr(model, "_distinct", lambda x: x)
+    monkeypatch.setattr(model, "_realized", lambda x: x)
     partition._saved_tensors.cache_clear()  # traced again with the stems alike
     try:
         assert "aten.convolution.default" in set(top(saved_tensors(SPEC, "best-ckpt"))["op"])
