@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 from PIL import Image
 
@@ -253,7 +254,11 @@ def test_charts_render_offline_widgets_in_a_live_notebook(monkeypatch):
     monkeypatch.setenv("JPY_SESSION_NAME", "explorers.ipynb")
     charts.setup()
     try:
-        assert alt.renderers.active == "jupyter" and alt.JupyterChart._is_offline
+        assert alt.renderers.active == "jupyter" and alt.renderers.options == {"offline": True}
+        # Drawing a chart is what switches JupyterChart to vl-convert's bundle (altair's jupyter_renderer);
+        # the online bundle imports vega-embed from esm.sh, the offline one imports nothing.
+        alt.Chart(pd.DataFrame({"x": [1]})).mark_point().encode(x="x")._repr_mimebundle_()
+        assert alt.JupyterChart._is_offline and "esm.sh" not in alt.JupyterChart._esm
     finally:
         monkeypatch.delenv("JPY_SESSION_NAME")
         charts.setup()
