@@ -18,6 +18,7 @@ from .configs import TRITON_OPTIONS, Config, Resolved, get_config, resolve, set_
 from .diffusion import TIMESTEPS, GaussianDiffusion
 from .layout import compile_options
 from .model import ModelSpec, UNet3D
+from .recompute import SaveRandomOps
 
 
 class EMA:
@@ -66,6 +67,8 @@ def inductor_options(run: Resolved, *, training: bool = True) -> dict:
     """`torch.compile(options=...)` for a configuration as it runs; the training graphs' own switches
     (`recompute_pointwise`, `recompute_reads`) are left out of the denoising step's (`Engine.sampler`)."""
     options = compile_options(pin_layout=run.pin_layout)
+    if training and run.config.checkpointing:
+        options["joint_custom_pre_pass"] = SaveRandomOps()  # a recomputed SDPA kept the graphs out of the FX cache
     if training and run.recompute_pointwise:
         options |= RECOMPUTE_POINTWISE
     if training and run.recompute_reads:
