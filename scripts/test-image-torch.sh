@@ -13,9 +13,9 @@ version=${IMAGE_TORCH:-2.11.0}
 venv=.venv-torch$version
 PYTHON=${PYTHON:-python3}
 [ -x "$venv/bin/python" ] || "$PYTHON" -m venv "$venv"
-# torch at the image's release, everything the tests import at the project's pins
+# torch at the image's release, everything the tests and `python -m medddpm` import at the project's pins
 "$venv/bin/python" -m pip install -q "torch==$version" \
-  $(grep -E '^(numpy|scipy|pandas|pyarrow|tqdm|nibabel|nilearn|pytest|pytest-xdist|execnet)==' requirements.txt)
+  $(grep -E '^(numpy|scipy|pandas|pyarrow|tqdm|psutil|nibabel|nilearn|pytest|pytest-xdist|execnet)==' requirements.txt)
 "$venv/bin/python" -c "import torch; print('torch', torch.__version__)"
 [ $# -gt 0 ] || set -- tests/test_model.py tests/test_engine.py -k "fused or checkpoint or best_levers or tap or store_skip or store_norm"
 PYTHONPATH=$PWD exec "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@"
