@@ -176,6 +176,7 @@ def cmd_info(args) -> None:
 
 
 def cmd_saved(args) -> None:
+    from .env import git_commit
     from .partition import activation_bytes, partition_row, record, saved_tensors, summary
 
     spec = _spec(args)
@@ -186,6 +187,8 @@ def cmd_saved(args) -> None:
     if args.write and (args.preset is None or args.size or args.base_channels or args.mask_channels):
         raise ValueError("--write records a preset's model: give --preset alone, without --size, --base-channels "
                          "or --mask-channels")
+    # taken before the first row is written: the table is in the repository, so writing it dirties the tree
+    commit = git_commit()
     for config in configs:
         saved = saved_tensors(spec, config)
         print(f"{config.name}: {(~saved['input']).sum()} activations saved for the backward, "
@@ -193,7 +196,7 @@ def cmd_saved(args) -> None:
         for row in summary(saved, min_bytes=int(args.min_mib * 2**20)).itertuples():
             print(f"  {row.count:3d} x {'x'.join(map(str, row.shape)):<22} {row.dtype:<9} {row.gib:7.3f} GiB")
         if args.write:
-            record(args.write, partition_row(spec, args.preset, config))
+            record(args.write, partition_row(spec, args.preset, config, commit=commit))
             print(f"  recorded in {args.write}")
 
 

@@ -106,15 +106,16 @@ def summary(saved: pd.DataFrame, *, min_bytes: int = 0) -> pd.DataFrame:
     return out.assign(gib=out["total"] / _GIB).drop(columns="total").reset_index(drop=True)
 
 
-def partition_row(spec: ModelSpec, preset: str, config: Config | str) -> dict:
-    """One row of the `partition` table: what `config`'s compiled step saves at `spec`, traced now."""
+def partition_row(spec: ModelSpec, preset: str, config: Config | str, *, commit: str | None = None) -> dict:
+    """One row of the `partition` table: what `config`'s compiled step saves at `spec`, traced now, by the
+    code of `commit` (default: this checkout's now)."""
     config = get_config(config)
     saved = saved_tensors(spec, config)
     act = saved[~saved["input"]]
     largest = [f"{r.count} x {'x'.join(map(str, r.shape[1:]))} {r.dtype}" for r in summary(saved).head(3).itertuples()]
     return {"preset": preset, "shape": "x".join(map(str, spec.shape)), "config": config.name,
             "switches": json.dumps(config.flags, sort_keys=True), "torch": torch.__version__,
-            "git_commit": git_commit(), "traced_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "git_commit": commit or git_commit(), "traced_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "tensors": len(act), "inputs": int(saved["input"].sum()), "activation_bytes": activation_bytes(saved),
             "float32_bytes": int(act.loc[act["dtype"] == "float32", "bytes"].sum()), "largest": "; ".join(largest)}
 

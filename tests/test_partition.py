@@ -109,13 +109,22 @@ def test_cli_prints_the_saved_activations(capsys):
     assert "1x32x16x16x16" in out and "bfloat16" in out
 
 
-def test_write_records_one_row_per_configuration_and_torch_version(tmp_path, capsys):
+def test_write_records_one_row_per_configuration_and_torch_version(tmp_path, capsys, monkeypatch):
+    import itertools
+
+    from medddpm import env
+
     path = tmp_path / "partition.parquet"
+    # The committed table is in the repository: the first row written makes the checkout dirty, and the
+    # rows after it must still name the commit whose code was traced.
+    commits = itertools.count()
+    monkeypatch.setattr(env, "git_commit", lambda: f"c{next(commits)}")
     for configs in ("best-ckpt", "best,best-ckpt"):  # the second run replaces best-ckpt's row
         assert main(["saved", "--preset", "smoke", "--configs", configs, "--write", str(path)]) == 0
     assert f"recorded in {path}" in capsys.readouterr().out
     table = read_table(path, "partition")
     assert sorted(table["config"]) == ["best", "best-ckpt"] and set(table["torch"]) == {torch.__version__}
+    assert set(table["git_commit"]) == {"c1"}, "one commit for every row a run writes"
     row = table.set_index("config").loc["best-ckpt"]
     saved = saved_tensors(SPEC, "best-ckpt")
     assert (row["preset"], row["shape"]) == ("smoke", "16x16x16")
