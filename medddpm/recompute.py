@@ -5,16 +5,16 @@ there as in the forward, so its partitioner wraps every recomputed operator tagg
 `nondeterministic_seeded` in an RNG-state operator (`functionalize_rng_ops`). This model draws no random
 numbers, but SDPA's fused kernels carry that tag (they take a dropout probability, 0 here). On a CUDA
 device the wrapper is `graphsafe_run_with_rng_state`, a higher-order operator that torch 2.11's FX graph
-cache does not take (`_check_for_hop`; cacheable from torch 2.13): every compiled graph of a checkpointed
-configuration bypassed the cache (`inductor.fxgraph_cache_bypass` in its run row) and was compiled again
-in full in each phase of a run: about 150 s a phase for best-ckpt at 128^3, so that best-ckpt@brats
-could not be measured in a 10-minute call (data/nvidia-h200/NOTES.md, session 26).
+cache does not take (`_check_for_hop`; cacheable from torch 2.13): the compiled graphs of a checkpointed
+configuration bypassed the cache (`inductor.fxgraph_cache_bypass` in its run rows) and each phase of a run
+that builds its engine again compiled them again, so that best-ckpt@brats did not fit a 10-minute call
+(data/nvidia-h200/NOTES.md, sessions 24 and 26).
 
 `SaveRandomOps` is a joint-graph pass (`joint_custom_pre_pass`) that saves such an operator's outputs
 instead, as the partitioner itself does for effectful operators (`force_save_effectful_ops`) and as
-torchtitan's selective-checkpointing policy does for SDPA: the attention blocks' outputs here are small
-(at most a few MiB at the levels with attention), and a backward that reads them runs no second
-attention forward. Values are unchanged.
+torchtitan's selective-checkpointing policy does for SDPA (its `_save_list`): the attention blocks'
+outputs here are small (5 MiB in all for best-ckpt at 128^3), and a backward that reads them runs no
+second attention forward. Values are unchanged.
 """
 
 from __future__ import annotations
@@ -45,11 +45,7 @@ def _tensor_outputs(node: torch.fx.Node):
 
 
 class SaveRandomOps(CustomGraphPass):
-    """Marks each recomputed random operator of the joint graph, and the tensors it returns, MUST_SAVE;
-    `saved` counts the operators."""
-
-    def __init__(self) -> None:
-        self.saved = 0
+    """Marks each recomputed random operator of the joint graph, and the tensors it returns, MUST_SAVE."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         for node in graph.nodes:
@@ -58,7 +54,6 @@ class SaveRandomOps(CustomGraphPass):
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE  # banned from recomputation
             for out in _tensor_outputs(node):
                 out.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-            self.saved += 1
 
     def uuid(self) -> bytes:
         return get_hash_for_files((__file__,))  # Inductor's cache keys on this
