@@ -35,13 +35,15 @@ def _is_random(node: torch.fx.Node) -> bool:
 
 
 def _tensor_outputs(node: torch.fx.Node):
-    """node itself, or the tensors taken out of its tuple (getitem of getitem ...)."""
-    if not isinstance(node.meta.get("val"), (tuple, list)):
+    """node itself if it is a tensor, or the tensors taken out of its tuple (getitem of getitem ...). cuDNN's
+    SDPA also returns ints and Nones (its meta function), which are no activations to save."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
         yield node
-        return
-    for user in node.users:
-        if user.target is operator.getitem:
-            yield from _tensor_outputs(user)
+    elif isinstance(val, (tuple, list)):
+        for user in node.users:
+            if user.target is operator.getitem:
+                yield from _tensor_outputs(user)
 
 
 class SaveRandomOps(CustomGraphPass):

@@ -539,3 +539,33 @@ def test_combo_kernels_launch_independent_kernels_together(fresh_inductor):
         assert launches[combo], "no kernel launch in the output code"
     assert launches[True] < launches[False], launches
     torch.testing.assert_close(outs[True], outs[False])
+
+
+def test_save_random_ops_marks_only_the_tensors_a_random_operator_returns():
+    """cuDNN's SDPA (the H200's) returns tensors, ints and Nones: the pass marks the operator and its tensor
+    outputs MUST_SAVE, never an int (the partitioner would hand it to the backward as a saved tensor), and
+    leaves random operators outside checkpoints, and every other operator, as they were."""
+    import operator
+
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from medddpm.recompute import SaveRandomOps
+
+    sdpa = torch.ops.aten._scaled_dot_product_cudnn_attention.default
+    assert torch.Tag.nondeterministic_seeded in sdpa.tags
+    g = torch.fx.Graph()
+    q = g.placeholder("q")
+    out, outside, plain = (g.call_function(f, (q,)) for f in (sdpa, sdpa, torch.ops.aten.relu.default))
+    t = torch.empty(1, 1, 4, 8)
+    out.meta["val"] = outside.meta["val"] = (t, t[..., :1], None, None, 4, 4, torch.empty((), dtype=torch.long))
+    plain.meta["val"] = t
+    items = [g.call_function(operator.getitem, (out, i)) for i in range(7)]
+    for i, node in enumerate(items):
+        node.meta["val"] = out.meta["val"][i]
+    for node in (out, plain, *items):
+        node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE  # inside a checkpoint
+    SaveRandomOps()(g)
+    must = CheckpointPolicy.MUST_SAVE
+    assert out.meta["recompute"] == must and outside.meta.get("recompute") is None
+    assert plain.meta["recompute"] == CheckpointPolicy.PREFER_RECOMPUTE
+    assert [n.meta["recompute"] == must for n in items] == [True, True, False, False, False, False, True]
