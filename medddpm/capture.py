@@ -23,6 +23,45 @@ from .model import parse_size
 
 NVTX_RANGE = "medddpm_step"
 STOPPED = "medddpm.capture: stopped"  # medddpm.ncu.STOPPED
+LAYER_PREFIX = "conv3d "  # medddpm.ncu.LAYER_PREFIX
+
+
+def layer_name(conv: torch.nn.Conv3d, x: torch.Tensor) -> str:
+    """What identifies a convolution layer across configurations: its channels, kernel, stride and input size,
+    e.g. ``conv3d 64>128 k3 s2 @128x128x128``."""
+    k, s = (v[0] if len(set(v)) == 1 else "x".join(map(str, v)) for v in (conv.kernel_size, conv.stride))
+    return f"{LAYER_PREFIX}{conv.in_channels}>{conv.out_channels} k{k} s{s} @{'x'.join(map(str, x.shape[2:]))}"
+
+
+def name_layers(model: torch.nn.Module) -> list:
+    """NVTX push/pop ranges named by `layer_name` around every Conv3d's forward, and around its backward
+    (hooks on the output's autograd node, which run on the thread that runs the node), so that a profiler
+    can tell which layer each convolution kernel computes. Eager models only: hooks are not traced into a
+    compiled graph, nor replayed by a CUDA graph. Returns the hook handles."""
+    nvtx = torch.cuda.nvtx
+    handles = []
+
+    def before(conv, args):
+        nvtx.range_push(layer_name(conv, args[0]))
+
+    def after(conv, args, out):
+        nvtx.range_pop()
+        if out.grad_fn is not None:
+            name = f"{layer_name(conv, args[0])} backward"
+
+            def push(grad_out):  # a pre-hook that returns nothing leaves the gradients as they are
+                nvtx.range_push(name)
+
+            def pop(grad_in, grad_out):
+                nvtx.range_pop()
+
+            out.grad_fn.register_prehook(push)
+            out.grad_fn.register_hook(pop)
+
+    for m in model.modules():
+        if isinstance(m, torch.nn.Conv3d):
+            handles += [m.register_forward_pre_hook(before), m.register_forward_hook(after)]
+    return handles
 
 
 def _stop(seconds: float) -> None:
@@ -51,6 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     for _ in range(args.warmup):
         engine.step((x0, cond))
     torch.cuda.synchronize()
+    if not (engine.run.compile or engine.run.cuda_graphs):
+        name_layers(engine.model)
     # A process-wide start/end range: autograd launches the backward kernels from its own thread,
     # which a per-thread push/pop range would miss.
     handle = torch.cuda.nvtx.range_start(NVTX_RANGE)

@@ -209,15 +209,27 @@ _ANON = re.compile(r"\(anonymous namespace\)::|<?unnamed>::")
 _QUALIFIER = re.compile(r"\b[A-Za-z_]\w*::")
 _PARENS = re.compile(r"\([^()]*\)")
 _CUDNN_FAMILY = re.compile(r"sm\d+_xmma_(fprop|dgrad|wgrad)_")
-# What cuDNN may run instead under ncu, by direction: xmma (any arch), CUTLASS (`..._s1688fprop_...`),
-# and its legacy engines (`implicit_convolve_sgemm`, `dgrad_engine`, `wgrad_alg0_engine`).
-_CONV_DIRECTION = {"fprop": r"fprop|[Cc]onvolve|[Cc]onv\w*_?(fwd|forward)",
-                   "dgrad": r"dgrad|[Cc]onv\w*_?(bwd|backward)_?data",
-                   "wgrad": r"wgrad|[Cc]onv\w*_?(bwd|backward)_?(filter|weight)"}
+# A convolution kernel's direction, from the words its name carries: cuDNN's xmma families
+# (`sm90_xmma_dgrad_...`), CUTLASS (`..._s1688fprop_...`, `..._s1688wgrad_...`) and its legacy engines
+# (`implicit_convolve_sgemm` forward; `convolveNd_dgrad_float_engine`, `dgrad_alg1_nd_float_engine`;
+# `wgrad_alg0_engine`, `convolveNd_wgrad_engine`, `reduce_wgrad_nchw_helper`). The gradient words are
+# tried first: a legacy backward engine's name also holds "convolve", so that word never decides.
+_CONV_BACKWARD = {"dgrad": re.compile(r"dgrad|[Cc]onv\w*_?(bwd|backward)_?data"),
+                  "wgrad": re.compile(r"wgrad|[Cc]onv\w*_?(bwd|backward)_?(filter|weight)")}
+_CONV_FORWARD = re.compile(r"fprop|(implicit|explicit)_convolve|[Cc]onv\w*_?(fwd|forward)|convNd_grouped_direct")
 _TOKEN = re.compile(r"(\d+)[uUlL]*|([A-Za-z_]\w*)")
 # Words the two demanglers write differently: GNU "float const" vs ncu "const float"; GNU
 # "false, true" vs ncu "0, 1" (seen for cuDNN's nchwToNhwcKernel on the H200).
 _UNSTABLE = {"const", "volatile", "true", "false"}
+
+
+def conv_direction(name: str) -> str | None:
+    """"fprop", "dgrad" or "wgrad" for a convolution kernel named as cuDNN, CUTLASS or their legacy engines
+    name them; None for any other kernel."""
+    for direction, words in _CONV_BACKWARD.items():
+        if words.search(name):
+            return direction
+    return "fprop" if _CONV_FORWARD.search(name) else None
 
 
 def _head(name: str) -> str:
@@ -251,12 +263,21 @@ def skeleton(name: str, *, tokens: int = SKELETON_TOKENS) -> list[str]:
 def _skeleton_pattern(name: str) -> str:
     # cuDNN's autotuner (benchmark=True) picks other algorithms under ncu, whose launches time
     # differently (H200, opt1 size 32: the profiler saw sm90_xmma_fprop_..., ncu ran sm80_xmma_fprop_...;
-    # at 128^3 no xmma kernel ran under ncu at all), so its convolutions are matched by direction only.
+    # at 128^3 no xmma kernel ran under ncu at all), so its convolutions are matched by direction only
+    # (`match_kernel` decides with `conv_direction`; this pattern is for ncu's name filter).
     if family := _CUDNN_FAMILY.match(name):
-        return _CONV_DIRECTION[family.group(1)]
+        return _CONV_BACKWARD[family.group(1)].pattern if family.group(1) != "fprop" else _CONV_FORWARD.pattern
     # Word characters only, so escaping is a formality; \b and .* work in ncu's regex engine.
     # Numbers may keep their suffix ("3ul"), so the regex also matches the profiler's own spelling.
     return ".*".join(rf"\b{re.escape(t)}{'[uUlL]*' if t.isdigit() else ''}\b" for t in skeleton(name))
+
+
+def _matches(profiler_name: str, ncu_name: str) -> bool:
+    """Whether ncu's kernel can be the profiler's: a cuDNN convolution family by direction (never a kernel of
+    another direction), anything else by its token skeleton."""
+    if family := _CUDNN_FAMILY.match(profiler_name):
+        return conv_direction(ncu_name) == family.group(1)
+    return bool((p := _skeleton_pattern(profiler_name)) and re.search(p, ncu_name))
 
 
 # cuDNN's and cuBLAS's kernels (cuDNN's xmma convolutions and their helpers, cuBLAS's CUTLASS, xmma and nvjet GEMMs).
@@ -436,6 +457,7 @@ def _profile(cmd: list[str], report: Path, *, timeout_s: float, stop_s: float, e
         csv = report.with_suffix(".csv")
         csv.write_text(exported.stdout)
         df = parse_details_csv(csv)
+        df, layers_said = with_layers(df, report, ncu=cmd[0])
     except subprocess.TimeoutExpired as e:
         log = report.with_suffix(".log")
         return empty_table(), f"ncu timed out after {e.timeout:.0f} s ({log.name}: {_tail(log.read_text(errors='replace'), 2)})"
@@ -445,7 +467,7 @@ def _profile(cmd: list[str], report: Path, *, timeout_s: float, stop_s: float, e
         return df, "ncu profiled no kernel (did the NVTX range or the name filter match?)"
     cut = f" before the step was stopped at {stop_s:.0f} s" if stopped else ""
     cut = f" before the program was killed at {timeout_s - margin:.0f} s" if KILLED in prof.stdout else cut
-    return df, f"{df['kernel_id'].nunique()} launches{cut}"
+    return df, f"{df['kernel_id'].nunique()} launches{cut}{layers_said}"
 
 
 def run_ncu(*, kernels_df: pd.DataFrame, config: str, preset: str, out_dir: Path, size: int | str | None = None,
@@ -559,6 +581,83 @@ def parse_details_csv(path_or_buffer: str | os.PathLike | IO) -> pd.DataFrame:
     return df.astype(COLUMNS)
 
 
+# ------------------------------------------------------------------------------------------- layers
+
+# `medddpm.capture` names each convolution of an eager step with an NVTX push/pop range (`LAYER_PREFIX`, then
+# the layer's channels, kernel, stride and input size), around its forward and around its backward. ncu
+# records the ranges open at each launch; they are kept in the long table as one text row per launch
+# (section `LAYER_SECTION`), so that the same layer can be compared kernel against kernel across
+# configurations (`medddpm.layers`).
+LAYER_PREFIX = "conv3d "  # medddpm.capture.LAYER_PREFIX (not imported: capture imports torch)
+LAYER_SECTION, LAYER_METRIC = "NVTX", "layer"
+
+
+def report_module(ncu: str = "ncu"):
+    """Nsight Compute's Python report interface (`ncu_report`), from the install that `ncu` belongs to
+    (its `extras/python` folder), else an installed `ncu_report` module; None where there is neither."""
+    import importlib
+
+    where = shutil.which(ncu)
+    for parent in Path(os.path.realpath(where)).parents if where else ():
+        if (folder := parent / "extras" / "python").joinpath("ncu_report.py").is_file():
+            if str(folder) not in sys.path:
+                sys.path.append(str(folder))
+            break
+    try:
+        return importlib.import_module("ncu_report")
+    except ImportError:
+        return None
+
+
+def report_layers(report: Path, module) -> list[tuple[str, str]]:
+    """(kernel name, innermost layer range or '') of each result of an ncu report, in result order (the CSV
+    export's ID): read with the report interface's NVTX state."""
+    ctx = module.load_report(str(report))
+    out = []
+    for r in range(ctx.num_ranges()):
+        rng = ctx.range_by_idx(r)
+        for a in range(rng.num_actions()):
+            action = rng.action_by_idx(a)
+            state, layer = action.nvtx_state(), ""
+            for domain in (state.domains() if state is not None else ()):
+                ranges = [n for n in state.domain_by_id(domain).push_pop_ranges() if n.startswith(LAYER_PREFIX)]
+                layer = ranges[-1] if ranges else layer
+            out.append((action.name(), layer))
+    return out
+
+
+def with_layers(df: pd.DataFrame, report: Path, *, ncu: str = "ncu") -> tuple[pd.DataFrame, str]:
+    """The long table with a `LAYER_SECTION` row for each launch made inside a layer range, and a note for the
+    pass's message ('' where there is nothing to say). The report's results are matched to the table's IDs by position, checked by name: any
+    disagreement, or no report interface, leaves the table as it was and says so."""
+    module = report_module(ncu)
+    if module is None:  # layer figures are left out, as for a compiled step
+        return df, ""
+    try:
+        layers = report_layers(report, module)
+    except Exception as e:  # the report interface's own errors have no common base class
+        return df, f"; layer ranges not read ({type(e).__name__}: {e})"
+    names = df.groupby("kernel_id")["kernel"].first()
+    ids = sorted(names.index)
+    # the interface names a result by its function (`vectorized_elementwise_kernel`), the export in full
+    if len(layers) != len(ids) or any(function not in names[i] for i, (function, _) in zip(ids, layers)):
+        return df, f"; layer ranges not kept ({len(layers)} results in the report, {len(ids)} in the export)"
+    rows = [(names[i], i, layer) for i, (_, layer) in zip(ids, layers) if layer]
+    if not rows:  # a compiled step: no layer ranges
+        return df, ""
+    extra = pd.DataFrame({"kernel": [r[0] for r in rows], "kernel_id": [r[1] for r in rows], "kind": "metric",
+                          "section": LAYER_SECTION, "metric": LAYER_METRIC, "value": float("nan"), "unit": "",
+                          "text": [r[2] for r in rows], "speedup_type": ""})
+    return pd.concat([df, extra], ignore_index=True).astype(COLUMNS), f"; {len(rows)} launches inside layer ranges"
+
+
+def launch_layers(ncu: pd.DataFrame) -> pd.Series:
+    """kernel_id -> the layer range it ran in ('' where none was recorded)."""
+    rows = ncu[(ncu["section"] == LAYER_SECTION) & (ncu["metric"] == LAYER_METRIC)]
+    ids = ncu["kernel_id"].drop_duplicates().sort_values()
+    return rows.groupby("kernel_id")["text"].first().reindex(ids, fill_value="")
+
+
 # ------------------------------------------------------------------------------------------ summary
 
 _SOL, _CWA, _MWA = "GPU Speed Of Light Throughput", "Compute Workload Analysis", "Memory Workload Analysis"
@@ -575,6 +674,9 @@ HEADLINE: dict[str, tuple[tuple[str, str] | str, ...]] = {
     "achieved_occupancy_pct": (("Occupancy", "Achieved Occupancy"),
                                "sm__warps_active.avg.pct_of_peak_sustained_active"),
     "theoretical_occupancy_pct": (("Occupancy", "Theoretical Occupancy"),),
+    "sm_active_cycles": ((_SOL, "SM Active Cycles"), "sm__cycles_active.avg"),
+    "elapsed_cycles": ((_SOL, "Elapsed Cycles"), "gpc__cycles_elapsed.max"),
+    "inst_executed": (("Instruction Statistics", "Executed Instructions"), "sm__inst_executed.sum"),
     "ipc": ((_CWA, "Executed Ipc Active"), "sm__inst_executed.avg.per_cycle_active"),
     "warp_cycles_per_inst": (("Warp State Statistics", "Warp Cycles Per Issued Instruction"),
                              "smsp__average_warp_latency_per_inst_issued.ratio"),
@@ -610,6 +712,8 @@ def kernel_summary(ncu: pd.DataFrame) -> pd.DataFrame:
         cols[f"flop_{kind}"] = add + mul + 2 * fma
     out = pd.DataFrame(cols, index=names.index).astype("float64")
     out.insert(0, "kernel", names.astype("str"))
+    out.insert(1, "layer", launch_layers(ncu).reindex(names.index, fill_value="").astype("str"))
+    out.insert(2, "direction", names.map(conv_direction).fillna("").astype("str"))
     return out.reset_index().astype({"kernel_id": "int64"})
 
 
@@ -625,8 +729,7 @@ def match_kernel(ncu_name: str, profiler_names: list[str]) -> list[str]:
     """
     if ncu_name in profiler_names:
         return [ncu_name]
-    hits = [(len(skeleton(n)), n) for n in profiler_names
-            if (p := _skeleton_pattern(n)) and re.search(p, ncu_name)]
+    hits = [(len(skeleton(n)), n) for n in profiler_names if _matches(n, ncu_name)]
     best = max((k for k, _ in hits), default=0)
     return [n for k, n in hits if k == best]
 
