@@ -381,7 +381,7 @@ def cmd_counters(args) -> None:
             tqdm.write(f"{run}: not started, {left} s left of the {args.deadline} s deadline")
             continue
         status = add_counters(run, timeout_s=min(args.timeout, left), coverage=args.coverage, force=args.force,
-                              passes=tuple(args.passes), merge=args.merge)
+                              passes=tuple(args.passes), merge=args.merge, from_backward=args.from_backward)
         tqdm.write(f"{run}: ncu {status['status']}: {status['message']}; kept {status['kept']}")
 
 
@@ -532,6 +532,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="own: PyTorch's and Triton's kernels, by name; library: every cuDNN and cuBLAS launch; "
                         f"{BOTH}: the two filters in one process, one launch a configuration (one warm-up)")
     p.add_argument("--merge", action="store_true", help="add the new launches to the run's counters")
+    p.add_argument("--from-backward", action="store_true",
+                   help="profile from the first layer's backward on (eager configurations): with --merge, for "
+                        "counters that stopped in the forward pass")
     p.add_argument("--check", action="store_true", help="only check that every folder can be given counters here")
     p.set_defaults(func=cmd_counters)
 

@@ -330,7 +330,8 @@ def pass_regex(name: str, own: list[str]) -> str:
 
 def ncu_command(*, name_regex: str, config: str, preset: str, report: Path, metrics: list[str],
                 size: int | str | None = None, batch: int = 1, launches_per_config: int | None = 1,
-                launch_skip: int = 0, stop_after_s: float | None = None, python: str = sys.executable) -> list[str]:
+                launch_skip: int = 0, stop_after_s: float | None = None, from_backward: bool = False,
+                python: str = sys.executable) -> list[str]:
     """ncu over `medddpm.capture`: one step (NVTX range), the launches whose name matches, clocks untouched.
 
     `launches_per_config`: profile only the first N launches of each launch configuration (kernel,
@@ -340,6 +341,8 @@ def ncu_command(*, name_regex: str, config: str, preset: str, report: Path, metr
     `launch_skip`: pass over the first N launches that match (ncu counts them after its filters), so that
     a library pass goes on where an earlier one stopped.
     `stop_after_s`: the profiled program exits after that long, and ncu writes the launches done so far.
+    `from_backward`: the step's range starts at the first layer's backward (eager configurations), so that a
+    pass spends its time on the backward only, where a pass before it stopped in the forward.
     """
     sections = [a for s in SECTIONS for a in ("--section", s)]
     extra = ["--metrics", ",".join(metrics)] if metrics else []
@@ -357,7 +360,8 @@ def ncu_command(*, name_regex: str, config: str, preset: str, report: Path, metr
             "--kernel-name-base", "demangled", "--kernel-name", f"regex:{name_regex}",
             *sections, *extra, "-o", str(report), "-f",
             *target, *(["--size", str(size)] if size else []), *(["--batch", str(batch)] if batch != 1 else []),
-            *(["--stop-after", f"{stop_after_s:g}"] if stop_after_s else [])]
+            *(["--stop-after", f"{stop_after_s:g}"] if stop_after_s else []),
+            *(["--from-backward"] if from_backward else [])]
 
 
 def export_command(report: Path, *, ncu: str = "ncu") -> list[str]:
@@ -472,13 +476,15 @@ def _profile(cmd: list[str], report: Path, *, timeout_s: float, stop_s: float, e
 
 def run_ncu(*, kernels_df: pd.DataFrame, config: str, preset: str, out_dir: Path, size: int | str | None = None,
             batch: int = 1, timeout_s: int = 420, coverage: float = COVERAGE, passes: tuple[str, ...] = PASSES,
-            profiled: pd.DataFrame | None = None, library_skip: int = 0) -> tuple[pd.DataFrame, dict]:
+            profiled: pd.DataFrame | None = None, library_skip: int = 0,
+            from_backward: bool = False) -> tuple[pd.DataFrame, dict]:
     """Profile the kernels covering `coverage` of the step, in the `passes` that have selected kernels
     (see `PASSES`, or `BOTH` alone; they share `timeout_s`); (long table, status). Never raises for ncu.
 
     To add to counters a run has (`profiled`, their table): the own pass leaves out the kernels that table
     covers, and the library pass, which cannot filter by real name, skips the first `library_skip`
-    launches (those earlier library passes profiled: `library_launches_done`)."""
+    launches (those earlier library passes profiled: `library_launches_done`). `from_backward`: see
+    `ncu_command`."""
     check_passes(passes)
     out_dir = Path(out_dir)
     names = select_kernels(kernels_df, coverage=coverage)
@@ -492,6 +498,8 @@ def run_ncu(*, kernels_df: pd.DataFrame, config: str, preset: str, out_dir: Path
               "passes": {p: {"report": str(r), "kernels": len(chosen[p])} for p, r in reports.items()}}
     if "library" in todo:
         status["passes"]["library"]["first_launch"] = library_skip
+    if from_backward:
+        status["from_backward"] = True
 
     def done(state: str, message: str, df: pd.DataFrame | None = None) -> tuple[pd.DataFrame, dict]:
         return (empty_table() if df is None else df), status | {"status": state, "message": message}
@@ -519,7 +527,8 @@ def run_ncu(*, kernels_df: pd.DataFrame, config: str, preset: str, out_dir: Path
         stop_s = max(budget - STOP_MARGIN_S, budget / 2)
         cmd = ncu_command(name_regex=pass_regex(name, chosen["own"]), launches_per_config=None if name == "library" else 1,
                           launch_skip=library_skip if name == "library" else 0, config=config, preset=preset,
-                          size=size, batch=batch, report=reports[name], metrics=metrics, stop_after_s=stop_s)
+                          size=size, batch=batch, report=reports[name], metrics=metrics, stop_after_s=stop_s,
+                          from_backward=from_backward)
         cmd[0] = ncu
         df, message = _profile(cmd, reports[name], timeout_s=budget, stop_s=stop_s, env=env, cwd=root)
         status["passes"][name] |= {"message": message, "launches": int(df["kernel_id"].nunique())}
@@ -594,12 +603,19 @@ LAYER_SECTION, LAYER_METRIC = "NVTX", "layer"
 
 def report_module(ncu: str = "ncu"):
     """Nsight Compute's Python report interface (`ncu_report`), from the install that `ncu` belongs to
-    (its `extras/python` folder), else an installed `ncu_report` module; None where there is neither."""
+    (its `extras/python` folder: beside the binary, or in the CUDA toolkit's or /opt/nvidia's Nsight Compute
+    folders when `ncu` is the toolkit's launcher script), else an installed `ncu_report` module; None where
+    there is neither."""
     import importlib
 
     where = shutil.which(ncu)
-    for parent in Path(os.path.realpath(where)).parents if where else ():
-        if (folder := parent / "extras" / "python").joinpath("ncu_report.py").is_file():
+    parents = list(Path(os.path.realpath(where)).parents) if where else []
+    folders = [p / "extras" / "python" for p in parents]
+    for root in [*parents[1:2], Path("/opt/nvidia/nsight-compute")]:  # the toolkit's root, NVIDIA's default
+        folders += sorted(root.glob("nsight-compute*/extras/python"), reverse=True)
+        folders += sorted(root.glob("*/extras/python"), reverse=True)
+    for folder in folders:
+        if folder.joinpath("ncu_report.py").is_file():
             if str(folder) not in sys.path:
                 sys.path.append(str(folder))
             break
