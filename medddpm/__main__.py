@@ -532,9 +532,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="own: PyTorch's and Triton's kernels, by name; library: every cuDNN and cuBLAS launch; "
                         f"{BOTH}: the two filters in one process, one launch a configuration (one warm-up)")
     p.add_argument("--merge", action="store_true", help="add the new launches to the run's counters")
-    p.add_argument("--from-backward", action="store_true",
-                   help="profile from the first layer's backward on (eager configurations): with --merge, for "
-                        "counters that stopped in the forward pass")
+    p.add_argument("--from-backward", nargs="?", const="", metavar="LAYER",
+                   help="profile from the first layer's backward on, or from LAYER's (a layer range's name, as in "
+                        "ncu.parquet; eager configurations): with --merge, for counters that stopped before it")
     p.add_argument("--check", action="store_true", help="only check that every folder can be given counters here")
     p.set_defaults(func=cmd_counters)
 

@@ -37,7 +37,7 @@ def name_layers(model: torch.nn.Module, *, on_backward=None) -> list:
     """NVTX push/pop ranges named by `layer_name` around every Conv3d's forward, and around its backward
     (hooks on the output's autograd node, which run on the thread that runs the node), so that a profiler
     can tell which layer each convolution kernel computes. Eager models only: hooks are not traced into a
-    compiled graph, nor replayed by a CUDA graph. `on_backward` is called before the first layer's backward.
+    compiled graph, nor replayed by a CUDA graph. `on_backward(name)` is called before each layer's backward.
     Returns the hook handles."""
     nvtx = torch.cuda.nvtx
     handles = []
@@ -51,10 +51,8 @@ def name_layers(model: torch.nn.Module, *, on_backward=None) -> list:
             name = f"{layer_name(conv, args[0])} backward"
 
             def push(grad_out):  # a pre-hook that returns nothing leaves the gradients as they are
-                nonlocal on_backward
                 if on_backward is not None:
-                    on_backward, call = None, on_backward
-                    call()
+                    on_backward(name)
                 nvtx.range_push(name)
 
             def pop(grad_in, grad_out):
@@ -83,9 +81,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=1, help="volumes per micro-step")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--trace", help="also write a torch.profiler (Kineto) trace of one more step here")
-    p.add_argument("--from-backward", action="store_true",
-                   help="start the step's range at the first layer's backward (eager configurations), so that a "
-                        "profiler filtering on it skips the forward pass")
+    p.add_argument("--from-backward", nargs="?", const="", metavar="LAYER",
+                   help="start the step's range at the first layer's backward, or at the backward of LAYER (a layer "
+                        "range's name, e.g. 'conv3d 64>64 k3 s2 @128x128x128'; eager configurations), so that a "
+                        "profiler filtering on it skips what comes before")
     p.add_argument("--stop-after", type=float, metavar="S",
                    help="exit after S seconds, wherever the step is: under ncu, what was profiled is kept")
     args = p.parse_args(argv)
@@ -99,18 +98,25 @@ def main(argv: list[str] | None = None) -> None:
         engine.step((x0, cond))
     torch.cuda.synchronize()
     eager = not (engine.run.compile or engine.run.cuda_graphs)
-    if args.from_backward and not eager:
+    late = args.from_backward is not None
+    if late and not eager:
         p.error(f"--from-backward needs an eager configuration; {args.config} compiles or replays a CUDA graph")
     # A process-wide start/end range: autograd launches the backward kernels from its own thread,
     # which a per-thread push/pop range would miss.
     handle = []
-    start = lambda: handle.append(torch.cuda.nvtx.range_start(NVTX_RANGE))  # noqa: E731
+
+    def start(layer: str = "") -> None:  # once, at the step or at the first backward that qualifies
+        if not handle and layer.startswith(args.from_backward or ""):
+            handle.append(torch.cuda.nvtx.range_start(NVTX_RANGE))
+
     if eager:
-        name_layers(engine.model, on_backward=start if args.from_backward else None)
-    if not args.from_backward:
+        name_layers(engine.model, on_backward=start if late else None)
+    if not late:
         start()
     engine.step((x0, cond))
     torch.cuda.synchronize()
+    if not handle:
+        p.error(f"no layer's backward starts with {args.from_backward!r}: nothing was profiled")
     torch.cuda.nvtx.range_end(handle[0])
     if args.trace:
         from torch.profiler import ProfilerActivity, profile

@@ -54,11 +54,11 @@ def check_run(run_dir: str | Path, *, device: torch.device | str = "cuda"):
 
 
 def add_counters(run_dir: str | Path, *, timeout_s: int = 420, coverage: float = COVERAGE, force: bool = False,
-                 passes: tuple[str, ...] = PASSES, merge: bool = False, from_backward: bool = False,
+                 passes: tuple[str, ...] = PASSES, merge: bool = False, from_backward: str | None = None,
                  device: torch.device | str = "cuda") -> dict:
     """Profile the run's step with ncu and keep the result if it covers at least as much as the counters
-    the run has (any result with `force`); with `merge`, add it to them (with `from_backward`, a pass over the
-    backward only: for an eager run whose counters stopped in the forward). Returns ncu's status, with
+    the run has (any result with `force`); with `merge`, add it to them (with `from_backward`, a pass from a
+    layer's backward on: for an eager run whose counters stopped before it; see `medddpm.ncu.ncu_command`). Returns ncu's status, with
     `kept` saying which table stayed."""
     run_dir = Path(run_dir)
     run = check_run(run_dir, device=device)
@@ -72,7 +72,7 @@ def add_counters(run_dir: str | Path, *, timeout_s: int = 420, coverage: float =
                          size=format_size(parse_size(run["shape"])), batch=int(run["batch"]),
                          out_dir=NCU_REPORTS / run["gpu_slug"] / run_dir.name, timeout_s=timeout_s, coverage=coverage,
                          passes=passes, profiled=old_df if merging else None,
-                         library_skip=library_launches_done(recorded.get("ncu", {})) if merging and not from_backward else 0,
+                         library_skip=library_launches_done(recorded.get("ncu", {})) if merging and from_backward is None else 0,
                          from_backward=from_backward)
     status |= {"git_commit": git_commit(), "time_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
     if merging and status["status"] == "ok":

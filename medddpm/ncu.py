@@ -330,7 +330,7 @@ def pass_regex(name: str, own: list[str]) -> str:
 
 def ncu_command(*, name_regex: str, config: str, preset: str, report: Path, metrics: list[str],
                 size: int | str | None = None, batch: int = 1, launches_per_config: int | None = 1,
-                launch_skip: int = 0, stop_after_s: float | None = None, from_backward: bool = False,
+                launch_skip: int = 0, stop_after_s: float | None = None, from_backward: str | None = None,
                 python: str = sys.executable) -> list[str]:
     """ncu over `medddpm.capture`: one step (NVTX range), the launches whose name matches, clocks untouched.
 
@@ -341,8 +341,9 @@ def ncu_command(*, name_regex: str, config: str, preset: str, report: Path, metr
     `launch_skip`: pass over the first N launches that match (ncu counts them after its filters), so that
     a library pass goes on where an earlier one stopped.
     `stop_after_s`: the profiled program exits after that long, and ncu writes the launches done so far.
-    `from_backward`: the step's range starts at the first layer's backward (eager configurations), so that a
-    pass spends its time on the backward only, where a pass before it stopped in the forward.
+    `from_backward`: the step's range starts at the first layer's backward ('') or at the backward of the layer
+    range so named (eager configurations; `medddpm.capture`), so that a pass spends its time on what a pass
+    before it did not reach.
     """
     sections = [a for s in SECTIONS for a in ("--section", s)]
     extra = ["--metrics", ",".join(metrics)] if metrics else []
@@ -361,7 +362,7 @@ def ncu_command(*, name_regex: str, config: str, preset: str, report: Path, metr
             *sections, *extra, "-o", str(report), "-f",
             *target, *(["--size", str(size)] if size else []), *(["--batch", str(batch)] if batch != 1 else []),
             *(["--stop-after", f"{stop_after_s:g}"] if stop_after_s else []),
-            *(["--from-backward"] if from_backward else [])]
+            *(["--from-backward", from_backward] if from_backward is not None else [])]
 
 
 def export_command(report: Path, *, ncu: str = "ncu") -> list[str]:
@@ -477,7 +478,7 @@ def _profile(cmd: list[str], report: Path, *, timeout_s: float, stop_s: float, e
 def run_ncu(*, kernels_df: pd.DataFrame, config: str, preset: str, out_dir: Path, size: int | str | None = None,
             batch: int = 1, timeout_s: int = 420, coverage: float = COVERAGE, passes: tuple[str, ...] = PASSES,
             profiled: pd.DataFrame | None = None, library_skip: int = 0,
-            from_backward: bool = False) -> tuple[pd.DataFrame, dict]:
+            from_backward: str | None = None) -> tuple[pd.DataFrame, dict]:
     """Profile the kernels covering `coverage` of the step, in the `passes` that have selected kernels
     (see `PASSES`, or `BOTH` alone; they share `timeout_s`); (long table, status). Never raises for ncu.
 
@@ -498,8 +499,8 @@ def run_ncu(*, kernels_df: pd.DataFrame, config: str, preset: str, out_dir: Path
               "passes": {p: {"report": str(r), "kernels": len(chosen[p])} for p, r in reports.items()}}
     if "library" in todo:
         status["passes"]["library"]["first_launch"] = library_skip
-    if from_backward:
-        status["from_backward"] = True
+    if from_backward is not None:
+        status["from_backward"] = from_backward
 
     def done(state: str, message: str, df: pd.DataFrame | None = None) -> tuple[pd.DataFrame, dict]:
         return (empty_table() if df is None else df), status | {"status": state, "message": message}
