@@ -226,6 +226,29 @@ def cmd_configs(args) -> None:
             print(f"{'':<10}not applicable on {device.type}: {flag}: {why}")
 
 
+def cmd_claims(args) -> None:
+    import textwrap
+    from pathlib import Path
+
+    from . import bookdata, claims
+
+    if args.data is not None and not Path(args.data).is_dir():
+        raise FileNotFoundError(f"--data {args.data}: no such folder (a data tree such as data/)")
+    table = claims.verdicts(bookdata.load_all(args.data))
+    if args.json:
+        print(claims.as_json(table))
+        return
+    for slug, rows in table.groupby("gpu_slug", sort=False):
+        counts = rows["verdict"].value_counts()
+        print(f"{slug}: " + ", ".join(f"{counts.get(v, 0)} {v}" for v in claims.VERDICTS))
+        if slug == "cpu":
+            print(f"  {claims.ON_CPU}")
+            continue
+        for r in rows.itertuples():
+            print(f"  {r.verdict:<15} {r.short}")
+            print(textwrap.fill(r.evidence, 100, initial_indent=" " * 18, subsequent_indent=" " * 18))
+
+
 def cmd_train(args) -> None:
     from .env import pick_device
     from .train import train
@@ -518,6 +541,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=_positive, help="timed micro-steps per rank (default: the preset's)")
     p.add_argument("--warmup", type=int, help="untimed warm-up micro-steps (default: the preset's)")
     p.set_defaults(func=cmd_scale)
+
+    p = sub.add_parser("claims", help="the paper's claims judged on the measurements, per device (no book build)")
+    p.add_argument("--data", metavar="DIR", help="the data tree to read (default: the repository's data/)")
+    p.add_argument("--json", action="store_true",
+                   help="a JSON list of {claim, device, verdict, rule, evidence, figures}")
+    p.set_defaults(func=cmd_claims)
 
     p = sub.add_parser("counters", help="Nsight Compute counters for runs already measured (GPU): a run's "
                                         "ncu.parquet is replaced when the new counters cover more of its step")

@@ -12,8 +12,8 @@ build on purpose (a page must never silently drop a measurement).
 
 Nothing here names a GPU: every summary is grouped by the ``gpu_slug`` found in the data, so a
 GPU added under ``data/`` appears on every page without an edit. Pages call the ``check_*``
-functions to assert that their numbers are sane, and `claims` turns each published claim of
-Ryoo et al. (2026) into a verdict computed from the measurements.
+functions to assert that their numbers are sane; `medddpm.claims` turns each published claim of
+Ryoo et al. (2026) into a verdict computed from these tables.
 """
 
 from __future__ import annotations
@@ -48,15 +48,11 @@ PEAKS: dict[str, dict[str, tuple[float, str]]] = {
 # FP32 (non-tensor-core) peaks from NVIDIA's datasheets, for counting what training costs elsewhere.
 DATASHEET_FP32 = {"V100 SXM2": 15.7e12, "A100 SXM": 19.5e12, "H100 SXM": 67e12}
 
-# Thresholds of the claim verdicts (see `claims`).
-SPEEDUP_MIN = 1.10  # a change "cuts" (or "slows") step time when the median ratio passes 10%
-CONV_DOMINANT = 0.50  # "dominated by convolution": more than half of the baseline's kernel time
-SHIFT_MIN = 0.05  # a shift of kernel-time share counts from 5 percentage points
-TENSOR_NEAR = 2.0  # "near baseline" tensor-pipe use: within 2 percentage points
+# Quality against strict FP32, for the quality page and the claims' "TF32 keeps quality" (`medddpm.claims`).
 QUALITY_REL_ERR = 1e-2  # forward-pass relative L2 error tolerated against strict FP32
 QUALITY_LOSS = 0.02  # mean relative loss difference tolerated against strict FP32
 
-HOLDS, FAILS, NA = "holds", "does not hold", "not measurable here"
+HOLDS, FAILS, NA = "holds", "does not hold", "not measurable"
 NOT_MEASURED = "not measured yet"
 NOT_YET = "not met by the runs so far"  # a memory target none of the measured runs meets, while others are unmeasured
 
@@ -541,29 +537,25 @@ def ncu_kernels(ncu_df: pd.DataFrame) -> pd.DataFrame:
     return _sort(pd.concat(parts, ignore_index=True), "kernel_id")
 
 
-def ncu_by_run(ncu_df: pd.DataFrame) -> pd.DataFrame:
-    """Per run, over the kernels ncu profiled: duration-weighted utilizations, hit rates and stalls, and
-    summed instruction counts by class. The profiled kernels make up most of a step (the top of the
-    torch.profiler ranking), so weighting each launch by its duration approximates the step."""
-    from . import ncu
+def ncu_by_run(ncu_df: pd.DataFrame, kernels: pd.DataFrame) -> pd.DataFrame:
+    """Per run, its step as the counters see it (`medddpm.layers.step_weighted`): utilizations, hit rates and
+    stalls of each kernel weighted by the kernel's share of the step (torch.profiler), not by the launches
+    that happened to be profiled; executed thread instructions by class per step (each kernel's count per
+    launch times its launches a step); `covered`, the share of the step whose kernels have counters."""
+    from . import layers, ncu
 
-    k = ncu_kernels(ncu_df)
-    if k.empty:
-        return pd.DataFrame(columns=["gpu_slug", "config"])
     stalls = [f"stall_{r}" for r in ncu.STALL_REASONS]
     insts = [f"inst_{c}" for c in ncu.INST_CLASSES]
     rows = []
-    for (slug, config), g in k.groupby(["gpu_slug", "config"]):
-        w = g["duration_ns"].fillna(0)
-        row = {"gpu_slug": slug, "config": config, "kernels": len(g), "profiled_ms": w.sum() / 1e6}
-        for c in (*_WEIGHTED, *stalls):
-            v = g[c]
-            m = v.notna() & (w > 0)
-            row[c] = float(np.average(v[m], weights=w[m])) if m.any() else math.nan
-        for c in insts:
-            row[c] = g[c].sum(min_count=1)
-        row["inst_total"] = g[insts].sum(axis=1, min_count=1).sum(min_count=1)
+    for (run_id, slug, config), g in ncu_df.groupby(["run_id", "gpu_slug", "config"]) if not ncu_df.empty else ():
+        k = kernels[kernels["run_id"] == run_id]
+        s = layers.step_weighted(k, g.drop(columns=["gpu_slug", "config"]), rates=(*_WEIGHTED, *stalls), counts=insts)
+        row = {"gpu_slug": slug, "config": config, "kernels": int(g["kernel_id"].nunique()), **s}
+        row |= {c: row.pop(f"{c}_per_step") for c in insts}
+        row["inst_total"] = pd.Series([row[c] for c in insts]).sum(min_count=1)
         rows.append(row)
+    if not rows:
+        return pd.DataFrame(columns=["gpu_slug", "config"])
     return _sort(pd.DataFrame(rows))
 
 
@@ -673,241 +665,6 @@ def check_medians(data: Data) -> None:
     r = data.ok.set_index("run_id")["train_median_ms"]
     both = r.index.intersection(med.index)
     assert np.allclose(r[both], med[both], rtol=1e-6), "run medians differ from the step table"
-
-
-# -------------------------------------------------------------------------------------- claims
-
-
-@dataclass(frozen=True)
-class Claim:
-    id: str
-    short: str  # a chart label
-    text: str  # as published (DESIGN.md section 1)
-    method: str  # how the verdict is computed
-
-
-CLAIMS = [
-    Claim("conv-dominates", "Convolutions dominate",
-          "Training is dominated by cuDNN convolution / implicit-GEMM kernels.",
-          f"Baseline share of profiled kernel time in the convolution category > {CONV_DOMINANT:.0%} (kernels.parquet)."),
-    Claim("inefficiency-sources", "Memory and scheduling inefficiencies",
-          "Inefficiencies come from memory access, layout conversion, warp scheduling, "
-          "cache residency and low tensor-core use.",
-          "Baseline ncu rule priorities (share x estimated global speedup): memory, warp-state, scheduler, occupancy "
-          "and launch sections hold more than half of the total (ncu.parquet)."),
-    Claim("tf32-time", "TF32 cuts step time (up to 5x)",
-          "TF32 cuts SM cycles (up to 5x).",
-          f"Baseline / opt1 median step time >= {SPEEDUP_MIN} where TF32 really ran (precision_used tf32); from the "
-          "sweep, else from bench timings (run.parquet, reference JSON)."),
-    Claim("tf32-instructions", "TF32 cuts instructions (up to 100x)",
-          "TF32 cuts dynamic instructions (up to 100x).",
-          "Executed thread instructions summed over the profiled kernels, baseline / opt1 > 1 (ncu.parquet)."),
-    Claim("tf32-tensor", "TF32 raises tensor-core use 1.45-9.98x",
-          "TF32 raises tensor-core utilization 1.45x-9.98x (A100).",
-          "Duration-weighted tensor-pipe utilization, opt1 / baseline >= 1.45 (ncu.parquet)."),
-    Claim("tf32-memory", "TF32: L1 hit falls, DRAM use rises",
-          "Under TF32 the L1 hit rate falls and DRAM bandwidth use rises.",
-          "Duration-weighted L1 hit rate lower and DRAM throughput higher in opt1 than in baseline (ncu.parquet)."),
-    Claim("tf32-stalls", "TF32: long-scoreboard stalls rise",
-          "Under TF32 long-scoreboard stalls rise (H100).",
-          "Duration-weighted long-scoreboard stall cycles per instruction higher in opt1 than baseline (ncu.parquet)."),
-    Claim("cl-shift", "Channels-last: element-wise + layout kernels",
-          "Channels-last shifts the workload to small element-wise and layout-conversion kernels.",
-          f"Share of element-wise + layout kernel time, opt2 minus baseline (where opt2 is missing, opt12 minus "
-          f"opt1: the same switch under TF32) > {SHIFT_MIN:.0%} points (kernels.parquet)."),
-    Claim("cl-tensor", "Channels-last: tensor cores near baseline",
-          "Under channels-last tensor-core use stays near baseline (~1.5%).",
-          f"Duration-weighted tensor-pipe utilization of opt2 within {TENSOR_NEAR} points of baseline (ncu.parquet)."),
-    Claim("cl-sm", "Channels-last: SM throughput drops",
-          "Under channels-last SM throughput drops (~50%).",
-          "Duration-weighted SM throughput, opt2 / baseline <= 0.9 (ncu.parquet)."),
-    Claim("cl-cache", "Channels-last: L2 hit rises, DRAM falls",
-          "Under channels-last the L2 hit rate rises (~85%) and DRAM use collapses.",
-          "Duration-weighted L2 hit rate higher and DRAM throughput lower in opt2 than baseline (ncu.parquet)."),
-    Claim("opt12-partial", "OPT12 partly restores tensor cores",
-          "Combined (OPT12) only partly restores tensor-core use.",
-          "Duration-weighted tensor-pipe utilization: opt2 < opt12 < opt1 (ncu.parquet)."),
-    Claim("fusion-needed", "Fusion is needed",
-          "Further kernel fusion is needed.",
-          f"Fusing the same model with torch.compile: sdpa / compile median step time >= {SPEEDUP_MIN} "
-          "(run.parquet, else bench timings)."),
-    Claim("tf32-quality", "TF32 keeps quality",
-          "TF32 does not degrade synthesis quality.",
-          f"opt1 against strict FP32 from the same weights: forward relative error <= {QUALITY_REL_ERR:g} and mean "
-          f"relative loss difference <= {QUALITY_LOSS:.0%}, where TF32 really ran (quality.parquet)."),
-]
-
-
-def _median_pair(data: Data, slug: str, a: str, b: str) -> tuple[float, float, str] | None:
-    """Median step times of configs a and b on one GPU: the sweep's, else the bench JSON's."""
-    ok = data.ok[data.ok["gpu_slug"] == slug].set_index("config")
-    if a in ok.index and b in ok.index:
-        return ok.loc[a, "train_median_ms"], ok.loc[b, "train_median_ms"], "sweep"
-    bench = data.bench
-    if not bench.empty:
-        bb = bench[(bench["gpu_slug"] == slug) & (bench["implementation"] == "ours")]
-        med = bb.groupby("config")["median_ms"].median()
-        if a in med.index and b in med.index:
-            return med[a], med[b], "bench JSON"
-    return None
-
-
-def _precision_used(data: Data, slug: str, config: str) -> str | None:
-    r = data.run[(data.run["gpu_slug"] == slug) & (data.run["config"] == config)]
-    if len(r):
-        return r["precision_used"].iloc[0] or None
-    b = data.bench[(data.bench["gpu_slug"] == slug) & (data.bench["config"] == config)] if not data.bench.empty else []
-    if len(b):
-        return {"tf32": "tf32", "ieee": "fp32"}.get(b["fp32_math"].iloc[0])
-    return None
-
-
-def _verdict(ok: bool) -> str:
-    return HOLDS if ok else FAILS
-
-
-def _claim_row(claim: Claim, slug: str, data: Data, counters: pd.DataFrame, shares: pd.DataFrame,
-               prio: pd.DataFrame) -> tuple[str, str]:
-    """(verdict, evidence) of one claim on one GPU."""
-    is_cuda = (data.run.loc[data.run["gpu_slug"] == slug, "gpu_name"] != "cpu").all()
-    cnt = counters[counters["gpu_slug"] == slug].set_index("config") if not counters.empty else pd.DataFrame()
-    sh = shares[shares["gpu_slug"] == slug] if not shares.empty else shares
-
-    def counter(config: str, col: str) -> float | None:
-        if config in cnt.index and col in cnt and pd.notna(cnt.loc[config, col]):
-            return float(cnt.loc[config, col])
-        return None
-
-    no_sweep = not (data.run["gpu_slug"] == slug).any()
-    NO_SWEEP = "no sweep on this device yet, bench timings only (`python -m medddpm sweep --preset paper`)"
-
-    def need_ncu(*configs: str) -> str:
-        """Which of `configs` lack counters, and the command that gives them: a sweep for a configuration
-        not measured here, `counters` for a measured run without them."""
-        if no_sweep:
-            return NO_SWEEP
-        if not is_cuda:
-            return "no ncu counters on a CPU"
-        measured = set(data.run.loc[(data.run["gpu_slug"] == slug) & (data.run["status"] == "ok"), "config"])
-        missing = [c for c in configs if c not in cnt.index]
-        unmeasured = [c for c in missing if c not in measured]
-        uncounted = [c for c in missing if c in measured]
-        parts = ([f"no run of {', '.join(unmeasured)} (`python -m medddpm sweep --preset paper --configs "
-                  f"{','.join(unmeasured)}`)"] if unmeasured else [])
-        parts += ([f"no counters for {', '.join(uncounted)} (`python -m medddpm counters "
-                   f"{' '.join(f'data/{slug}/{c}' for c in uncounted)}`)"] if uncounted else [])
-        return "; ".join(parts) or "the counters lack a metric this claim reads"
-
-    def cat_share(config: str, cats: tuple[str, ...]) -> float | None:
-        s = sh[sh["config"] == config]
-        return float(s[s["category"].isin(cats)]["share"].sum()) if len(s) else None
-
-    def tf32_ran() -> bool:
-        return _precision_used(data, slug, "opt1") == "tf32"
-
-    cid = claim.id
-    if cid == "conv-dominates":
-        s = cat_share("baseline", ("convolution",))
-        if s is None:
-            return NA, NO_SWEEP if no_sweep else "no baseline kernel profile"
-        return _verdict(s > CONV_DOMINANT), f"convolution kernels take {s:.0%} of baseline kernel time"
-    if cid == "inefficiency-sources":
-        p = prio[(prio["gpu_slug"] == slug) & (prio["config"] == "baseline")] if not prio.empty else prio
-        if p.empty or p["priority"].notna().sum() == 0:
-            return NA, need_ncu("baseline")
-        sec = p.groupby("section")["priority"].sum()
-        mem = sec[sec.index.str.contains("Memory|Warp|Scheduler|Occupancy|Launch", regex=True)].sum()
-        frac = mem / sec.sum() if sec.sum() > 0 else math.nan
-        return _verdict(frac > 0.5), f"memory and scheduling rules hold {frac:.0%} of the estimated recoverable time"
-    if cid in ("tf32-time", "fusion-needed"):
-        a, b = ("baseline", "opt1") if cid == "tf32-time" else ("sdpa", "compile")
-        if cid == "tf32-time" and not tf32_ran():
-            return NA, "TF32 did not run here (not applicable on a CPU)" if not is_cuda else "opt1 did not run TF32"
-        pair = _median_pair(data, slug, a, b)
-        if pair is None:
-            return NA, f"needs {a} and {b} timings"
-        ta, tb, src = pair
-        return _verdict(ta / tb >= SPEEDUP_MIN), f"{b} is {ta / tb:.2f}x faster than {a} ({ta:.4g} vs {tb:.4g} ms, {src})"
-    if cid == "tf32-instructions":
-        x, y = counter("baseline", "inst_total"), counter("opt1", "inst_total")
-        if x is None or y is None or y <= 0:
-            return NA, need_ncu("baseline", "opt1")
-        return _verdict(x / y > 1), f"baseline executes {x / y:.1f}x the instructions of opt1"
-    if cid == "tf32-tensor":
-        x, y = counter("baseline", "tensor_pipe_pct"), counter("opt1", "tensor_pipe_pct")
-        if x is None or y is None:
-            return NA, need_ncu("baseline", "opt1")
-        ratio = y / x if x > 0 else math.inf
-        return _verdict(ratio >= 1.45), f"tensor pipe {x:.2f}% -> {y:.2f}% ({ratio:.2f}x)"
-    if cid == "tf32-memory":
-        l1 = counter("baseline", "l1_hit_pct"), counter("opt1", "l1_hit_pct")
-        dr = counter("baseline", "dram_throughput_pct"), counter("opt1", "dram_throughput_pct")
-        if None in l1 or None in dr:
-            return NA, need_ncu("baseline", "opt1")
-        return (_verdict(l1[1] < l1[0] and dr[1] > dr[0]),
-                f"L1 hit {l1[0]:.1f}% -> {l1[1]:.1f}%, DRAM throughput {dr[0]:.1f}% -> {dr[1]:.1f}% of peak")
-    if cid == "tf32-stalls":
-        x, y = counter("baseline", "stall_long_scoreboard"), counter("opt1", "stall_long_scoreboard")
-        if x is None or y is None:
-            return NA, need_ncu("baseline", "opt1")
-        return _verdict(y > x), f"long-scoreboard stall {x:.2f} -> {y:.2f} cycles per issued instruction"
-    if cid == "cl-shift":
-        for plain, cl in (("baseline", "opt2"), ("opt1", "opt12")):
-            x, y = cat_share(plain, ("elementwise", "layout")), cat_share(cl, ("elementwise", "layout"))
-            if x is not None and y is not None:
-                return _verdict(y - x > SHIFT_MIN), f"element-wise + layout share {x:.0%} ({plain}) -> {y:.0%} ({cl})"
-        return NA, NO_SWEEP if no_sweep else "needs the kernel profiles of baseline and opt2, or of opt1 and opt12"
-    if cid == "cl-tensor":
-        x, y = counter("baseline", "tensor_pipe_pct"), counter("opt2", "tensor_pipe_pct")
-        if x is None or y is None:
-            return NA, need_ncu("baseline", "opt2")
-        return _verdict(abs(y - x) <= TENSOR_NEAR), f"tensor pipe {x:.2f}% (baseline) vs {y:.2f}% (opt2)"
-    if cid == "cl-sm":
-        x, y = counter("baseline", "sm_throughput_pct"), counter("opt2", "sm_throughput_pct")
-        if x is None or y is None or x <= 0:
-            return NA, need_ncu("baseline", "opt2")
-        return _verdict(y / x <= 0.9), f"SM throughput {x:.1f}% -> {y:.1f}% of peak ({y / x:.2f}x)"
-    if cid == "cl-cache":
-        l2 = counter("baseline", "l2_hit_pct"), counter("opt2", "l2_hit_pct")
-        dr = counter("baseline", "dram_throughput_pct"), counter("opt2", "dram_throughput_pct")
-        if None in l2 or None in dr:
-            return NA, need_ncu("baseline", "opt2")
-        return (_verdict(l2[1] > l2[0] and dr[1] < dr[0]),
-                f"L2 hit {l2[0]:.1f}% -> {l2[1]:.1f}%, DRAM throughput {dr[0]:.1f}% -> {dr[1]:.1f}% of peak")
-    if cid == "opt12-partial":
-        t = [counter(c, "tensor_pipe_pct") for c in ("opt2", "opt12", "opt1")]
-        if None in t:
-            return NA, need_ncu("opt1", "opt2", "opt12")
-        return _verdict(t[0] < t[1] < t[2]), f"tensor pipe opt2 {t[0]:.2f}%, opt12 {t[1]:.2f}%, opt1 {t[2]:.2f}%"
-    if cid == "tf32-quality":
-        if not tf32_ran():
-            return NA, "TF32 did not run here (not applicable on a CPU)" if not is_cuda else "opt1 did not run TF32"
-        q = data.quality[(data.quality["gpu_slug"] == slug) & (data.quality["config"] == "opt1")]
-        if q.empty:
-            return NA, NO_SWEEP if no_sweep else "no quality table for opt1"
-        rel = float(q["rel_err"].iloc[0])
-        dloss = float((q["loss"] - q["baseline_loss"]).abs().mean() / q["baseline_loss"].abs().mean())
-        return (_verdict(rel <= QUALITY_REL_ERR and dloss <= QUALITY_LOSS),
-                f"forward relative error {rel:.1e}, mean loss difference {dloss:.2%}")
-    raise KeyError(cid)
-
-
-def claims(data: Data) -> pd.DataFrame:
-    """Every published claim against every GPU in the data, with a verdict computed from it.
-
-    Columns: claim_id, claim, gpu_slug, verdict (holds / does not hold / not measurable here),
-    evidence (the numbers behind it), method (how it is computed)."""
-    slugs = sorted(set(data.run["gpu_slug"]) | (set(data.bench["gpu_slug"]) if not data.bench.empty else set()))
-    counters = ncu_by_run(data.ncu)
-    shares = category_shares(data.kernels)
-    prio = ncu_priorities(data)
-    rows = []
-    for claim in CLAIMS:
-        for slug in slugs:
-            verdict, evidence = _claim_row(claim, slug, data, counters, shares, prio)
-            rows.append({"claim_id": claim.id, "claim": claim.text, "gpu_slug": slug, "verdict": verdict,
-                         "evidence": evidence, "method": claim.method})
-    return pd.DataFrame(rows, columns=["claim_id", "claim", "gpu_slug", "verdict", "evidence", "method"])
 
 
 # ------------------------------------------------------------------------------------ quality

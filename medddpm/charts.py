@@ -27,7 +27,7 @@ import altair as alt
 import numpy as np
 import pandas as pd
 
-from .bookdata import CLAIMS, FAILS, FIT_VERDICTS, GPU_MEMORY_GB, HOLDS, NA, PEAKS, config_order
+from .bookdata import FAILS, FIT_VERDICTS, GPU_MEMORY_GB, HOLDS, NA, PEAKS, config_order
 
 # Tableau 10, then 10 more for configurations named in the data but not in CONFIGS.
 PALETTE = ["#4c78a8", "#f58518", "#e45756", "#72b7b2", "#54a24b", "#eeca3b", "#b279a2", "#ff9da6", "#9d755d",
@@ -559,17 +559,17 @@ def rel_err(qsum: pd.DataFrame, tolerance: float) -> alt.LayerChart:
 
 
 def claims_grid(table: pd.DataFrame) -> alt.Chart:
-    """Each claim x each GPU, coloured by verdict; hover for the evidence; click a verdict to highlight."""
-    short = {c.id: c.short for c in CLAIMS}
-    df = table.assign(short=table["claim_id"].map(short).fillna(table["claim"]))
+    """Each claim x each GPU (`medddpm.claims.verdicts`), coloured by verdict; hover for the evidence; click a
+    verdict to highlight."""
+    df = table.drop(columns=["figures"], errors="ignore")
     pick = alt.selection_point(fields=["verdict"], bind="legend")
     return alt.Chart(df).mark_rect(stroke="white", strokeWidth=2).encode(
-        y=alt.Y("short:N", sort=[short[c.id] for c in CLAIMS], title=None, axis=alt.Axis(labelLimit=420)),
+        y=alt.Y("short:N", sort=list(dict.fromkeys(df["short"])), title=None, axis=alt.Axis(labelLimit=420)),
         x=alt.X("gpu_slug:N", title=None, axis=alt.Axis(orient="top", labelAngle=0)),
         color=alt.Color("verdict:N", scale=alt.Scale(domain=list(VERDICT_COLORS), range=list(VERDICT_COLORS.values())),
                         title="verdict (click)"),
         opacity=alt.condition(pick, alt.value(1.0), alt.value(0.2)),
-        tooltip=["claim:N", "gpu_slug:N", "verdict:N", "evidence:N", "method:N"],
+        tooltip=["claim:N", "gpu_slug:N", "verdict:N", "evidence:N", "rule:N"],
     ).add_params(pick).properties(width="container", height=alt.Step(24), title="The paper's claims, measured")
 
 

@@ -217,6 +217,10 @@ _CUDNN_FAMILY = re.compile(r"sm\d+_xmma_(fprop|dgrad|wgrad)_")
 _CONV_BACKWARD = {"dgrad": re.compile(r"dgrad|[Cc]onv\w*_?(bwd|backward)_?data"),
                   "wgrad": re.compile(r"wgrad|[Cc]onv\w*_?(bwd|backward)_?(filter|weight)")}
 _CONV_FORWARD = re.compile(r"fprop|(implicit|explicit)_convolve|[Cc]onv\w*_?(fwd|forward)|convNd_grouped_direct")
+# Never a convolution: cuDNN's helpers around one (split-K reductions, layout and type conversions, workspace
+# set-up), which carry its direction's word in some names (`reduce_wgrad_nchw_helper`) but not its work, and
+# its fused attention (`cudnn_generated_fort_native_sdpa_sm90_flash_fprop_...`).
+_NOT_CONV = re.compile(r"helper|reduce_|[Ww]orkspace|To(Nhwc|Nchw)|convert|sdpa|flash|fmha|attention")
 _TOKEN = re.compile(r"(\d+)[uUlL]*|([A-Za-z_]\w*)")
 # Words the two demanglers write differently: GNU "float const" vs ncu "const float"; GNU
 # "false, true" vs ncu "0, 1" (seen for cuDNN's nchwToNhwcKernel on the H200).
@@ -225,7 +229,9 @@ _UNSTABLE = {"const", "volatile", "true", "false"}
 
 def conv_direction(name: str) -> str | None:
     """"fprop", "dgrad" or "wgrad" for a convolution kernel named as cuDNN, CUTLASS or their legacy engines
-    name them; None for any other kernel."""
+    name them; None for any other kernel, cuDNN's helpers and attention included."""
+    if _NOT_CONV.search(name):
+        return None
     for direction, words in _CONV_BACKWARD.items():
         if words.search(name):
             return direction

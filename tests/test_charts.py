@@ -17,7 +17,7 @@ import pandas as pd
 import pytest
 
 from medddpm import bookdata as bd
-from medddpm import charts, schema
+from medddpm import charts, claims, schema
 from medddpm.configs import CONFIGS
 
 REAL = Path(__file__).resolve().parent.parent / "data"
@@ -110,7 +110,7 @@ def two(real) -> bd.Data:
 
 def all_charts(data: bd.Data) -> dict[str, alt.TopLevelMixin]:
     summary = bd.step_summary(data.run)
-    counters = bd.ncu_by_run(data.ncu)
+    counters = bd.ncu_by_run(data.ncu, data.kernels)
     return {
         "step_time": charts.step_time(summary, bd.floors(data.run)),
         "speedup": charts.speedup(summary),
@@ -129,7 +129,7 @@ def all_charts(data: bd.Data) -> dict[str, alt.TopLevelMixin]:
         "loss_curves": charts.loss_curves(data.quality),
         "loss_difference": charts.loss_difference(data.quality),
         "rel_err": charts.rel_err(bd.quality_summary(data), bd.QUALITY_REL_ERR),
-        "claims": charts.claims_grid(bd.claims(data)),
+        "claims": charts.claims_grid(claims.verdicts(data)),
     }
 
 
@@ -199,78 +199,8 @@ def test_config_colour_is_fixed_and_covers_every_config(two):
 def test_charts_without_ncu_say_so(real):
     data = bd.Data(run=real.run, steps=real.steps, kernels=real.kernels, ncu=real.ncu.iloc[0:0], quality=real.quality)
     for build in (charts.tensor_pipe, charts.memory, charts.stalls, charts.instruction_mix):
-        spec = build(bd.ncu_by_run(data.ncu)).to_dict()
+        spec = build(bd.ncu_by_run(data.ncu, data.kernels)).to_dict()
         assert "no Nsight Compute" in json.dumps(spec)
-
-
-def _verdicts(table: pd.DataFrame, slug: str) -> dict[str, str]:
-    return table[table["gpu_slug"] == slug].set_index("claim_id")["verdict"].to_dict()
-
-
-def test_claims_on_cpu_only(real):
-    table = bd.claims(bd.Data(run=real.run, steps=real.steps, kernels=real.kernels, ncu=real.ncu,
-                              quality=real.quality))
-    v = _verdicts(table, "cpu")
-    assert set(v) == {c.id for c in bd.CLAIMS}
-    assert v["tf32-time"] == bd.NA and v["tf32-quality"] == bd.NA
-    for cid in ("tf32-tensor", "tf32-instructions", "cl-tensor", "cl-sm", "cl-cache", "opt12-partial",
-                "inefficiency-sources"):
-        assert v[cid] == bd.NA, cid
-    assert v["conv-dominates"] in (bd.HOLDS, bd.FAILS)  # measurable on a CPU too (aten operators)
-    assert "cpu" in table.loc[table["claim_id"] == "tf32-tensor", "evidence"].iloc[0].lower()
-
-
-def test_claims_on_a_gpu_follow_the_data(real):
-    v = _verdicts(bd.claims(with_gpu(real, tf32_speedup=4.0)), GPU)
-    assert v["tf32-time"] == bd.HOLDS
-    assert v["tf32-quality"] == bd.HOLDS  # rel_err 2e-3, loss 0.1% off
-    assert v["tf32-tensor"] == bd.HOLDS and v["tf32-memory"] == bd.HOLDS and v["tf32-stalls"] == bd.HOLDS
-    assert v["tf32-instructions"] == bd.HOLDS
-    assert v["cl-shift"] in (bd.HOLDS, bd.FAILS)
-    assert v["cl-tensor"] == bd.HOLDS and v["cl-sm"] == bd.HOLDS and v["cl-cache"] == bd.HOLDS
-    assert v["opt12-partial"] == bd.HOLDS and v["fusion-needed"] == bd.FAILS  # compile == sdpa here
-    assert v["inefficiency-sources"] == bd.HOLDS
-    v = _verdicts(bd.claims(with_gpu(real, tf32_speedup=1.02)), GPU)
-    assert v["tf32-time"] == bd.FAILS
-
-
-def test_channels_last_shift_falls_back_to_the_tf32_pair(real):
-    """Without opt2, the channels-last claim compares opt12 with opt1 and says so; without either pair
-    it is not measurable."""
-    gpu = with_gpu(real)
-    k = gpu.kernels[~((gpu.kernels["gpu_slug"] == GPU) & (gpu.kernels["config"] == "opt2"))]
-    table = bd.claims(dataclasses.replace(gpu, kernels=k))
-    row = table[(table["gpu_slug"] == GPU) & (table["claim_id"] == "cl-shift")].iloc[0]
-    assert row["verdict"] == bd.HOLDS and "(opt1)" in row["evidence"] and "(opt12)" in row["evidence"]
-    no_pair = dataclasses.replace(gpu, kernels=k[~((k["gpu_slug"] == GPU) & (k["config"] == "opt12"))])
-    row = bd.claims(no_pair).query(f"gpu_slug == '{GPU}' and claim_id == 'cl-shift'").iloc[0]
-    assert row["verdict"] == bd.NA and "opt1 and opt12" in row["evidence"]
-
-
-def test_claims_without_counters_name_what_is_missing_and_the_command(real):
-    """A counter claim that cannot be judged names only the configurations without counters: a run
-    without them gets the `counters` command, a configuration never run gets a sweep."""
-    gpu = with_gpu(real)
-    no_ncu = dataclasses.replace(gpu, ncu=gpu.ncu[~((gpu.ncu["gpu_slug"] == GPU) & (gpu.ncu["config"] == "opt2"))])
-    row = bd.claims(no_ncu).query(f"gpu_slug == '{GPU}' and claim_id == 'cl-sm'").iloc[0]
-    assert row["verdict"] == bd.NA
-    assert row["evidence"] == f"no counters for opt2 (`python -m medddpm counters data/{GPU}/opt2`)"
-    run = no_ncu.run
-    no_run = dataclasses.replace(no_ncu, run=run[~((run["gpu_slug"] == GPU) & (run["config"] == "opt2"))])
-    row = bd.claims(no_run).query(f"gpu_slug == '{GPU}' and claim_id == 'opt12-partial'").iloc[0]
-    assert row["verdict"] == bd.NA and "baseline" not in row["evidence"] and "opt1," not in row["evidence"]
-    assert row["evidence"].startswith("no run of opt2 (`python -m medddpm sweep --preset paper --configs opt2`)")
-
-
-def test_claims_use_bench_timings_where_no_sweep(real):
-    if real.bench.empty:
-        pytest.skip("no bench JSON in data/")
-    # the H200's sweep of baseline and opt1 taken away: the timing claim falls back to the bench files
-    swept = (real.run["gpu_slug"] == "nvidia-h200") & real.run["config"].isin(["baseline", "opt1"])
-    for data, source in ((real, "sweep"), (dataclasses.replace(real, run=real.run[~swept]), "bench JSON")):
-        table = bd.claims(data)
-        row = table[(table["gpu_slug"] == "nvidia-h200") & (table["claim_id"] == "tf32-time")].iloc[0]
-        assert row["verdict"] == bd.HOLDS and f"ms, {source})" in row["evidence"], row["evidence"]
 
 
 def test_summaries_and_checks(two):

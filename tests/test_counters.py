@@ -172,3 +172,52 @@ def test_counters_command_checks_every_folder_first(run_dir, tmp_path, capsys):
     for runs, why in (([run_dir, tmp_path / "nowhere"], "this machine has"), ([tmp_path / "nowhere"], "no run.parquet")):
         assert main(["counters", *map(str, runs)]) == 2  # one line, before any profiling
         assert why in capsys.readouterr().err and not (run_dir / "ncu.parquet").exists()
+
+
+class Nvtx:
+    """torch.cuda.nvtx as a recorder (the CPU build has no NVTX)."""
+
+    def __init__(self):
+        self.events = []
+
+    def range_push(self, name):
+        self.events.append(("push", name))
+
+    def range_pop(self):
+        self.events.append(("pop",))
+
+    def range_start(self, name):
+        self.events.append(("start", name))
+        return 7
+
+    def range_end(self, handle):
+        self.events.append(("end", handle))
+
+
+@pytest.mark.parametrize("from_backward", [None, "", "conv3d 32>32 k3 s2"])
+def test_capture_names_every_convolution_forward_and_backward(monkeypatch, from_backward):
+    """The profiled step's layer ranges: one around each Conv3d's forward and one around its backward,
+    balanced on each thread; with --from-backward the step's range starts at the named layer's backward."""
+    import torch
+
+    from medddpm import capture, engine
+
+    nvtx = Nvtx()
+    monkeypatch.setattr(torch.cuda, "nvtx", nvtx)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    init = engine.Engine.__init__
+    monkeypatch.setattr(capture.Engine, "__init__", lambda self, spec, config, **kw: init(self, spec, config,
+                                                                                           **kw | {"device": "cpu"}))
+    args = ["--config", "baseline", "--preset", "smoke", "--warmup", "0"]
+    capture.main(args + (["--from-backward", from_backward] if from_backward is not None else []))
+    pushes = [e[1] for e in nvtx.events if e[0] == "push"]
+    assert len(pushes) == 50 and sum(e[0] == "pop" for e in nvtx.events) == 50  # the smoke model's 25 convolutions
+    assert pushes[0] == "conv3d 4>32 k3 s1 @16x16x16" and pushes[25] == "conv3d 32>1 k3 s1 @16x16x16 backward"
+    assert sorted(p.removesuffix(" backward") for p in pushes[25:]) == sorted(pushes[:25])
+    start = next(i for i, e in enumerate(nvtx.events) if e[0] == "start")
+    after = nvtx.events[start + 1] if start + 1 < len(nvtx.events) else None
+    if from_backward is None:
+        assert start == 0
+    else:
+        assert after[0] == "push" and after[1].startswith(from_backward) and after[1].endswith("backward")
+    assert nvtx.events[-1] == ("end", 7)

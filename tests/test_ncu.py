@@ -483,3 +483,116 @@ def test_profiled_coverage_counts_only_what_ncu_profiled():
     assert ncu.profiled_coverage(k, both) == pytest.approx(0.9)
     fprop = pd.DataFrame({"kernel": ["cudnn::detail::implicit_convolve_sgemm<float>"]})
     assert ncu.profiled_coverage(k, fprop) == 0.0  # forward kernels do not stand in for weight gradients
+
+
+# ---------------------------------------------------------------------------- convolution directions
+
+CONV_NAMES = json.loads((FIX / "ncu/conv-kernels-h200.json").read_text())["names"]
+
+
+def test_convolution_direction_of_every_real_kernel_name():
+    """Real H200 names in ncu's and the profiler's spellings: a gradient word decides before "convolve" does
+    (`convolveNd_dgrad_float_engine` is a dgrad), and helpers and cuDNN's attention are no convolution."""
+    assert {n: ncu.conv_direction(n) for n in CONV_NAMES} == CONV_NAMES
+    assert {d for d in CONV_NAMES.values()} == {"fprop", "dgrad", "wgrad", None}
+
+
+@pytest.mark.parametrize("family", ["fprop", "dgrad", "wgrad"])
+def test_a_kernel_of_another_direction_never_stands_for_a_cudnn_family(family):
+    profiler = [n for n, d in CONV_NAMES.items() if d == family and ncu._CUDNN_FAMILY.match(n)]
+    assert profiler
+    for name, direction in CONV_NAMES.items():
+        hits = ncu.match_kernel(name, profiler)
+        if direction != family:
+            assert hits == [], (name, hits[:1])
+        elif name not in profiler:  # another algorithm of the same direction stands for the family
+            assert hits, name
+
+
+def test_legacy_gradient_engines_do_not_cover_the_forward_convolutions():
+    """opt1's H200 counters once held one legacy dgrad launch and no TF32 forward convolution; the forward
+    kernels' share must not count as profiled."""
+    fprop = "sm90_xmma_fprop_implicit_gemm_f32f32_tf32f32_f32_nhwckrsc_nhwc_tilesize128x128x32_warpgroupsize1x1x1_g1_" \
+            "execute_segment_k_off_kernel__5x_cudnn"
+    k = kernels_frame([(fprop, 40, "convolution"), ("void at::native::RowwiseMomentsCUDAKernel<float>(long)", 60,
+                                                    "reduction")])
+    legacy = [n for n, d in CONV_NAMES.items() if d in ("dgrad", "wgrad") and "onvolve" in n]
+    assert legacy and ncu.profiled_coverage(k, pd.DataFrame({"kernel": legacy})) == 0.0
+    helper = [n for n in CONV_NAMES if "reduce_wgrad" in n or "sdpa" in n]
+    assert helper and ncu.profiled_coverage(k, pd.DataFrame({"kernel": helper})) == 0.0
+
+
+# ------------------------------------------------------------------------------------------ layers
+
+class FakeReport:
+    """Nsight Compute's report interface (ncu_report) over a list of (function name, push/pop ranges)."""
+
+    def __init__(self, results):
+        self.results = results
+
+    def load_report(self, path):
+        results = self.results
+
+        class Domain:
+            def __init__(self, ranges):
+                self.ranges = ranges
+
+            def push_pop_ranges(self):
+                return tuple(self.ranges)
+
+        class State:
+            def __init__(self, ranges):
+                self.ranges = ranges
+
+            def domains(self):
+                return (0,)
+
+            def domain_by_id(self, i):
+                return Domain(self.ranges)
+
+        class Action:
+            def __init__(self, name, ranges):
+                self._name, self.ranges = name, ranges
+
+            def name(self):
+                return self._name
+
+            def nvtx_state(self):
+                return State(self.ranges)
+
+        class Range:
+            def num_actions(self):
+                return len(results)
+
+            def action_by_idx(self, i):
+                return Action(*results[i])
+
+        class Context:
+            def num_ranges(self):
+                return 1
+
+            def range_by_idx(self, i):
+                return Range()
+
+        return Context()
+
+
+def test_layer_ranges_are_kept_per_launch_by_position_and_checked_by_name(details, monkeypatch):
+    _, df = details
+    ids = sorted(df["kernel_id"].unique())
+    names = df.groupby("kernel_id")["kernel"].first()
+    function = [re.match(r"(?:void )?(?:[\w:<>]*::)?(\w+)", ncu._QUALIFIER.sub("", names[i])).group(1) for i in ids]
+    layer = "conv3d 64>64 k3 s1 @32x32x32"
+    results = [(f, ["medddpm_step", layer + (" backward" if j % 2 else "")] if j < 4 else []) for j, f in enumerate(function)]
+    monkeypatch.setattr(ncu, "report_module", lambda ncu="ncu": FakeReport(results))
+    out, said = ncu.with_layers(df, Path("report.ncu-rep"))
+    assert said == "; 4 launches inside layer ranges"
+    assert ncu.launch_layers(out).tolist() == [layer, layer + " backward"] * 2 + [""] * (len(ids) - 4)
+    s = ncu.kernel_summary(out)
+    assert s["layer"].tolist()[:2] == [layer, layer + " backward"] and len(s) == len(ids)
+    # a report whose results do not line up with the export leaves the table as it was
+    monkeypatch.setattr(ncu, "report_module", lambda ncu="ncu": FakeReport(results[::-1]))
+    out, said = ncu.with_layers(df, Path("report.ncu-rep"))
+    assert out.equals(df) and "not kept" in said
+    monkeypatch.setattr(ncu, "report_module", lambda ncu="ncu": None)
+    assert ncu.with_layers(df, Path("report.ncu-rep")) == (df, "")

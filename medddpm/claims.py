@@ -1,0 +1,424 @@
+"""The published claims of Ryoo et al. (2026), each a small rule judged on every GPU in the data.
+
+A rule reads the measurements of one GPU and returns a `Verdict`: holds, does not hold, or not measurable
+(and why, naming what is missing), with the figures it used. Every rule can come out either way; the
+thresholds are the constants below. The claims are about GPU kernels, so a CPU's rows never judge one: on a
+CPU every claim is "not measurable", and the headline counts GPUs only.
+
+Counter claims use two comparisons that hold the work fixed (`medddpm.layers`): the TF32 claims compare the
+*same convolution layer and direction* in baseline and opt1, kernel against kernel, and judge the matched layer
+that carries the most of baseline's step time; the channels-last claims compare each configuration's counters
+*weighted by each kernel's share of the step* (torch.profiler), not by the launches that happened to be profiled.
+
+    python -m medddpm claims [--data DIR] [--json]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import pandas as pd
+
+from . import layers, ncu
+from .bookdata import FAILS, HOLDS, NA, QUALITY_LOSS, QUALITY_REL_ERR, Data
+
+SPEEDUP_MIN = 1.10  # a change "cuts" a time, cycle or instruction count when the ratio reaches 1.10
+CONV_DOMINANT = 0.50  # "dominated by convolution": more than half of the baseline's kernel time
+SHIFT_MIN = 0.05  # a shift of kernel-time share counts from 5 percentage points
+TENSOR_GAIN = 1.45  # the paper's smallest tensor-core gain under TF32 (A100: 1.45x to 9.98x)
+TENSOR_NEAR = 2.0  # "near baseline" tensor-pipe use: within 2 percentage points
+SM_DROP = 0.90  # "SM throughput drops": channels-last's step-weighted SM throughput at most 90% of baseline's
+# The five sources of inefficiency the paper names, each with the figure and threshold that shows it:
+SOURCE_RULES_MIN = 0.05  # memory access, warp scheduling: ncu rules estimate at least 5% of baseline's step
+LAYOUT_MIN = 0.05  # layout conversion: conversion kernels take at least 5% of one paper configuration's step
+L1_LOW = 50.0  # cache residency: baseline's step-weighted L1 hit rate under 50%
+TENSOR_LOW = 50.0  # low tensor-core use: the TF32 step's step-weighted tensor pipe under 50% of peak
+MEMORY_SECTIONS = ("Memory Workload Analysis", "Memory Workload Analysis Tables", "Memory Workload Analysis Chart")
+SCHEDULING_SECTIONS = ("Warp State Statistics", "Scheduler Statistics")
+PAPER_CONFIGS = ("baseline", "opt1", "opt2", "opt12")
+VERDICTS = (HOLDS, FAILS, NA)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    verdict: str
+    evidence: str
+    figures: dict = field(default_factory=dict)
+
+
+def _judge(ok: bool, evidence: str, **figures) -> Verdict:
+    return Verdict(HOLDS if ok else FAILS, evidence, figures)
+
+
+def _na(why: str) -> Verdict:
+    return Verdict(NA, why)
+
+
+class GPU:
+    """The measurements of one GPU, with the summaries the rules share (computed once, on first use)."""
+
+    def __init__(self, data: Data, slug: str):
+        self.data, self.slug = data, slug
+        self.run = data.run[data.run["gpu_slug"] == slug]
+        self.ok = self.run[self.run["status"] == "ok"].set_index("config")
+        self.is_gpu = slug != "cpu" and (self.run["gpu_name"] != "cpu").all()
+
+    def _table(self, name: str, config: str) -> pd.DataFrame:
+        t = getattr(self.data, name)
+        if config not in self.ok.index or t.empty:
+            return t.iloc[0:0]
+        return t[t["run_id"] == self.ok.loc[config, "run_id"]]
+
+    def kernels(self, config: str) -> pd.DataFrame:
+        return self._table("kernels", config)
+
+    def counters(self, config: str) -> pd.DataFrame:
+        return self._table("ncu", config)
+
+    def median_ms(self, config: str) -> tuple[float, str] | None:
+        """The configuration's median step: the sweep's, else bench timings kept beside the data."""
+        if config in self.ok.index:
+            return float(self.ok.loc[config, "train_median_ms"]), "sweep"
+        b = self.data.bench
+        if not b.empty:
+            b = b[(b["gpu_slug"] == self.slug) & (b["implementation"] == "ours") & (b["config"] == config)]
+            if len(b):
+                return float(b["median_ms"].median()), "bench timings"
+        return None
+
+    def precision_used(self, config: str) -> str | None:
+        if config in self.ok.index:
+            return self.ok.loc[config, "precision_used"] or None
+        b = self.data.bench
+        b = b[(b["gpu_slug"] == self.slug) & (b["config"] == config)] if not b.empty else b
+        return {"tf32": "tf32", "ieee": "fp32"}.get(b["fp32_math"].iloc[0]) if len(b) else None
+
+    def category_share(self, config: str, categories: tuple[str, ...]) -> float | None:
+        k = self.kernels(config)
+        if k.empty:
+            return None
+        return float(k[k["category"].isin(categories)]["share"].sum() / k["share"].sum())
+
+    @cached_property
+    def step_weighted(self) -> dict[str, dict[str, float]]:
+        return {c: layers.step_weighted(self.kernels(c), self.counters(c))
+                for c in self.ok.index if not self.counters(c).empty}
+
+    def rate(self, config: str, column: str) -> float | None:
+        v = self.step_weighted.get(config, {}).get(column, math.nan)
+        return None if math.isnan(v) else v
+
+    @cached_property
+    def matched(self) -> pd.DataFrame:
+        """baseline (a) against opt1 (b), layer by layer (`layers.matched_layers`)."""
+        a, b = self.counters("baseline"), self.counters("opt1")
+        if a.empty or b.empty:
+            return layers.matched_layers(a.iloc[0:0], b.iloc[0:0], pd.Series(dtype="int64"))
+        return layers.matched_layers(a, b, layers.layer_counts(self.ok.loc["baseline"]))
+
+    def missing(self, *configs: str) -> str:
+        """Which of `configs` lack a run or counters here, with the command that gives them."""
+        unmeasured = [c for c in configs if c not in self.ok.index]
+        uncounted = [c for c in configs if c in self.ok.index and self.counters(c).empty]
+        parts = ([f"no run of {', '.join(unmeasured)} (`python -m medddpm sweep --preset paper --configs "
+                  f"{','.join(unmeasured)}`)"] if unmeasured else [])
+        parts += ([f"no counters for {', '.join(uncounted)} (`python -m medddpm counters "
+                   f"{' '.join(f'data/{self.slug}/{c}' for c in uncounted)}`)"] if uncounted else [])
+        return "; ".join(parts) or "the counters lack a metric this claim reads"
+
+
+# ------------------------------------------------------------------------------------------- rules
+
+def conv_dominates(g: GPU) -> Verdict:
+    s = g.category_share("baseline", ("convolution",))
+    if s is None:
+        return _na(g.missing("baseline"))
+    return _judge(s > CONV_DOMINANT, f"convolution kernels take {s:.0%} of baseline's kernel time", conv_share=s)
+
+
+def _rules_share(kernels: pd.DataFrame, counters: pd.DataFrame, sections: tuple[str, ...]) -> float:
+    """Step time that ncu's rules of `sections` estimate recoverable: for each kernel its largest estimated
+    global speedup among those rules, times its share of the step."""
+    p = ncu.priorities(kernels, counters)
+    p = p[p["section"].isin(sections) & p["priority"].notna()]
+    return float(p.groupby("kernel")["priority"].max().sum()) if len(p) else 0.0
+
+
+def inefficiency_sources(g: GPU) -> Verdict:
+    k, c = g.kernels("baseline"), g.counters("baseline")
+    if c.empty or "opt1" not in g.step_weighted:
+        return _na(g.missing("baseline", "opt1"))
+    layout = {cfg: s for cfg in PAPER_CONFIGS if (s := g.category_share(cfg, ("layout",))) is not None}
+    worst = max(layout, key=layout.get)
+    figures = {"memory_rules_share": _rules_share(k, c, MEMORY_SECTIONS),
+               "layout_share": [worst, layout[worst]],
+               "scheduling_rules_share": _rules_share(k, c, SCHEDULING_SECTIONS),
+               "l1_hit_pct": g.rate("baseline", "l1_hit_pct"),
+               "tensor_pipe_pct_tf32": g.rate("opt1", "tensor_pipe_pct")}
+    if figures["l1_hit_pct"] is None or figures["tensor_pipe_pct_tf32"] is None:
+        return _na("the counters lack hit rates or tensor-pipe use")
+    sources = {
+        "memory access": (figures["memory_rules_share"] >= SOURCE_RULES_MIN,
+                          f"memory rules {figures['memory_rules_share']:.0%} of baseline's step"),
+        "layout conversion": (layout[worst] >= LAYOUT_MIN, f"layout kernels {layout[worst]:.0%} of {worst}'s step"),
+        "warp scheduling": (figures["scheduling_rules_share"] >= SOURCE_RULES_MIN,
+                            f"warp-state and scheduler rules {figures['scheduling_rules_share']:.0%} of baseline's step"),
+        "cache residency": (figures["l1_hit_pct"] < L1_LOW, f"baseline's L1 hit rate {figures['l1_hit_pct']:.0f}%"),
+        "tensor-core use": (figures["tensor_pipe_pct_tf32"] < TENSOR_LOW,
+                            f"opt1's tensor pipe {figures['tensor_pipe_pct_tf32']:.0f}% of peak"),
+    }
+    absent = [name for name, (ok, _) in sources.items() if not ok]
+    said = "; ".join(f"{name}: {text}" for name, (_, text) in sources.items())
+    return _judge(not absent, said + (f" (not shown: {', '.join(absent)})" if absent else ""), **figures)
+
+
+def _tf32(g: GPU) -> Verdict | None:
+    """Not measurable unless opt1 really ran TF32 and a layer was profiled in both baseline and opt1."""
+    if g.precision_used("opt1") != "tf32":
+        return _na("opt1 did not run TF32 here" if g.precision_used("opt1") else g.missing("opt1"))
+    if g.counters("baseline").empty or g.counters("opt1").empty:
+        return _na(g.missing("baseline", "opt1"))
+    if g.matched.empty:
+        return _na("no convolution layer has counters in both baseline and opt1 (the counters need layer ranges: "
+                   f"`python -m medddpm counters data/{g.slug}/baseline data/{g.slug}/opt1 --force`)")
+    return None
+
+
+def _top(g: GPU) -> pd.Series:
+    return g.matched.iloc[0]
+
+
+def _layer(m: pd.Series) -> str:
+    return f"`{m['layer']}` {m['direction']} ({m['step_ms_a']:.0f} ms of baseline's step)"
+
+
+def tf32_cycles(g: GPU) -> Verdict:
+    if (na := _tf32(g)) is not None:
+        return na
+    m, r = _top(g), g.matched["sm_cycles_ratio"]
+    step = [g.median_ms(c) for c in ("baseline", "opt1")]
+    steps = f"; the whole step {step[0][0] / step[1][0]:.2f}x faster" if None not in step else ""
+    return _judge(m["sm_cycles_ratio"] >= SPEEDUP_MIN,
+                  f"{_layer(m)}: baseline/opt1 SM cycles {m['sm_cycles_ratio']:.1f}x (paper: up to 5x); "
+                  f"{r.min():.2f}x to {r.max():.1f}x over {len(r)} matched layers{steps}",
+                  sm_cycles_ratio=float(m["sm_cycles_ratio"]), layer=m["layer"], direction=m["direction"],
+                  range=[float(r.min()), float(r.max())])
+
+
+def tf32_instructions(g: GPU) -> Verdict:
+    if (na := _tf32(g)) is not None:
+        return na
+    m, r = _top(g), g.matched["instructions_ratio"]
+    return _judge(m["instructions_ratio"] >= SPEEDUP_MIN,
+                  f"{_layer(m)}: baseline/opt1 executed instructions {m['instructions_ratio']:.1f}x (paper: up to "
+                  f"100x); {r.min():.2f}x to {r.max():.1f}x over {len(r)} matched layers",
+                  instructions_ratio=float(m["instructions_ratio"]), layer=m["layer"], direction=m["direction"],
+                  range=[float(r.min()), float(r.max())])
+
+
+def tf32_tensor(g: GPU) -> Verdict:
+    if (na := _tf32(g)) is not None:
+        return na
+    m = _top(g)
+    a, b = float(m["tensor_pipe_pct_a"]), float(m["tensor_pipe_pct_b"])
+    gain = b / a if a > 0 else math.inf
+    return _judge(gain >= TENSOR_GAIN, f"{_layer(m)}: tensor pipe {a:.2f}% -> {b:.2f}% of peak ({gain:.1f}x; "
+                  f"paper on A100: 1.45x to 9.98x)", tensor_pipe_pct=[a, b], layer=m["layer"], direction=m["direction"])
+
+
+def tf32_memory(g: GPU) -> Verdict:
+    if (na := _tf32(g)) is not None:
+        return na
+    m = _top(g)
+    l1 = [float(m["l1_hit_pct_a"]), float(m["l1_hit_pct_b"])]
+    dram = [float(m["dram_throughput_pct_a"]), float(m["dram_throughput_pct_b"])]
+    return _judge(l1[1] < l1[0] and dram[1] > dram[0],
+                  f"{_layer(m)}: L1 hit {l1[0]:.1f}% -> {l1[1]:.1f}%, DRAM throughput {dram[0]:.1f}% -> "
+                  f"{dram[1]:.1f}% of peak", l1_hit_pct=l1, dram_throughput_pct=dram, layer=m["layer"],
+                  direction=m["direction"])
+
+
+def tf32_stalls(g: GPU) -> Verdict:
+    if (na := _tf32(g)) is not None:
+        return na
+    m = _top(g)
+    s = [float(m["stall_long_scoreboard_a"]), float(m["stall_long_scoreboard_b"])]
+    return _judge(s[1] > s[0], f"{_layer(m)}: long-scoreboard stalls {s[0]:.2f} -> {s[1]:.2f} cycles per issued "
+                  "instruction", stall_long_scoreboard=s, layer=m["layer"], direction=m["direction"])
+
+
+def cl_shift(g: GPU) -> Verdict:
+    for plain, cl in (("baseline", "opt2"), ("opt1", "opt12")):
+        x, y = (g.category_share(c, ("elementwise", "layout")) for c in (plain, cl))
+        if x is not None and y is not None:
+            return _judge(y - x > SHIFT_MIN, f"element-wise + layout share {x:.0%} ({plain}) -> {y:.0%} ({cl})",
+                          elementwise_layout_share=[x, y], configs=[plain, cl])
+    return _na(g.missing("baseline", "opt2"))
+
+
+def _rates(g: GPU, column: str, *configs: str) -> list[float] | Verdict:
+    values = [g.rate(c, column) for c in configs]
+    return _na(g.missing(*configs)) if None in values else values
+
+
+def cl_tensor(g: GPU) -> Verdict:
+    if isinstance(t := _rates(g, "tensor_pipe_pct", "baseline", "opt2"), Verdict):
+        return t
+    return _judge(abs(t[1] - t[0]) <= TENSOR_NEAR, f"tensor pipe {t[0]:.2f}% (baseline) vs {t[1]:.2f}% (opt2) of "
+                  "peak, step-weighted", tensor_pipe_pct=t)
+
+
+def cl_sm(g: GPU) -> Verdict:
+    if isinstance(s := _rates(g, "sm_throughput_pct", "baseline", "opt2"), Verdict):
+        return s
+    return _judge(s[1] / s[0] <= SM_DROP, f"SM throughput {s[0]:.1f}% -> {s[1]:.1f}% of peak ({s[1] / s[0]:.2f}x), "
+                  "step-weighted", sm_throughput_pct=s)
+
+
+def cl_cache(g: GPU) -> Verdict:
+    l2, dram = _rates(g, "l2_hit_pct", "baseline", "opt2"), _rates(g, "dram_throughput_pct", "baseline", "opt2")
+    if isinstance(l2, Verdict) or isinstance(dram, Verdict):
+        return l2 if isinstance(l2, Verdict) else dram
+    return _judge(l2[1] > l2[0] and dram[1] < dram[0], f"L2 hit {l2[0]:.1f}% -> {l2[1]:.1f}%, DRAM throughput "
+                  f"{dram[0]:.1f}% -> {dram[1]:.1f}% of peak (baseline -> opt2, step-weighted)",
+                  l2_hit_pct=l2, dram_throughput_pct=dram)
+
+
+def opt12_partial(g: GPU) -> Verdict:
+    times = [g.median_ms(c) for c in ("opt2", "opt12", "opt1")]
+    if None in times:
+        return _na(g.missing("opt1", "opt2", "opt12"))
+    ms = [t[0] for t in times]
+    if isinstance(t := _rates(g, "tensor_pipe_pct", "opt2", "opt12", "opt1"), Verdict):
+        return t
+    faster, piped = ms[0] > ms[1] > ms[2], t[0] < t[1] < t[2]
+    return _judge(faster and piped, f"step time opt2 {ms[0]:.4g} > opt12 {ms[1]:.4g} > opt1 {ms[2]:.4g} ms"
+                  f"{'' if faster else ' does not hold'}; tensor pipe opt2 {t[0]:.2f}% < opt12 {t[1]:.2f}% < opt1 "
+                  f"{t[2]:.2f}% (step-weighted){'' if piped else ' does not hold'}", step_ms=ms, tensor_pipe_pct=t)
+
+
+def fusion_needed(g: GPU) -> Verdict:
+    a, b = g.median_ms("sdpa"), g.median_ms("compile")
+    if a is None or b is None:
+        return _na(g.missing("sdpa", "compile"))
+    return _judge(a[0] / b[0] >= SPEEDUP_MIN, f"compile is {a[0] / b[0]:.2f}x faster than sdpa ({a[0]:.4g} vs "
+                  f"{b[0]:.4g} ms, {a[1]})", speedup=a[0] / b[0])
+
+
+def tf32_quality(g: GPU) -> Verdict:
+    if g.precision_used("opt1") != "tf32":
+        return _na("opt1 did not run TF32 here" if g.precision_used("opt1") else g.missing("opt1"))
+    q = g.data.quality
+    q = q[(q["gpu_slug"] == g.slug) & (q["config"] == "opt1")] if not q.empty else q
+    if q.empty:
+        return _na("no quality table for opt1")
+    rel = float(q["rel_err"].iloc[0])
+    dloss = float((q["loss"] - q["baseline_loss"]).abs().mean() / q["baseline_loss"].abs().mean())
+    return _judge(rel <= QUALITY_REL_ERR and dloss <= QUALITY_LOSS,
+                  f"forward relative error {rel:.1e}, mean loss difference {dloss:.2%}", rel_err=rel, loss_diff=dloss)
+
+
+# ------------------------------------------------------------------------------------------- table
+
+@dataclass(frozen=True)
+class Claim:
+    id: str
+    short: str  # a chart label
+    text: str  # as published
+    rule: str  # how the verdict is computed
+    judge: Callable[[GPU], Verdict]
+
+
+CLAIMS = [
+    Claim("conv-dominates", "Convolutions dominate", "Training is dominated by cuDNN convolution / implicit-GEMM kernels.",
+          f"Convolution kernels take more than {CONV_DOMINANT:.0%} of baseline's kernel time (kernels.parquet).",
+          conv_dominates),
+    Claim("inefficiency-sources", "Five sources of inefficiency",
+          "Inefficiencies come from memory access, layout conversion, warp scheduling, cache residency and low "
+          "tensor-core use.",
+          f"Each source shown: memory-access and warp-scheduling rules of ncu estimate at least "
+          f"{SOURCE_RULES_MIN:.0%} of baseline's step recoverable; layout-conversion kernels take at least "
+          f"{LAYOUT_MIN:.0%} of one paper configuration's step; baseline's L1 hit rate is under {L1_LOW:.0f}%; opt1's "
+          f"tensor pipe is under {TENSOR_LOW:.0f}% of peak (step-weighted).", inefficiency_sources),
+    Claim("tf32-cycles", "TF32 cuts SM cycles (up to 5x)", "TF32 cuts SM cycles (up to 5x).",
+          f"SM active cycles of the same layer, baseline / opt1 >= {SPEEDUP_MIN}, on the matched layer carrying the "
+          "most of baseline's step.", tf32_cycles),
+    Claim("tf32-instructions", "TF32 cuts instructions (up to 100x)", "TF32 cuts dynamic instructions (up to 100x).",
+          f"Executed instructions of the same layer, baseline / opt1 >= {SPEEDUP_MIN}, on the matched layer carrying "
+          "the most of baseline's step.", tf32_instructions),
+    Claim("tf32-tensor", "TF32 raises tensor-core use 1.45-9.98x", "TF32 raises tensor-core utilization 1.45x-9.98x (A100).",
+          f"Tensor-pipe use of the same layer, opt1 / baseline >= {TENSOR_GAIN}, on the matched layer carrying the "
+          "most of baseline's step.", tf32_tensor),
+    Claim("tf32-memory", "TF32: L1 hit falls, DRAM use rises", "Under TF32 the L1 hit rate falls and DRAM bandwidth use rises.",
+          "L1 hit rate lower and DRAM throughput higher in opt1 than in baseline, on the matched layer carrying the "
+          "most of baseline's step.", tf32_memory),
+    Claim("tf32-stalls", "TF32: long-scoreboard stalls rise", "Under TF32 long-scoreboard stalls rise (H100).",
+          "Long-scoreboard stall cycles per issued instruction higher in opt1 than in baseline, on the matched layer "
+          "carrying the most of baseline's step.", tf32_stalls),
+    Claim("cl-shift", "Channels-last: element-wise + layout kernels",
+          "Channels-last shifts the workload to small element-wise and layout-conversion kernels.",
+          f"Share of element-wise + layout kernel time, opt2 minus baseline (where opt2 is missing, opt12 minus opt1) "
+          f"> {SHIFT_MIN:.0%} points (kernels.parquet).", cl_shift),
+    Claim("cl-tensor", "Channels-last: tensor cores near baseline",
+          "Under channels-last tensor-core use stays near baseline (~1.5%).",
+          f"Step-weighted tensor-pipe use of opt2 within {TENSOR_NEAR} points of baseline's.", cl_tensor),
+    Claim("cl-sm", "Channels-last: SM throughput drops", "Under channels-last SM throughput drops (~50%).",
+          f"Step-weighted SM throughput, opt2 / baseline <= {SM_DROP}.", cl_sm),
+    Claim("cl-cache", "Channels-last: L2 hit rises, DRAM falls",
+          "Under channels-last the L2 hit rate rises (~85%) and DRAM use collapses.",
+          "Step-weighted L2 hit rate higher and DRAM throughput lower in opt2 than in baseline.", cl_cache),
+    Claim("opt12-partial", "OPT12 only partly restores", "Combined (OPT12) only partly restores tensor-core use.",
+          "Both orderings opt2 < opt12 < opt1: in step speed (median step time), and in step-weighted tensor-pipe use.",
+          opt12_partial),
+    Claim("fusion-needed", "Fusion is needed", "Further kernel fusion is needed.",
+          f"Fusing the same model with torch.compile: sdpa / compile median step time >= {SPEEDUP_MIN}.", fusion_needed),
+    Claim("tf32-quality", "TF32 keeps quality", "TF32 does not degrade synthesis quality.",
+          f"opt1 against strict FP32 from the same weights: forward relative error <= {QUALITY_REL_ERR:g} and mean "
+          f"relative loss difference <= {QUALITY_LOSS:.0%}, where TF32 really ran (quality.parquet).", tf32_quality),
+]
+COLUMNS = ["claim_id", "short", "claim", "gpu_slug", "verdict", "rule", "evidence", "figures"]
+ON_CPU = "a claim about GPU kernels: not measurable on a CPU (the CPU run checks the pipeline, not the paper)"
+
+
+def devices(data: Data) -> list[str]:
+    """Every device in the data: swept ones, and GPUs known from bench timings only."""
+    bench = set(data.bench["gpu_slug"]) if not data.bench.empty else set()
+    return sorted(set(data.run["gpu_slug"]) | bench, key=lambda s: (s == "cpu", s))  # GPUs first
+
+
+def verdicts(data: Data, claims=CLAIMS) -> pd.DataFrame:
+    """Every claim against every device in the data (`COLUMNS`; `figures` a dict of the numbers judged)."""
+    rows = []
+    for slug in devices(data):
+        g = GPU(data, slug)
+        for c in claims:
+            v = c.judge(g) if g.is_gpu else _na(ON_CPU)
+            rows.append({"claim_id": c.id, "short": c.short, "claim": c.text, "gpu_slug": slug, "verdict": v.verdict,
+                         "rule": c.rule, "evidence": v.evidence, "figures": v.figures})
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def headline(table: pd.DataFrame) -> pd.DataFrame:
+    """Verdict counts per GPU (CPU rows left out)."""
+    t = table[table["gpu_slug"] != "cpu"]
+    return t.groupby("gpu_slug")["verdict"].value_counts().unstack(fill_value=0).reindex(columns=list(VERDICTS),
+                                                                                          fill_value=0)
+
+
+def _plain(v):
+    if isinstance(v, float):
+        return None if math.isnan(v) else v
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v.item() if hasattr(v, "item") else v
+
+
+def as_json(table: pd.DataFrame) -> str:
+    """The verdicts as a JSON list of {claim, device, verdict, rule, evidence, figures}."""
+    return json.dumps([{"claim": r.claim_id, "device": r.gpu_slug, "verdict": r.verdict, "rule": r.rule,
+                        "evidence": r.evidence, "figures": {k: _plain(v) for k, v in r.figures.items()}}
+                       for r in table.itertuples()], indent=1)

@@ -1,0 +1,220 @@
+"""The claims as rules: each can come out either way, CPU rows never judge one, and the matched-layer and
+step-weighted figures compare what they say they compare. The data are built here, small and by hand: a GPU
+of the smoke model (16^3) whose counters are made to agree with every claim, or to contradict every one."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from medddpm import bookdata as bd
+from medddpm import claims, layers, ncu, schema
+from medddpm.__main__ import main
+
+GPU = "nvidia-test-gpu"
+TENSOR = ncu.TENSOR_PIPE_METRICS[-1]
+RAW = {"duration_ns": "gpu__time_duration.sum", "sm_active_cycles": "sm__cycles_active.avg",
+       "inst_executed": "sm__inst_executed.sum", "tensor_pipe_pct": TENSOR,
+       "sm_throughput_pct": "sm__throughput.avg.pct_of_peak_sustained_elapsed",
+       "l1_hit_pct": "l1tex__t_sector_hit_rate.pct", "l2_hit_pct": "lts__t_sector_hit_rate.pct",
+       "dram_throughput_pct": "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+       "stall_long_scoreboard": "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio"}
+LAYER = "conv3d 32>32 k3 s1 @16x16x16"  # a layer of the smoke model (4 instances a step)
+CONV = {"baseline": "sm80_xmma_wgrad_implicit_gemm_f32f32_f32f32_f32_nchwkcrs_nchw_kernel",
+        "opt1": "sm90_xmma_wgrad_indexed_implicit_gemm_f32f32_tf32f32_f32_nhwckrsc_nhwc_kernel__5x_cudnn"}
+NORM = "void at::native::(anonymous namespace)::RowwiseMomentsCUDAKernel<float>(long, float, float const*)"
+LAYOUT = "void cudnn::engines_precompiled::nchwToNhwcKernel<float, float, float, false, true>(params, float const*)"
+ADD = "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float> >(int)"
+
+
+def launch(kernel_id: int, kernel: str, *, layer: str = "", rules: dict | None = None, **metrics) -> list[dict]:
+    """Long-table rows of one profiled launch: metrics by raw name, optional layer range and global rules."""
+    rows = [{"kernel": kernel, "kernel_id": kernel_id, "kind": "metric", "section": "Raw", "metric": RAW[m],
+             "value": v, "unit": "", "text": str(v), "speedup_type": ""} for m, v in metrics.items()]
+    if layer:
+        rows.append({"kernel": kernel, "kernel_id": kernel_id, "kind": "metric", "section": ncu.LAYER_SECTION,
+                     "metric": ncu.LAYER_METRIC, "value": float("nan"), "unit": "", "text": layer, "speedup_type": ""})
+    for (section, rule), speedup in (rules or {}).items():
+        rows.append({"kernel": kernel, "kernel_id": kernel_id, "kind": "rule", "section": section, "metric": rule,
+                     "value": speedup, "unit": "%", "text": "", "speedup_type": "global"})
+    return rows
+
+
+def gpu_data(agree: bool, slug: str = GPU) -> bd.Data:
+    """One GPU with the paper's four configurations, sdpa and compile: every claim holds (`agree`) or every
+    claim fails."""
+    def pick(yes, no):
+        return yes if agree else no
+
+    ms = {"baseline": 1000.0, "opt1": pick(200.0, 990.0), "opt2": 1000.0, "opt12": pick(400.0, 1100.0),
+          "sdpa": 300.0, "compile": pick(100.0, 290.0)}
+    conv_share = pick(0.9, 0.3)
+    layout_share = {"opt2": pick(0.3, 0.02), "opt12": pick(0.3, 0.02)}
+    rate = {  # step-weighted rates, per configuration
+        "tensor_pipe_pct": {"baseline": 1.0, "opt1": 20.0, "opt2": pick(1.5, 30.0), "opt12": pick(10.0, 25.0)},
+        "sm_throughput_pct": {"baseline": 60.0, "opt1": 40.0, "opt2": pick(30.0, 60.0), "opt12": 35.0},
+        "l1_hit_pct": {"baseline": pick(40.0, 80.0), "opt1": 20.0, "opt2": 40.0, "opt12": 20.0},
+        "l2_hit_pct": {"baseline": 70.0, "opt1": 60.0, "opt2": pick(85.0, 50.0), "opt12": 60.0},
+        "dram_throughput_pct": {"baseline": 20.0, "opt1": 30.0, "opt2": pick(5.0, 40.0), "opt12": 30.0},
+    }
+    rate["tensor_pipe_pct"]["opt1"] = pick(20.0, 80.0)  # "low tensor-core use": under 50% or not
+    # the matched layer's counters (a: baseline, b: opt1), kernel against kernel
+    layer = {"sm_active_cycles": (1e7, pick(1e6, 2e7)), "inst_executed": (1e9, pick(1e8, 2e9)),
+             "tensor_pipe_pct": (1.0, pick(40.0, 1.2)), "l1_hit_pct": (60.0, pick(20.0, 70.0)),
+             "dram_throughput_pct": (1.0, pick(10.0, 0.5)), "stall_long_scoreboard": (0.5, pick(1.0, 0.2))}
+    rules = {("Memory Workload Analysis Tables", "MemoryCacheAccessPattern"): pick(40.0, 1.0),
+             ("Warp State Statistics", "CPIStall"): pick(40.0, 1.0)}
+    runs, kernels, counters, quality = [], [], [], []
+    for config, step in ms.items():
+        rid = f"{slug}/{config}/20260101T000000Z"
+        runs.append({**schema.empty("run").iloc[0:0].to_dict(), "run_id": rid, "status": "ok", "gpu_name": "NVIDIA Test",
+                     "gpu_slug": slug, "config": config, "train_median_ms": step, "preset": "smoke",
+                     "shape": "16x16x16", "mask_channels": 3, "image_channels": 1, "num_res_blocks": 1,
+                     "precision_used": "tf32" if config in ("opt1", "opt12") else "fp32"})
+        conv = CONV["opt1" if config in ("opt1", "opt12") else "baseline"]
+        lay = layout_share.get(config, 0.01)
+        shares = {conv: conv_share, LAYOUT: lay, NORM: 1 - conv_share - lay - 0.01, ADD: 0.01}
+        kernels.append(pd.DataFrame({"run_id": rid, "kernel": list(shares), "share": list(shares.values()),
+                                     "category": ["convolution", "layout", "normalization", "elementwise"],
+                                     "total_us": [s * step * 1e3 for s in shares.values()], "calls": 2, "steps": 1,
+                                     "pass": "backward", "gpu_slug": slug, "config": config}))
+        if config in ("sdpa", "compile"):
+            continue
+        r = {m: v[config] for m, v in rate.items()}
+        rows = []
+        for i, (name, dur) in enumerate(((conv, 5e6), (LAYOUT, 1e5), (NORM, 1e5), (ADD, 1e4))):
+            rows += launch(i, name, duration_ns=dur, sm_active_cycles=1e6, inst_executed=1e8, rules=rules,
+                           stall_long_scoreboard=1.0, **r)
+        if config in ("baseline", "opt1"):  # the matched layer's wgrad, and a helper that must not stand for it
+            side = 0 if config == "baseline" else 1
+            rows += launch(10, conv, layer=f"{LAYER} backward", duration_ns=4e6 / (1 + 4 * side),
+                           sm_throughput_pct=50.0, l2_hit_pct=60.0, **{m: v[side] for m, v in layer.items()})
+            rows += launch(11, "void cudnn::reduce_wgrad_nchw_helper<float, float>(void*, void const*)",
+                           layer=f"{LAYER} backward", duration_ns=2e3, sm_active_cycles=1.0, inst_executed=1.0,
+                           tensor_pipe_pct=0.0)
+        counters.append(pd.DataFrame(rows).assign(run_id=rid, gpu_slug=slug, config=config))
+        if config == "opt1":
+            quality.append(pd.DataFrame({"run_id": rid, "step": [1, 2], "loss": [0.5, 0.4],
+                                         "baseline_loss": [0.5, pick(0.4, 0.2)], "rel_err": pick(1e-3, 0.1),
+                                         "gpu_slug": slug, "config": config}))
+    return bd.Data(run=pd.DataFrame(runs), steps=schema.empty("steps"), kernels=pd.concat(kernels, ignore_index=True),
+                   ncu=pd.concat(counters, ignore_index=True), quality=pd.concat(quality, ignore_index=True))
+
+
+def verdicts(data: bd.Data, slug: str = GPU) -> dict[str, str]:
+    t = claims.verdicts(data)
+    return t[t["gpu_slug"] == slug].set_index("claim_id")["verdict"].to_dict()
+
+
+def test_every_claim_holds_on_data_that_agrees_and_fails_on_data_that_contradicts_it():
+    agree, contradict = verdicts(gpu_data(True)), verdicts(gpu_data(False))
+    assert set(agree) == {c.id for c in claims.CLAIMS}
+    assert {c: v for c, v in agree.items() if v != bd.HOLDS} == {}
+    assert {c: v for c, v in contradict.items() if v != bd.FAILS} == {}
+
+
+def test_inefficiency_sources_names_each_source_it_could_not_show():
+    data = gpu_data(True)
+    row = claims.verdicts(data).query("claim_id == 'inefficiency-sources'").iloc[0]
+    assert row["verdict"] == bd.HOLDS and set(row["figures"]) >= {"memory_rules_share", "layout_share",
+                                                                   "scheduling_rules_share", "l1_hit_pct"}
+    high_l1 = data.ncu.copy()
+    is_l1 = (high_l1["config"] == "baseline") & (high_l1["metric"] == RAW["l1_hit_pct"])
+    high_l1.loc[is_l1, "value"] = 90.0
+    row = claims.verdicts(bd.Data(**{**data.__dict__, "ncu": high_l1})).query("claim_id == 'inefficiency-sources'").iloc[0]
+    assert row["verdict"] == bd.FAILS and row["evidence"].endswith("(not shown: cache residency)")
+
+
+def test_cpu_rows_never_judge_a_claim_and_the_headline_counts_gpus_only():
+    gpu = gpu_data(True)
+    cpu = gpu_data(True, slug="cpu")
+    cpu.run["gpu_name"] = "cpu"
+    both = bd.Data(run=pd.concat([gpu.run, cpu.run]), steps=gpu.steps, kernels=pd.concat([gpu.kernels, cpu.kernels]),
+                   ncu=pd.concat([gpu.ncu, cpu.ncu]), quality=pd.concat([gpu.quality, cpu.quality]))
+    table = claims.verdicts(both)
+    assert list(dict.fromkeys(table["gpu_slug"])) == [GPU, "cpu"]  # GPUs first
+    on_cpu = table[table["gpu_slug"] == "cpu"]
+    assert (on_cpu["verdict"] == bd.NA).all() and (on_cpu["evidence"] == claims.ON_CPU).all()
+    head = claims.headline(table)
+    assert list(head.index) == [GPU] and head.loc[GPU, bd.HOLDS] == len(claims.CLAIMS)
+
+
+def test_tf32_claims_are_not_measurable_without_a_matched_layer_and_say_what_to_run():
+    data = gpu_data(True)
+    no_layers = data.ncu[data.ncu["section"] != ncu.LAYER_SECTION]
+    v = claims.verdicts(bd.Data(**{**data.__dict__, "ncu": no_layers})).set_index("claim_id")
+    for cid in ("tf32-cycles", "tf32-instructions", "tf32-tensor", "tf32-memory", "tf32-stalls"):
+        assert v.loc[cid, "verdict"] == bd.NA and "layer ranges" in v.loc[cid, "evidence"], cid
+    assert v.loc["cl-tensor", "verdict"] == bd.HOLDS  # step-weighted claims need no layers
+    no_opt1 = data.ncu[data.ncu["config"] != "opt1"]
+    v = claims.verdicts(bd.Data(**{**data.__dict__, "ncu": no_opt1})).set_index("claim_id")
+    assert v.loc["tf32-cycles", "evidence"] == f"no counters for opt1 (`python -m medddpm counters data/{GPU}/opt1`)"
+
+
+def test_matched_layers_compare_the_main_kernel_of_one_layer_and_direction():
+    data = gpu_data(True)
+    a, b = (data.ncu[data.ncu["config"] == c].drop(columns=["gpu_slug", "config"]) for c in ("baseline", "opt1"))
+    counts = layers.layer_counts(data.run.set_index("config").loc["baseline"])
+    assert counts[LAYER] == 4 and counts.sum() == 25  # the smoke model's 25 convolutions
+    m = layers.matched_layers(a, b, counts)
+    assert m[["layer", "direction", "instances"]].values.tolist() == [[LAYER, "wgrad", 4]]
+    row = m.iloc[0]
+    assert "reduce_wgrad" not in row["kernel_a"] + row["kernel_b"]  # a helper never stands for the layer
+    assert row["sm_cycles_ratio"] == pytest.approx(10.0) and row["instructions_ratio"] == pytest.approx(10.0)
+    assert row["step_ms_a"] == pytest.approx(4 * 4e6 / 1e6)
+    assert m.loc[0, "tensor_pipe_pct_a"] == 1.0 and m.loc[0, "tensor_pipe_pct_b"] == 40.0
+
+
+def test_step_weighted_rates_weight_kernels_by_their_step_share_not_by_profiled_duration():
+    kernels = pd.DataFrame({"kernel": ["long", "short"], "share": [0.2, 0.8]})
+    table = pd.DataFrame(launch(0, "long", duration_ns=1e9, tensor_pipe_pct=90.0)
+                         + launch(1, "short", duration_ns=1e3, tensor_pipe_pct=10.0)).astype(ncu.COLUMNS)
+    s = layers.step_weighted(kernels, table)
+    assert s["tensor_pipe_pct"] == pytest.approx(0.2 * 90 + 0.8 * 10) and s["covered"] == pytest.approx(1.0)
+    s = layers.step_weighted(kernels, table[table["kernel_id"] == 0])
+    assert s["tensor_pipe_pct"] == pytest.approx(90.0) and s["covered"] == pytest.approx(0.2)
+
+
+def test_claims_command_prints_json_with_the_figures_each_verdict_used(capsys):
+    assert main(["claims", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["verdict"] for r in rows} <= set(claims.VERDICTS)
+    assert all(set(r) == {"claim", "device", "verdict", "rule", "evidence", "figures"} for r in rows)
+    gpu = {r["claim"]: r for r in rows if r["device"] != "cpu"}
+    for cid, key in (("tf32-cycles", "sm_cycles_ratio"), ("tf32-instructions", "instructions_ratio")):
+        if gpu.get(cid, {}).get("verdict") in (bd.HOLDS, bd.FAILS):
+            assert isinstance(gpu[cid]["figures"][key], float)
+    if gpu.get("tf32-tensor", {}).get("verdict") in (bd.HOLDS, bd.FAILS):
+        assert [type(x) for x in gpu["tf32-tensor"]["figures"]["tensor_pipe_pct"]] == [float, float]
+    assert main(["claims", "--data", "/nonexistent"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_channels_last_shift_falls_back_to_the_tf32_pair_and_then_says_what_is_missing():
+    data = gpu_data(True)
+    k = data.kernels[data.kernels["config"] != "opt2"]
+    row = claims.verdicts(bd.Data(**{**data.__dict__, "kernels": k})).query("claim_id == 'cl-shift'").iloc[0]
+    assert row["verdict"] == bd.HOLDS and "(opt1)" in row["evidence"] and "(opt12)" in row["evidence"]
+    no_pair = bd.Data(**{**data.__dict__, "kernels": k[k["config"] != "opt12"]})
+    assert claims.verdicts(no_pair).query("claim_id == 'cl-shift'").iloc[0]["verdict"] == bd.NA
+
+
+def test_a_claim_without_its_run_names_the_sweep_that_gives_it():
+    data = gpu_data(True)
+    no_run = bd.Data(**{**data.__dict__, "run": data.run[data.run["config"] != "opt2"]})
+    row = claims.verdicts(no_run).query("claim_id == 'opt12-partial'").iloc[0]
+    assert row["verdict"] == bd.NA
+    assert row["evidence"] == "no run of opt2 (`python -m medddpm sweep --preset paper --configs opt2`)"
+
+
+def test_timing_claims_fall_back_to_bench_timings_where_no_sweep():
+    data = gpu_data(True)
+    bench = pd.DataFrame({"gpu_slug": GPU, "implementation": "ours", "config": ["sdpa", "sdpa", "compile"],
+                          "median_ms": [300.0, 310.0, 100.0], "fp32_math": "tf32"})
+    unswept = bd.Data(**{**data.__dict__, "bench": bench,
+                         "run": data.run[~data.run["config"].isin(["sdpa", "compile"])]})
+    row = claims.verdicts(unswept).query("claim_id == 'fusion-needed'").iloc[0]
+    assert row["verdict"] == bd.HOLDS and row["evidence"].endswith("ms, bench timings)")
+    assert row["figures"]["speedup"] == pytest.approx(305.0 / 100.0)
