@@ -341,14 +341,15 @@ def pass_split(passes: pd.DataFrame) -> alt.Chart:
 
 
 def tensor_pipe(counters: pd.DataFrame) -> alt.Chart:
-    """Duration-weighted tensor-pipe utilization per configuration, every GPU; legend picks the GPU."""
+    """Tensor-pipe utilization per configuration weighted over the step (`bookdata.ncu_by_run`), every GPU;
+    legend picks the GPU."""
     if counters.empty or "tensor_pipe_pct" not in counters:
         return _empty("no Nsight Compute counters in the data")
     df = _light(counters[["gpu_slug", "config", "tensor_pipe_pct", "sm_throughput_pct"]])
     pick = alt.selection_point(fields=["gpu_slug"], bind="legend")
     return alt.Chart(df).mark_point(filled=True, size=110).encode(
         y=alt.Y("config:N", sort=_configs_in(df), title=None),
-        x=alt.X("tensor_pipe_pct:Q", title="tensor-pipe utilization (% of peak, duration-weighted)"),
+        x=alt.X("tensor_pipe_pct:Q", title="tensor-pipe utilization (% of peak, weighted by step time)"),
         color=alt.Color("config:N", scale=config_color(df["config"]), legend=None),
         shape=alt.Shape("gpu_slug:N", title="GPU (click)"),
         opacity=alt.condition(pick, alt.value(1.0), alt.value(0.15)),
@@ -381,7 +382,7 @@ def _stacked_counters(counters: pd.DataFrame, *, prefix: str, field: str, value:
 def instruction_mix(counters: pd.DataFrame) -> alt.Chart:
     """Executed thread instructions by class per configuration (stacked); GPU dropdown, legend highlight."""
     return _stacked_counters(counters, prefix="inst_", field="class", value="instructions", what="instruction counts",
-                             x_title="thread instructions executed over the profiled kernels", title="Instruction mix")
+                             x_title="thread instructions executed in one step (kernels with counters)", title="Instruction mix")
 
 
 MEMORY_METRICS = {"l1_hit_pct": "L1 hit %", "l2_hit_pct": "L2 hit %", "dram_throughput_pct": "DRAM throughput %",
@@ -399,7 +400,7 @@ def memory(counters: pd.DataFrame) -> alt.Chart:
     gpu, metric = _gpu_param(df), _metric_param({k: v for k, v in MEMORY_METRICS.items() if k in set(df["metric"])})
     return alt.Chart(df).transform_filter((alt.datum.gpu_slug == gpu) & (alt.datum.metric == metric)).mark_bar().encode(
         y=alt.Y("config:N", sort=_configs_in(df), title=None),
-        x=alt.X("value:Q", scale=alt.Scale(domain=[0, 100]), title="percent (duration-weighted over profiled kernels)"),
+        x=alt.X("value:Q", scale=alt.Scale(domain=[0, 100]), title="percent (weighted by step time)"),
         color=alt.Color("config:N", scale=config_color(df["config"]), legend=None),
         tooltip=["config:N", alt.Tooltip("label:N", title="metric"), alt.Tooltip("value:Q", format=".3g")],
     ).add_params(gpu, metric).properties(width="container", height=alt.Step(22), title="Memory hierarchy")
@@ -408,7 +409,7 @@ def memory(counters: pd.DataFrame) -> alt.Chart:
 def stalls(counters: pd.DataFrame) -> alt.Chart:
     """Warp stall reasons (cycles per issued instruction), stacked; GPU dropdown, legend highlight."""
     return _stacked_counters(counters, prefix="stall_", field="reason", value="cycles", what="stall counters",
-                             x_title="stall cycles per issued instruction (duration-weighted)", title="Why warps wait")
+                             x_title="stall cycles per issued instruction (weighted by step time)", title="Why warps wait")
 
 
 def priorities(prio: pd.DataFrame) -> alt.Chart:
