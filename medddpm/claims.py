@@ -196,28 +196,26 @@ def _layer(m: pd.Series) -> str:
     return f"`{m['layer']}` {m['direction']} ({m['step_ms_a']:.0f} ms of baseline's step)"
 
 
-def tf32_cycles(g: GPU) -> Verdict:
+def _tf32_cut(g: GPU, column: str, what: str, paper: str, more: str = "") -> Verdict:
+    """A TF32 count (`column`: a baseline/opt1 ratio of `matched_layers`) cut by at least SPEEDUP_MIN on the
+    top matched layer; the evidence gives the range over all matched layers."""
     if (na := _tf32(g)) is not None:
         return na
-    m, r = _top(g), g.matched["sm_cycles_ratio"]
+    m, r = _top(g), g.matched[column]
+    return _judge(m[column] >= SPEEDUP_MIN, f"{_layer(m)}: baseline/opt1 {what} {m[column]:.1f}x (paper: {paper}); "
+                  f"{r.min():.2f}x to {r.max():.1f}x over {len(r)} matched layers{more}",
+                  **{column: float(m[column])}, layer=m["layer"], direction=m["direction"],
+                  range=[float(r.min()), float(r.max())])
+
+
+def tf32_cycles(g: GPU) -> Verdict:
     step = [g.median_ms(c) for c in ("baseline", "opt1")]
     steps = f"; the whole step {step[0][0] / step[1][0]:.2f}x faster" if None not in step else ""
-    return _judge(m["sm_cycles_ratio"] >= SPEEDUP_MIN,
-                  f"{_layer(m)}: baseline/opt1 SM cycles {m['sm_cycles_ratio']:.1f}x (paper: up to 5x); "
-                  f"{r.min():.2f}x to {r.max():.1f}x over {len(r)} matched layers{steps}",
-                  sm_cycles_ratio=float(m["sm_cycles_ratio"]), layer=m["layer"], direction=m["direction"],
-                  range=[float(r.min()), float(r.max())])
+    return _tf32_cut(g, "sm_cycles_ratio", "SM cycles", "up to 5x", steps)
 
 
 def tf32_instructions(g: GPU) -> Verdict:
-    if (na := _tf32(g)) is not None:
-        return na
-    m, r = _top(g), g.matched["instructions_ratio"]
-    return _judge(m["instructions_ratio"] >= SPEEDUP_MIN,
-                  f"{_layer(m)}: baseline/opt1 executed instructions {m['instructions_ratio']:.1f}x (paper: up to "
-                  f"100x); {r.min():.2f}x to {r.max():.1f}x over {len(r)} matched layers",
-                  instructions_ratio=float(m["instructions_ratio"]), layer=m["layer"], direction=m["direction"],
-                  range=[float(r.min()), float(r.max())])
+    return _tf32_cut(g, "instructions_ratio", "executed instructions", "up to 100x")
 
 
 def tf32_tensor(g: GPU) -> Verdict:

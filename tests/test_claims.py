@@ -168,11 +168,14 @@ def test_matched_layers_compare_the_main_kernel_of_one_layer_and_direction():
 
 
 def test_step_weighted_rates_weight_kernels_by_their_step_share_not_by_profiled_duration():
-    kernels = pd.DataFrame({"kernel": ["long", "short"], "share": [0.2, 0.8]})
-    table = pd.DataFrame(launch(0, "long", duration_ns=1e9, tensor_pipe_pct=90.0)
-                         + launch(1, "short", duration_ns=1e3, tensor_pipe_pct=10.0)).astype(ncu.COLUMNS)
-    s = layers.step_weighted(kernels, table)
-    assert s["tensor_pipe_pct"] == pytest.approx(0.2 * 90 + 0.8 * 10) and s["covered"] == pytest.approx(1.0)
+    kernels = pd.DataFrame({"kernel": ["long", "short"], "share": [0.2, 0.8], "calls": [2, 60], "steps": 2})
+    table = pd.DataFrame(launch(0, "long", duration_ns=1e9, tensor_pipe_pct=90.0, inst_executed=5e6)
+                         + launch(1, "short", duration_ns=1e3, tensor_pipe_pct=10.0, inst_executed=1e3)
+                         + launch(2, "short", duration_ns=3e3, tensor_pipe_pct=30.0, inst_executed=3e3)).astype(ncu.COLUMNS)
+    s = layers.step_weighted(kernels, table, counts=("inst_executed",))
+    assert s["tensor_pipe_pct"] == pytest.approx(0.2 * 90 + 0.8 * (10 * 1 + 30 * 3) / 4)
+    assert s["covered"] == pytest.approx(1.0)
+    assert s["inst_executed_per_step"] == pytest.approx(1 * 5e6 + 30 * 2e3)  # per launch x launches a step
     s = layers.step_weighted(kernels, table[table["kernel_id"] == 0])
     assert s["tensor_pipe_pct"] == pytest.approx(90.0) and s["covered"] == pytest.approx(0.2)
 
