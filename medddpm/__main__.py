@@ -14,9 +14,17 @@ from .configs import (CONFIGS, AttentionKind, ConfigError, GroupNormKind, Precis
 from .data import DataError
 from .model import ModelSpec, format_size, parse_size
 from .ncu import BOTH, COVERAGE, PASSES
+from .schema import PHASES
 from .storage import atomic_write
 
 PRESET_NAMES = ("smoke", "paper", "brats")  # measure.PRESETS, without importing the measurement stack
+
+
+def _phases(text: str) -> str:
+    unknown = {p.strip() for p in text.split(",") if p.strip()} - set(PHASES)
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown phase(s) {', '.join(sorted(unknown))}; known: {', '.join(PHASES)}")
+    return ",".join(p.strip() for p in text.split(",") if p.strip())
 
 
 def _positive(text: str) -> int:
@@ -353,7 +361,7 @@ def cmd_sweep(args) -> None:
                                             "time_limit") if getattr(args, k) is not None}
     if "size" in params:  # as text: a papermill parameter and a command-line argument alike
         params["size"] = format_size(params["size"])
-    params["profilers"] = args.profilers
+    params["phases"] = args.phases
     if args.backend == "slurm":
         from .cluster import SlurmOptions, print_scripts, submit_slurm
 
@@ -381,6 +389,18 @@ def cmd_sweep(args) -> None:
                         force=args.force, params=params)
     for r in results:
         print(f"{r['config']:<12}{r['status']:<14}{r['seconds']:>8.0f} s  {r['folder']}")
+
+
+def cmd_ablation(args) -> None:
+    from .configs import ablation
+    from .sweep import sweep
+
+    configs = ablation(args.base)
+    params = {k: getattr(args, k) for k in ("steps", "warmup") if getattr(args, k) is not None} | {"phases": ""}
+    results = sweep(configs, preset=args.preset, out=args.out, device=args.device, gpu_label=args.gpu_label,
+                    force=args.force, params=params, group="ablation")
+    for r in results:
+        print(f"{r['config']:<34}{r['status']:<14}{r['seconds']:>8.0f} s  {r['folder']}")
 
 
 def cmd_counters(args) -> None:
@@ -507,7 +527,10 @@ def main(argv: list[str] | None = None) -> int:
                         "250 times their median)")
     p.add_argument("--data", help="'mni', 'mni-brats', or a folder with mask/ and image/ (or seg/, t1/, t1ce/, t2/, "
                                   "flair/); default: the preset's embedded data")
-    p.add_argument("--profilers", default="torch,ncu", help="comma-separated: torch, ncu ('' for none)")
+    p.add_argument("--phases", default=",".join(PHASES), type=_phases,
+                   help="what runs after the timed training steps, comma-separated: sample (one timed sample), "
+                        "torch (the kernel breakdown), quality (parity with strict FP32), ncu (hardware counters); "
+                        "'' for none")
     p.add_argument("--ncu-timeout", type=_positive, help="seconds Nsight Compute may take per configuration "
                                                           "(default 420; on timeout it is recorded, the run goes on)")
     p.add_argument("--time-limit", type=_positive, metavar="S",
@@ -531,6 +554,18 @@ def main(argv: list[str] | None = None) -> int:
                                     "(default: this interpreter)")
     g.add_argument("--slurm-folder", default="runs/slurm", help="submitit's job files and logs")
     p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("ablation", help="what each lever buys: a configuration and it without each of its levers, "
+                                        "timed alone into data/<gpu>/ablation/<config>/")
+    p.add_argument("--base", default="best", help="the configuration whose levers are taken away one at a time")
+    p.add_argument("--preset", choices=PRESET_NAMES, default="paper")
+    p.add_argument("--out", default="data")
+    p.add_argument("--force", action="store_true", help="redo configurations already measured")
+    p.add_argument("--device")
+    p.add_argument("--gpu-label", help="name the device differently in data/<gpu-slug>/")
+    p.add_argument("--steps", type=_positive, help="timed micro-steps (default: the preset's)")
+    p.add_argument("--warmup", type=_positive)
+    p.set_defaults(func=cmd_ablation)
 
     p = sub.add_parser("scale", help="data-parallel scaling: time one configuration on 1, 2, ... ranks (torchrun)")
     p.add_argument("--config", default="sdpa", help="a configuration without CUDA graphs (DDP cannot capture them)")

@@ -191,6 +191,26 @@ def get_config(name: str | Config) -> Config:
     return CONFIGS[base].with_flags(name=name, **flags)
 
 
+# A lever's value without it, where that is not the switch's default: bf16 is measured against TF32 (the
+# fastest FP32 path of a tensor-core GPU, the paper's OPT1), not against strict FP32; TF32 against strict FP32.
+_WITHOUT = {"precision": "tf32"}
+
+
+def variant_name(base: str, **flags) -> str:
+    """'best+tap_gemm=false': the name `get_config` reads back as `base` with these switches."""
+    return base + "".join(f"+{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in sorted(flags.items()))
+
+
+def ablation(base: str = "best") -> list[Config]:
+    """`base`, then `base` without each of its levers (every switch it sets away from `Config`'s default, set
+    back; bf16 back to TF32), each named for its one change (`best+tap_gemm=false`): what each lever buys."""
+    cfg = get_config(base)
+    default = Config(cfg.name).flags
+    levers = [k for k, v in cfg.flags.items() if v != default[k]]
+    variants = [{k: _WITHOUT[k] if k in _WITHOUT and cfg.flags[k] != _WITHOUT[k] else default[k]} for k in levers]
+    return [cfg] + [get_config(variant_name(cfg.name, **v)) for v in variants]
+
+
 def parse_config_list(spec: str) -> list[Config]:
     """'paper', 'all' or a comma-separated list of names; every name is checked before any work."""
     if spec == "paper":

@@ -24,6 +24,7 @@ import pandas as pd
 import torch
 
 from . import schema
+from .schema import PHASES
 from .bench import summarize, time_steps
 from .configs import Config, get_config
 from .data import EMBEDDED, open_dataset
@@ -121,7 +122,7 @@ class Measurement:
                  pairs: int = 16, batch: int = 1,
                  steps: int | None = None, warmup: int | None = None, sample_steps: int | None = None,
                  out: str = "data",
-                 stage: str | None = None, seed: int = 0, profilers: tuple[str, ...] = ("torch", "ncu"),
+                 stage: str | None = None, seed: int = 0, phases: tuple[str, ...] = PHASES, group: str = "",
                  ncu_timeout: int = 420, time_limit: int | None = None):
         # Every parameter is checked here, before any GPU work.
         self.config = get_config(config)
@@ -143,14 +144,16 @@ class Measurement:
         if time_limit is not None:
             _check("time_limit", time_limit, int, minimum=1)
         self.ncu_timeout, self.time_limit = ncu_timeout, time_limit
-        unknown = set(profilers) - {"torch", "ncu"}
+        unknown = set(phases) - set(PHASES)
         if unknown:
-            raise ValueError(f"unknown profilers {sorted(unknown)}; known: torch, ncu")
+            raise ValueError(f"unknown phases {sorted(unknown)}; known: {', '.join(PHASES)} (training always runs)")
+        if group and not re.fullmatch(r"[a-z][a-z0-9-]*", group):
+            raise ValueError(f"parameter group must be a lower-case folder name, got {group!r}")
         self.device = pick_device(device)
         self.steps = steps or self.preset.steps
         self.warmup = self.preset.warmup if warmup is None else warmup
         self.sample_steps = sample_steps or self.preset.sample_timesteps
-        self.batch, self.seed, self.profilers = batch, seed, tuple(profilers)
+        self.batch, self.seed, self.phases = batch, seed, tuple(phases)
         data = data or self.preset.data
         self.data = open_dataset(data, size=self.preset.size, n=pairs, seed=seed)
         self.data_id = f"{data}{pairs}" if data in EMBEDDED else re.sub(r"[^A-Za-z0-9]+", "_", str(Path(data).resolve()))
@@ -163,11 +166,12 @@ class Measurement:
         self.gpu_name = gpu_label or self.env["gpu_name"]
         self.slug = gpu_slug(self.gpu_name)
         self.folder = schema.run_folder(self.config.name, self.preset.name, batch)
-        self.final_dir = Path(out) / self.slug / self.folder
+        self.group = group
+        self.final_dir = Path(out) / self.slug / group / self.folder
         self.dir = Path(stage) if stage else self.final_dir
         self.dir.mkdir(parents=True, exist_ok=True)
         self.start = dt.datetime.now(dt.timezone.utc)
-        self.run_id = f"{self.slug}/{self.folder}/{self.start.strftime('%Y%m%dT%H%M%SZ')}"
+        self.run_id = f"{self.slug}/{group + '/' if group else ''}{self.folder}/{self.start.strftime('%Y%m%dT%H%M%SZ')}"
         self.status, self.message = "ok", ""
         self.profiler_status: dict = {}
         self.tables: dict[str, pd.DataFrame] = {}
@@ -180,7 +184,12 @@ class Measurement:
         """Run a phase unless an earlier one failed; record out-of-memory and errors, don't raise.
 
         A critical phase's failure becomes the run's status; a profiler's (critical=False) is recorded
-        in `profilers` and leaves the timings standing."""
+        in `profilers` and leaves the timings standing. A phase left out of `phases` is recorded as
+        not requested."""
+        if name != "train" and name not in self.phases:
+            self.profiler_status[name] = {"status": "skipped", "message": "not requested"}
+            yield False
+            return
         if self.status != "ok":
             self.profiler_status.setdefault(name, {"status": "skipped", "message": f"after {self.status}"})
             yield False
@@ -326,9 +335,6 @@ class Measurement:
 
     def kernels(self) -> pd.DataFrame | None:
         """torch.profiler over a few steps (separate from the timed steps)."""
-        if "torch" not in self.profilers:
-            self.profiler_status["torch"] = {"status": "skipped", "message": "not requested"}
-            return None
         from .kernels import profile_kernels
 
         with self.phase("torch", critical=False) as go:
@@ -352,9 +358,6 @@ class Measurement:
 
     def counters(self) -> pd.DataFrame | None:
         """Nsight Compute on the kernels that make up most of a step (GPU only); the last phase."""
-        if "ncu" not in self.profilers:
-            self.profiler_status["ncu"] = {"status": "skipped", "message": "not requested"}
-            return None
         from .ncu import run_ncu
 
         with self.phase("ncu", critical=False) as go:
@@ -436,7 +439,7 @@ class Measurement:
     def finish(self) -> pd.DataFrame:
         """Write run.parquet (last: its presence marks the run finished)."""
         row = run_row(self.config, self.preset.name, env=self.env, gpu_name=self.gpu_name, status=self.status,
-                      message=self.message) | {
+                      message=self.message, group=self.group) | {
             "run_id": self.run_id, "precision_used": self.summary.get("precision_used", ""),
             "not_applicable": json.dumps(self.summary.get("not_applicable", {})),
             "backend_flags": json.dumps(self.summary.get("backend_flags", {})),
@@ -452,12 +455,12 @@ class Measurement:
 
 
 def run_row(config: Config, preset: str, *, env: dict, gpu_name: str, status: str, message: str,
-            batch: int = 1) -> dict:
+            batch: int = 1, group: str = "") -> dict:
     """A run.parquet row with the environment and switches filled in and every measured column at its
     missing value (NaN, -1 or ''), for phases that did not run."""
     now = dt.datetime.now(dt.timezone.utc)
     folder = schema.run_folder(config.name, preset, batch)
-    row = {"run_id": f"{gpu_slug(gpu_name)}/{folder}/{now.strftime('%Y%m%dT%H%M%SZ')}", "status": status,
+    row = {"run_id": f"{gpu_slug(gpu_name)}/{group + '/' if group else ''}{folder}/{now.strftime('%Y%m%dT%H%M%SZ')}", "status": status,
            "message": message, **{k: env[k] for k in ("gpu_count", "driver", "cuda", "cudnn", "torch", "python",
                                                        "cpu", "host_threads", "git_commit", "container")},
            "gpu_name": gpu_name, "gpu_slug": gpu_slug(gpu_name), "config": config.name, **config.flags,
@@ -468,11 +471,11 @@ def run_row(config: Config, preset: str, *, env: dict, gpu_name: str, status: st
 
 
 def write_failed_run(config: Config, preset: str, folder: Path, *, device: torch.device, gpu_label: str | None,
-                     message: str, batch: int = 1) -> None:
+                     message: str, batch: int = 1, group: str = "") -> None:
     """run.parquet for a measurement that died before writing its own (status error, and why)."""
     env = environment(device)
     row = run_row(config, preset, env=env, gpu_name=gpu_label or env["gpu_name"], status="error", message=message,
-                  batch=batch)
+                  batch=batch, group=group)
     schema.write_table(pd.DataFrame([row]), Path(folder) / "run.parquet", "run")
 
 

@@ -118,7 +118,7 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "sample_step_median_ms": (F, "median time of one denoising step"),
         "sample_total_s": (F, "wall time of the timed sample, the first in its process (compilation included)"),
         "sample_peak_mem_bytes": (I, "peak allocated device memory while sampling (-1 on a CPU)"),
-        "profilers": (S, "JSON: profiler -> status and message"),
+        "profilers": (S, "JSON: phase after training (sample, torch, quality, ncu) -> status and message"),
         "start_time": (S, "UTC start, ISO 8601"),
         "duration_s": (F, "wall time of the whole measurement"),
     },
@@ -237,6 +237,11 @@ ADDED: dict[str, dict[str, object]] = {
 }
 
 MAIN_PRESETS = ("smoke", "paper")  # a device's own preset: its runs sit in data/<gpu>/<config>/
+
+
+# The phases of a run after its timed training steps, in the order they run (training always runs; a sweep
+# that needs step times only, such as the ablation, runs none of them). `profilers` records each one's status.
+PHASES = ("sample", "torch", "quality", "ncu")
 
 
 def run_folder(config: str, preset: str, batch: int = 1) -> str:

@@ -60,8 +60,12 @@ def _publish(stage: Path, final: Path) -> None:
 
 def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.PathLike = "data",
           device: str | None = None, gpu_label: str | None = None, force: bool = False,
-          params: dict | None = None, notebook: Path = NOTEBOOK, timeout_s: int | None = None) -> list[dict]:
-    """Measure each configuration; returns one {config, status, seconds, folder} per configuration."""
+          params: dict | None = None, notebook: Path = NOTEBOOK, timeout_s: int | None = None,
+          group: str = "") -> list[dict]:
+    """Measure each configuration; returns one {config, status, seconds, folder} per configuration.
+
+    `group`: runs that belong together apart from the main ones, in ``data/<gpu-slug>/<group>/<run>/``
+    (the ablation's)."""
     import papermill as pm  # imported here: the package itself does not need the Jupyter stack
 
     # Everything that can be checked is checked before any configuration runs.
@@ -83,12 +87,13 @@ def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.P
     dev = pick_device(device)
     out = Path(out)
     slug = gpu_slug(gpu_label or device_name(dev))
-    root = out / slug
+    root = out / slug / group
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".*.stage-*"):  # left by a killed sweep (not by one running alongside: cluster jobs)
         if _stage_is_stale(stale):
             shutil.rmtree(stale, ignore_errors=True)
-    params = dict(params or {}) | {"preset": preset, "out": str(out), "gpu_label": gpu_label, "device": device}
+    params = dict(params or {}) | {"preset": preset, "out": str(out), "gpu_label": gpu_label, "device": device,
+                                   "group": group}
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     results = []
     for config in tqdm(configs, desc=f"sweep {slug}"):
@@ -110,7 +115,7 @@ def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.P
             if not (stage / "run.parquet").exists():
                 why = str(e).strip().splitlines()[-1] if str(e).strip() else ""
                 write_failed_run(config, preset, stage, device=dev, gpu_label=gpu_label,
-                                 message=f"{type(e).__name__}: {why}", batch=batch)
+                                 message=f"{type(e).__name__}: {why}", batch=batch, group=group)
         finally:
             for k, v in old_env.items():
                 if v is None:

@@ -14,7 +14,7 @@ group() {  # PRESET "SWEEP FLAGS" CONFIG... (device-sweep.sh skips what the time
   SWEEP_ARGS="$flags" bash scripts/device-sweep.sh "$((deadline - SECONDS))" "$preset" "$@"
 }
 # No Nsight Compute here (memory and step time are the point); the kernel breakdown for batch 1 only.
-group brats "--profilers torch" baseline opt1 best best-ckpt
-group paper "--profilers torch" best best-ckpt opt1-ckpt compile
-group brats "--profilers= --batch 2" best best-ckpt
-group paper "--profilers= --batch 2" best best-ckpt
+group brats "--phases sample,torch,quality" baseline opt1 best best-ckpt
+group paper "--phases sample,torch,quality" best best-ckpt opt1-ckpt compile
+group brats "--phases=sample,quality --batch 2" best best-ckpt
+group paper "--phases=sample,quality --batch 2" best best-ckpt

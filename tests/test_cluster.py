@@ -20,7 +20,7 @@ def test_the_slurm_backend_runs_each_configuration_as_a_job_through_submitit(tmp
     monkeypatch.setenv("MEDDDPM_CACHE", str(tmp_path / "cache"))
     opts = SlurmOptions(partition="gpu", gpu_types=["h100"], time_min=20, folder=str(tmp_path / "jobs"))
     jobs = submit_slurm(parse_config_list("baseline,opt2"), preset="smoke", out=str(tmp_path / "data"), opts=opts,
-                        params={"profilers": "", "steps": 1, "warmup": 1, "sample_steps": 2}, device="cpu", cluster="local")
+                        params={"phases": "", "steps": 1, "warmup": 1, "sample_steps": 2}, device="cpu", cluster="local")
     assert len(jobs) == 2, "one job per (GPU type, configuration)"
     for job, name in zip(jobs, ("baseline", "opt2")):
         (result,) = job.result()  # re-raises a failure inside the job, with its traceback
@@ -35,7 +35,7 @@ def test_slurm_dry_run_prints_one_sbatch_script_per_configuration(tmp_path):
     env = os.environ | {"PYTHONPATH": str(ROOT), "MEDDDPM_CACHE": str(tmp_path / "cache")}
     p = subprocess.run([sys.executable, "-m", "medddpm", "sweep", "--backend", "slurm", "--dry-run",
                         "--configs", "baseline,opt1", "--preset", "paper", "--partition", "gpu-long",
-                        "--gpu-type", "h100", "--time-min", "90", "--profilers", "torch",
+                        "--gpu-type", "h100", "--time-min", "90", "--phases", "torch",
                         "--out", str(tmp_path / "data"), "--slurm-folder", str(tmp_path / "jobs")],
                        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
@@ -48,7 +48,7 @@ def test_slurm_dry_run_prints_one_sbatch_script_per_configuration(tmp_path):
         assert "#SBATCH --time=90" in lines and "#SBATCH --partition=gpu-long" in lines
         assert f"#SBATCH --job-name=medddpm-h100-{name}" in lines
         assert f"# medddpm: python -m medddpm sweep --configs {name} --preset paper --out {tmp_path / 'data'}" \
-               f" --profilers torch" in lines
+               f" --phases sample,torch,quality" in lines
         assert any(line.startswith("export PYTHONPATH=") and str(ROOT) in line for line in lines)
         assert re.search(r"^srun .* -m submitit\.core\._submit ", script, re.M), "the job runs the pickled sweep"
     # Without a GPU type: any GPU.

@@ -172,14 +172,14 @@ def test_a_run_records_what_the_compile_caches_did(tmp_path, monkeypatch):
     caches = []
     for i in range(2):
         torch._dynamo.reset()
-        m = measure.Measurement("compile", "smoke", device="cpu", size=8, steps=1, warmup=1, profilers=(),
+        m = measure.Measurement("compile", "smoke", device="cpu", size=8, steps=1, warmup=1, phases=(),
                                 out=str(tmp_path / f"data{i}"))
         m.train()
         caches.append(json.loads(m.finish().loc[0, "compile_cache"]))
     first, second = caches
     assert first.get("inductor.fxgraph_cache_miss", 0) >= 1 and "inductor.fxgraph_cache_hit" not in first, first
     assert second.get("inductor.fxgraph_cache_hit", 0) >= 1 and "inductor.fxgraph_cache_miss" not in second, second
-    eager = measure.Measurement("baseline", "smoke", device="cpu", size=8, steps=1, warmup=0, profilers=(),
+    eager = measure.Measurement("baseline", "smoke", device="cpu", size=8, steps=1, warmup=0, phases=(),
                                 out=str(tmp_path / "eager"))
     assert eager.finish().loc[0, "compile_cache"] == "", "a phase that did not run recorded nothing"
     eager.train()
