@@ -33,6 +33,7 @@ from .diffusion import TIMESTEPS
 from .scaling import SCALING_DIR
 
 REPO = Path(__file__).resolve().parent.parent
+ABLATION_DIR = "ablation"  # data/<gpu>/ablation/<run>/: `python -m medddpm ablation`
 TABLES = ("run", "steps", "kernels", "ncu", "quality")  # one file each in every run folder
 REFERENCE_STEPS, REFERENCE_ACCUM = 100_000, 2  # the reference's optimizer steps, micro-steps per step
 
@@ -98,8 +99,8 @@ def scan(root: str | os.PathLike | None = None) -> Scan:
     runs, not_runs = [], []
     for gpu in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
         for folder in sorted(p for p in gpu.iterdir() if p.is_dir() and not p.name.startswith(".")):
-            if folder.name == SCALING_DIR:
-                continue  # data-parallel scaling tables (`scaling`), one per configuration: not a run
+            if folder.name in (SCALING_DIR, ABLATION_DIR):
+                continue  # data-parallel scaling tables (`scaling`) and the ablation's runs (`ablation_runs`)
             if (folder / "run.parquet").is_file():
                 runs.append(folder)
             elif any(folder.glob("*.parquet")):
@@ -122,7 +123,7 @@ def _read_run(path: Path) -> pd.DataFrame:
     df = _read(path, "run")
     if len(df) != 1:
         raise DataError(f"{path}: {len(df)} rows, expected 1")
-    return df.assign(redefined=redefined(df.iloc[0]))
+    return df
 
 
 def runs(root: str | os.PathLike | None = None, *, variants: bool = False) -> pd.DataFrame:
@@ -143,7 +144,7 @@ def runs(root: str | os.PathLike | None = None, *, variants: bool = False) -> pd
         if variants or name == config:
             frames.append(df.assign(folder=str(folder.relative_to(root))))
     if not frames:
-        return schema.empty("run").assign(folder=pd.Series(dtype="str"), redefined=pd.Series(dtype="str"))
+        return schema.empty("run").assign(folder=pd.Series(dtype="str"))
     out = pd.concat(frames, ignore_index=True)
     dup = out["run_id"][out["run_id"].duplicated()]
     if len(dup):
@@ -151,99 +152,63 @@ def runs(root: str | os.PathLike | None = None, *, variants: bool = False) -> pd
     return _sort(out)
 
 
-def redefined(row) -> str:
-    """The switches in which a run differs from its configuration's current definition, as recorded
-    ('pin_layout=False, group_norm=aten'), or '' (a configuration such as `best` gains levers as they
-    are measured; a run from before keeps its name, and its page says how it was set)."""
-    from .configs import ConfigError, get_config
-
-    try:
-        return _differs(row, get_config(row["config"]).flags)
-    except ConfigError:
-        return ""
-
-
-def _changed(row, flags: dict) -> dict:
-    """The switches in which a run's row differs from `flags`, with the row's values."""
-    return {k: row[k] for k, v in flags.items() if k in row and row[k] != v}
-
-
-def _differs(row, flags: dict) -> str:
-    """'pin_layout=False, group_norm=aten': the switches in which a run's row differs from `flags`."""
-    return ", ".join(f"{k}={v}" for k, v in _changed(row, flags).items())
-
-
-def kept_runs(root: str | os.PathLike | None = None) -> pd.DataFrame:
-    """Runs kept one level down, in folders that are not runs (``data/<gpu>/tuning/<run>/``,
-    ``reference/<run>/``): a configuration measured under an earlier definition, or with one lever
-    changed. No page compares them with the main runs; `lever_ladder` lines them up."""
+def ablation_runs(root: str | os.PathLike | None = None) -> pd.DataFrame:
+    """The ablation's runs (``data/<gpu>/ablation/<config>/``, written by `python -m medddpm ablation`): ordinary
+    runs, validated as the main ones, each in the folder its row names."""
     root = Path(root) if root is not None else data_root()
     frames = []
-    for folder in scan(root).not_runs:
-        for path in sorted(folder.glob("*/run.parquet")):
-            df = _read_run(path)
-            if df.loc[0, "gpu_slug"] != folder.parent.name:
-                raise DataError(f"{path}: run.parquet says {df.loc[0, 'gpu_slug']}, the folder is under "
-                                f"{folder.parent.name}")
-            frames.append(df.assign(folder=str(path.parent.relative_to(root))))
+    for path in sorted(root.glob(f"*/{ABLATION_DIR}/*/run.parquet")):
+        df = _read_run(path)
+        r, folder = df.iloc[0], path.parent
+        name = schema.run_folder(r["config"], r["preset"], max(int(r["batch"]), 1))
+        if (r["gpu_slug"], name) != (folder.parent.parent.name, folder.name):
+            raise DataError(f"{folder}: run.parquet says {r['gpu_slug']}/{ABLATION_DIR}/{name}")
+        frames.append(df.assign(folder=str(folder.relative_to(root))))
     if not frames:
-        return schema.empty("run").assign(folder=pd.Series(dtype="str"), redefined=pd.Series(dtype="str"))
+        return schema.empty("run").assign(folder=pd.Series(dtype="str"))
     return _sort(pd.concat(frames, ignore_index=True))
 
 
-def _config_runs(run: pd.DataFrame, kept: pd.DataFrame, config: str):
-    """Per finished main run of `config`: (that run, it with the kept runs of `config` under any switches
-    on its GPU and preset at batch 1 whose timing finished; `_main` marks the main run)."""
-    for main in run[(run["config"] == config) & (run["status"] == "ok")].itertuples():
-        same = kept[(kept["gpu_slug"] == main.gpu_slug) & (kept["preset"] == main.preset) & (kept["batch"] == 1)
-                    & (kept["train_median_ms"] > 0) & (kept["config"].str.split("+").str[0] == config)]
-        yield main, pd.concat([same.assign(_main=False), run.loc[[main.Index]].assign(_main=True)], ignore_index=True)
+ABLATION_VERDICTS = ("buys", "not told apart", "costs", "failed")
 
 
-def rerun_spread(run: pd.DataFrame, kept: pd.DataFrame, config: str = "best") -> pd.DataFrame:
-    """Per GPU, how far the runs of `config` with the very same switches lie apart (sweeps on different
-    days, or the same day): the switch set whose medians differ most, with `ratio` = slowest / fastest.
-    A step on `lever_ladder` smaller than that ratio is not told apart from the device's own drift.
-    GPUs without such a repeat have no row."""
-    cols = ["gpu_slug", "runs", "fastest_ms", "slowest_ms", "ratio", "ran_with"]
-    now = CONFIGS[config].flags
+def ablation_summary(ablation: pd.DataFrame, run: pd.DataFrame | None = None, base: str = "best") -> pd.DataFrame:
+    """Per GPU and model, what each lever of `base` buys: the ablation's `base` and each `base+<switch>=<value>`
+    (`configs.ablation`), with `saved_ms` = that variant's median step minus `base`'s. The noise a lever must beat
+    is `noise`: the larger of the two runs' p10-p90 spreads relative to their medians and, where the main runs
+    hold `base` on the same GPU and model (`run`), how far that run and the ablation's lie apart. `verdict`: "buys"
+    when the variant is slower by more than the noise, "costs" when faster by more, "not told apart" otherwise,
+    "failed" when the variant did not finish its timed steps."""
+    cols = ["gpu_slug", "preset", "shape", "lever", "config", "status", "message", "base_ms", "median_ms", "p10_ms",
+            "p90_ms", "saved_ms", "ratio", "noise", "rerun", "verdict"]
     rows = []
-    for main, runs_ in _config_runs(run, kept, config):
-        for _, g in runs_.groupby(list(now), dropna=False):
-            if len(g) > 1:
-                ms = g["train_median_ms"]
-                rows.append({"gpu_slug": main.gpu_slug, "runs": len(g), "fastest_ms": ms.min(), "slowest_ms": ms.max(),
-                             "ratio": ms.max() / ms.min(), "ran_with": _differs(g.iloc[0], now)})
+    for (slug, preset, shape), g in ablation[ablation["batch"] == 1].groupby(["gpu_slug", "preset", "shape"]):
+        b = g[(g["config"] == base) & (g["status"] == "ok")]
+        if b.empty:
+            continue
+        b = b.iloc[0]
+        rerun = math.nan
+        if run is not None:
+            main = run[(run["gpu_slug"] == slug) & (run["config"] == base) & (run["preset"] == preset)
+                       & (run["shape"] == shape) & (run["batch"] == 1) & (run["status"] == "ok")]
+            if len(main):
+                ms = sorted([main["train_median_ms"].iloc[0], b["train_median_ms"]])
+                rerun = ms[1] / ms[0] - 1
+        for v in g[g["config"].str.startswith(base + "+")].itertuples():
+            ok = v.train_median_ms > 0
+            ratio = v.train_median_ms / b["train_median_ms"] if ok else math.nan
+            spread = max((r.train_p90_ms - r.train_p10_ms) / r.train_median_ms for r in (b, v)) if ok else math.nan
+            noise = max(spread, rerun) if not math.isnan(rerun) else spread
+            verdict = ("failed" if not ok else "buys" if ratio - 1 > noise else "costs" if 1 / ratio - 1 > noise
+                       else "not told apart")
+            rows.append({"gpu_slug": slug, "preset": preset, "shape": shape, "lever": v.config[len(base) + 1:],
+                         "config": v.config, "status": v.status, "message": v.message, "base_ms": b["train_median_ms"],
+                         "median_ms": v.train_median_ms if ok else math.nan,
+                         "p10_ms": v.train_p10_ms if ok else math.nan, "p90_ms": v.train_p90_ms if ok else math.nan,
+                         "saved_ms": v.train_median_ms - b["train_median_ms"] if ok else math.nan, "ratio": ratio,
+                         "noise": noise, "rerun": rerun, "verdict": verdict})
     df = pd.DataFrame(rows, columns=cols)
-    return df.sort_values("ratio", ascending=False).drop_duplicates("gpu_slug").sort_values("gpu_slug",
-                                                                                           ignore_index=True)
-
-
-def lever_ladder(run: pd.DataFrame, kept: pd.DataFrame, config: str = "best") -> pd.DataFrame:
-    """Per GPU, `config` as it gained levers: its main run and the kept runs of the same configuration
-    (``best``, ``best+pin_layout=true``, ...) on the same preset at batch 1, those that differ from
-    today's definition in the most switches first (the slower first among equals). `ran_with`:
-    the switches in which a run differs from today's definition; `added`: what changed from the row
-    before, with `gain` = previous / this step time. A kept run whose timing finished counts whatever
-    failed after it (`status`). Of runs with the same switches (a re-run after a change elsewhere, such
-    as sampling), only the main run, else the latest, stands on the ladder: it measures no lever."""
-    cols = ["gpu_slug", "folder", "git_commit", "status", "train_median_ms", "train_p10_ms", "train_p90_ms",
-            "ran_with", "added", "gain"]
-    now = CONFIGS[config].flags
-    rows = []
-    for _, chain in _config_runs(run, kept, config):
-        chain = chain.sort_values(["_main", "start_time"]).drop_duplicates(list(now), keep="last")
-        # furthest from today's definition first; among equals, the slower first
-        chain["_far"] = [len(_changed(r, now)) for r in chain.to_dict("records")]
-        chain = chain.sort_values(["_far", "train_median_ms"], ascending=False)
-        prev = None
-        for r in chain.to_dict("records"):
-            rows.append({k: r[k] for k in cols[:7]} | {
-                "ran_with": _differs(r, now),
-                "added": "" if prev is None else ", ".join(f"{k}: {prev[k]} -> {r[k]}" for k in now if r[k] != prev[k]),
-                "gain": math.nan if prev is None else prev["train_median_ms"] / r["train_median_ms"]})
-            prev = r
-    return pd.DataFrame(rows, columns=cols)
+    return df.sort_values(["gpu_slug", "preset", "saved_ms"], ascending=[True, True, False], ignore_index=True)
 
 
 def load(table: str, root: str | os.PathLike | None = None, *, variants: bool = False) -> pd.DataFrame:
@@ -377,31 +342,6 @@ def bench_runs(root: str | os.PathLike | None = None, *, phase: str | None = "tr
                     "mask_channels": spec.get("mask_channels"), "base_channels": spec.get("base_channels"),
                 })
     return _sort(pd.DataFrame(rows, columns=cols), "implementation", "source")
-
-
-NARROW_COLUMNS = ["gpu_slug", "source", "git_commit", "layer", "kind", "compiled", "median_ms", "p10_ms", "p90_ms",
-                  "top_kernel", "top_kernel_ms"]
-
-
-def narrow_convs(root: str | os.PathLike | None = None) -> pd.DataFrame:
-    """The narrow-convolution timings of `scripts/narrow-convs.py` (``data/<gpu>/tuning/narrow-convs*.json``):
-    one row per layer, way (cuDNN, padded, taps) and compiled or not, with the kernel it spent most in."""
-    root = Path(root) if root is not None else data_root()
-    rows = []
-    for folder in scan(root).not_runs:
-        for path in sorted(folder.glob("narrow-convs*.json")):
-            doc = _json(path)
-            timings = ("layer", "kind", "compiled", "median_ms", "p10_ms", "p90_ms")
-            rows_in = doc.get("rows", [None]) if isinstance(doc, dict) else [None]
-            bad = sorted({k for r in rows_in for k in (*timings, "kernels") if not isinstance(r, dict) or k not in r})
-            if bad:
-                raise DataError(f"{path}: a row lacks {bad}")
-            for r in rows_in:
-                top = r["kernels"][0] if r["kernels"] else ["", math.nan]
-                rows.append({"gpu_slug": folder.parent.name, "source": str(path.relative_to(root)),
-                             "git_commit": doc.get("environment", {}).get("git_commit", ""),  # not in the first file
-                             **{k: r[k] for k in timings}, "top_kernel": top[0], "top_kernel_ms": top[1]})
-    return pd.DataFrame(rows, columns=NARROW_COLUMNS)
 
 
 # ------------------------------------------------------------------------------------- summaries
@@ -747,13 +687,12 @@ def memory_runs(run: pd.DataFrame) -> pd.DataFrame:
     """Finished runs with a measured device peak (not a CPU's), one row each, sizes in GiB."""
     cols = ["gpu_slug", "model", "preset", "shape", "batch", "config", "label", "checkpointing", "precision_used",
             "compile", "cuda_graphs", "parameters", "peak_gib", "reserved_gib", "other_gib", "total_gib",
-            "sample_peak_gib", "train_median_ms", "redefined", "folder"]
+            "sample_peak_gib", "train_median_ms", "folder"]
     ok = run[(run["status"] == "ok") & (run["peak_mem_bytes"] >= 0)].copy()
     if ok.empty:
         return pd.DataFrame(columns=cols)
     ok["model"] = model_label(ok)
-    ok["label"] = (ok["config"] + np.where(ok["batch"] == 1, "", " (batch " + ok["batch"].astype(str) + ")")
-                   + np.where(ok["redefined"] == "", "", " [as run: " + ok["redefined"] + "]"))
+    ok["label"] = ok["config"] + np.where(ok["batch"] == 1, "", " (batch " + ok["batch"].astype(str) + ")")
 
     def gib(col):
         return ok[col].where(ok[col] >= 0) / _GIB
@@ -934,83 +873,6 @@ def memory_targets(mem: pd.DataFrame, targets=MEMORY_TARGETS, *, configs=tuple(C
     return pd.DataFrame(rows, columns=cols)
 
 
-def checkpointed_benches(tried: pd.DataFrame, *, shape: str | None = None) -> pd.DataFrame:
-    """The training benches (`bench_runs`) of checkpointed configurations, for the checkpointed peak's target:
-    their switches over the named configuration's (`lever`: what the name adds, or "as named"), peak and
-    step time; `shape` (e.g. "128x128x128"): only benches of that input size. A name's switches are those
-    of its commit, so each bench stands alone (no pooling)."""
-    from .model import parse_size
-
-    cols = [*BENCH_COLUMNS, "base", "lever"]
-    if tried.empty:
-        return pd.DataFrame(columns=cols)
-    t = tried[tried["phase"] == "train"].copy()
-    if shape is not None:
-        t = t[t["size"].map(lambda s: pd.notna(s) and parse_size(s) == parse_size(shape))]
-    parts = t["config"].str.split("+")
-    t["base"], t["lever"] = parts.str[0], parts.str[1:].str.join(" + ").replace("", "as named")
-    ckpt = t["base"].map(lambda b: b in CONFIGS and CONFIGS[b].checkpointing) | t["config"].str.contains(
-        r"\+checkpointing=true", regex=True)
-    keep = ckpt & ~t["config"].str.contains(r"\+checkpointing=false", regex=True)
-    return t[keep].sort_values(["gpu_slug", "time_utc", "source"], kind="stable", ignore_index=True)[cols]
-
-
-SNAPSHOT_COLUMNS = ["gpu_slug", "source", "config", "git_commit", "bench_source", "median_ms", "bench_peak_gib",
-                    "peak_gib", "held_gib", "phase", "event", "events", "origin", "function", "code", "blocks", "gib",
-                    "largest_gib"]
-
-
-def snapshot_peaks(root: str | os.PathLike | None = None, *, benches: pd.DataFrame | None = None) -> pd.DataFrame:
-    """What each allocator snapshot kept under data/ (``memory-<config>-<commit>.pickle[.gz]``, written by
-    `python -m medddpm bench --memory-snapshot` beside the bench's JSON) holds at its peak: one row per snapshot
-    and origin (`medddpm.snapshot.Peak.by_origin`), largest first; `function` is the origin without its line.
-    Each is paired with its bench (`bench_runs`, or `benches`): the same folder, configuration and commit (any
-    commit where the name has none), the latest if several; `bench_peak_gib` is that bench's own peak (its timed steps), NaN without one."""
-    from .snapshot import file_config, load, parse_name, peak
-
-    root = Path(root) if root is not None else data_root()
-    benches = bench_runs(root, phase="train") if benches is None else benches
-    bench_folder = benches["source"].map(lambda s: str(Path(s).parent))
-    rows = []
-    for folder in scan(root).not_runs:
-        for path in sorted([*folder.glob("memory-*.pickle"), *folder.glob("memory-*.pickle.gz")]):
-            name, commit = parse_name(path.name)
-            try:
-                p = peak(load(path))
-            except ValueError as e:
-                raise DataError(str(e)) from None
-            here = str(path.parent.relative_to(root))
-            pair = benches[(bench_folder == here)
-                           & (benches["config"].map(file_config) == name)
-                           & benches["git_commit"].str.startswith(commit)] if len(benches) else benches
-            b = pair.sort_values("time_utc").iloc[-1] if len(pair) else None
-            for r in p.by_origin().itertuples():
-                rows.append({"gpu_slug": folder.parent.name, "source": str(path.relative_to(root)),
-                             "config": b["config"] if b is not None else name,
-                             "git_commit": b["git_commit"] if b is not None else commit,
-                             "bench_source": b["source"] if b is not None else "",
-                             "median_ms": b["median_ms"] if b is not None else np.nan,
-                             "bench_peak_gib": b["peak_mem_gib"] if b is not None else np.nan,
-                             "peak_gib": p.bytes / 2**30, "held_gib": p.held_bytes / 2**30, "phase": p.phase,
-                             "event": p.event, "events": p.events, "origin": r.origin,
-                             "function": r.origin.split(" (")[0], "code": r.code, "blocks": r.blocks,
-                             "gib": r.bytes / 2**30, "largest_gib": r.largest / 2**30})
-    return pd.DataFrame(rows, columns=SNAPSHOT_COLUMNS)
-
-
-def check_snapshots(peaks: pd.DataFrame, *, tolerance: float = 0.05) -> None:
-    """A snapshot's peak is its live blocks' sum, and near its bench's own peak: the snapshot's step is one more
-    step of the same process (the allocator's peak over the timed steps is `bench_peak_gib`)."""
-    if peaks.empty:
-        return
-    for source, g in peaks.groupby("source"):
-        total, peak_gib = g["gib"].sum(), g["peak_gib"].iloc[0]
-        assert abs(total - peak_gib) < 1e-6 * max(peak_gib, 1), f"{source}: live blocks {total} != peak {peak_gib}"
-        bench = g["bench_peak_gib"].iloc[0]
-        assert pd.isna(bench) or abs(peak_gib - bench) <= tolerance * bench, \
-            f"{source}: snapshot peak {peak_gib:.3f} GiB, its bench's {bench:.3f} GiB"
-
-
 def check_memory(mem: pd.DataFrame) -> None:
     """Measured peaks are sane: positive, reserved at least allocated, under the card's own size."""
     if mem.empty:
@@ -1046,8 +908,7 @@ def counted_models(presets=("paper", "brats")) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-COMPILED_SAVED = ("best", "best-ckpt", "best-ckpt+group_norm=fused", "best+split_skip=true",
-                  "best-ckpt+split_skip=true", "best-ckpt+split_skip=true+aot_cse=false")
+COMPILED_SAVED = ("best", "best-ckpt", "best-ckpt+group_norm=fused")
 
 
 def compiled_saved(preset: str = "paper", configs=COMPILED_SAVED, root: str | os.PathLike | None = None) -> pd.DataFrame:
@@ -1069,7 +930,7 @@ def compiled_saved(preset: str = "paper", configs=COMPILED_SAVED, root: str | os
                         f"{preset} --configs {','.join(missing)} --write`)")
     # a switch that came after the trace had the value it was added with (schema.ADDED), as for a run's row
     before = {k: v for k, v in schema.ADDED["run"].items() if k in get_config("baseline").flags}
-    table["current"] = [before | json.loads(s) == get_config(c).flags
+    table["current"] = [all((before | json.loads(s)).get(k) == v for k, v in get_config(c).flags.items())
                         for s, c in zip(table["switches"], table["config"])]
     table["activations_gib"] = table["activation_bytes"] / _GIB
     table["float32_gib"] = table["float32_bytes"] / _GIB

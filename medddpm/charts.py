@@ -274,6 +274,37 @@ def bench(bench_df: pd.DataFrame) -> alt.Chart:
 # ---------------------------------------------------------------------------------------- kernels
 
 
+ABLATION_COLORS = {"buys": "#4c78a8", "not told apart": "#bab0ac", "costs": "#e45756"}
+
+
+def ablation(summary: pd.DataFrame) -> alt.LayerChart | alt.Chart:
+    """What each lever buys (`bookdata.ablation_summary`): the step time each lever saves, largest first, with the
+    variant's p10-p90 spread as a whisker, coloured by verdict; GPU dropdown. Failed variants are left out (the
+    page lists them)."""
+    df = _light(summary[summary["verdict"] != "failed"].assign(
+        lo=lambda d: d["p10_ms"] - d["base_ms"], hi=lambda d: d["p90_ms"] - d["base_ms"])
+        [["gpu_slug", "preset", "lever", "base_ms", "median_ms", "saved_ms", "lo", "hi", "ratio", "noise", "verdict"]])
+    if df.empty:
+        return _empty("No ablation measured yet (python -m medddpm ablation).")
+    gpu = _gpu_param(df)
+    base = alt.Chart(df).transform_filter(alt.datum.gpu_slug == gpu)
+    y = alt.Y("lever:N", sort=alt.EncodingSortField("saved_ms", order="descending"),
+              title="best without", axis=alt.Axis(labelLimit=260))
+    tip = [alt.Tooltip("lever:N", title="best without"), alt.Tooltip("median_ms:Q", title="its step (ms)", format=".1f"),
+           alt.Tooltip("base_ms:Q", title="best's step (ms)", format=".1f"),
+           alt.Tooltip("saved_ms:Q", title="the lever saves (ms)", format=".1f"),
+           alt.Tooltip("ratio:Q", title="slower without it (x)", format=".2f"),
+           alt.Tooltip("noise:Q", title="noise to beat", format=".1%"), alt.Tooltip("verdict:N")]
+    bars = base.mark_bar().encode(
+        y=y, x=alt.X("saved_ms:Q", title="milliseconds a micro-step saves with the lever; whisker: p10-p90"),
+        color=alt.Color("verdict:N", scale=alt.Scale(domain=list(ABLATION_COLORS), range=list(ABLATION_COLORS.values())),
+                        legend=alt.Legend(title="verdict")), tooltip=tip)
+    spread = base.mark_rule(color="black").encode(y=y, x="lo:Q", x2="hi:Q", tooltip=tip)
+    return alt.layer(bars, spread).add_params(gpu).properties(
+        width="container", height=_height(df, 4, by="lever"),
+        title="What each lever of best buys: best without it, minus best")
+
+
 def category_shares(shares: pd.DataFrame) -> alt.Chart:
     """Stacked share of kernel time per category; GPU dropdown; click a category to highlight it."""
     if shares.empty:
@@ -680,73 +711,6 @@ def memory_fits(fits_df: pd.DataFrame) -> alt.LayerChart | alt.Chart:
     text = base.mark_text(fontSize=11).encode(x=x, y=y, text="batch_text:N", tooltip=tip)
     return alt.layer(cells, text).add_params(gpu, model).properties(
         width="container", height=_height(df, 3, row=30), title="What fits where: batch 1, and the largest batch")
-
-
-def checkpointed_benches(benches: pd.DataFrame, *, target_gib: float) -> alt.LayerChart | alt.Chart:
-    """Each bench of a checkpointed configuration: peak allocated against step time, one point per bench
-    (`bookdata.checkpointed_benches`), the target as a rule; GPU dropdown, legend picks the lever."""
-    if benches.empty:
-        return _empty("no bench of a checkpointed configuration")
-    df = _light(benches)
-    df["commit"] = df["git_commit"].str[:7]
-    gpu = _gpu_param(df)
-    pick = alt.selection_point(fields=["lever"], bind="legend")
-    points = alt.Chart(df).transform_filter(alt.datum.gpu_slug == gpu).mark_point(filled=True, size=90).encode(
-        x=alt.X("peak_mem_gib:Q", title="peak allocated (GiB)", scale=alt.Scale(zero=False)),
-        y=alt.Y("median_ms:Q", title="median micro-step time (ms)", scale=alt.Scale(zero=False)),
-        color=alt.Color("lever:N", legend=alt.Legend(title="switches over the name (click)", labelLimit=320)),
-        shape=alt.Shape("base:N", legend=alt.Legend(title="configuration")),
-        opacity=alt.condition(pick, alt.value(1.0), alt.value(0.15)),
-        tooltip=["gpu_slug:N", "config:N", alt.Tooltip("median_ms:Q", format=".4g"),
-                 alt.Tooltip("p10_ms:Q", title="p10 ms", format=".4g"), alt.Tooltip("p90_ms:Q", title="p90 ms", format=".4g"),
-                 "steps:Q", alt.Tooltip("peak_mem_gib:Q", title="peak allocated GiB", format=".3g"),
-                 alt.Tooltip("commit:N", title="commit (the name's switches then)"), "torch:N",
-                 alt.Tooltip("source:N", title="file")]).add_params(pick)
-    target = alt.Chart(pd.DataFrame({"x": [target_gib], "label": [f"target: {target_gib:g} GiB"]}))
-    rule = target.mark_rule(strokeDash=[4, 3], color="#333").encode(x="x:Q")
-    label = target.mark_text(align="left", dx=4, dy=-6, color="#333").encode(x="x:Q", y=alt.value(0), text="label:N")
-    return alt.layer(points, rule, label).add_params(gpu).properties(
-        width="container", height=320, title="Checkpointed configurations benched: peak memory and step time")
-
-
-def snapshot_peaks(peaks: pd.DataFrame, *, target_gib: float | None = None, top: int = 8) -> alt.LayerChart | alt.Chart:
-    """What is live at each allocator snapshot's peak (`bookdata.snapshot_peaks`): one stacked bar a snapshot,
-    a segment a function of the model (its `top` largest across the snapshots, the rest as "other"); the lines
-    and statements in the tooltip; GPU dropdown, legend picks the function; the target as a rule."""
-    if peaks.empty:
-        return _empty("no memory snapshot in the data")
-    df = peaks.copy()
-    big = df.groupby("function")["gib"].sum().sort_values(ascending=False).index[:top]
-    df["part"] = df["function"].where(df["function"].isin(big), "other")
-    df["line"] = df["origin"] + np.where(df["code"] != "", ": " + df["code"], "")
-    df["snapshot"] = (df["config"] + " @ " + df["git_commit"].str[:7] + " (" + df["peak_gib"].map("{:.2f}".format)
-                      + " GiB)")
-    g = df.sort_values("gib", ascending=False).groupby(["gpu_slug", "snapshot", "part"], sort=False)
-    agg = g.agg(gib=("gib", "sum"), blocks=("blocks", "sum"), largest_gib=("largest_gib", "max"),
-                lines=("line", lambda s: " | ".join(s.iloc[:3]) + (f" | and {len(s) - 3} more" if len(s) > 3 else "")),
-                peak_gib=("peak_gib", "first"), phase=("phase", "first"), source=("source", "first")).reset_index()
-    agg = _light(agg)
-    gpu = _gpu_param(agg)
-    pick = alt.selection_point(fields=["part"], bind="legend")
-    order = [*big, "other"]
-    bars = alt.Chart(agg).transform_filter(alt.datum.gpu_slug == gpu).mark_bar().encode(
-        y=alt.Y("snapshot:N", title=None, axis=alt.Axis(labelLimit=420)),
-        x=alt.X("sum(gib):Q", title="allocated at the peak (GiB)"),
-        color=alt.Color("part:N", scale=alt.Scale(domain=order, range=PALETTE[:len(order)]),
-                        legend=alt.Legend(title="allocated by (click)", labelLimit=260)),
-        order=alt.Order("gib:Q", sort="descending"),
-        opacity=alt.condition(pick, alt.value(1.0), alt.value(0.2)),
-        tooltip=["snapshot:N", alt.Tooltip("part:N", title="allocated by"), alt.Tooltip("gib:Q", title="GiB", format=".3f"),
-                 "blocks:Q", alt.Tooltip("largest_gib:Q", title="largest block GiB", format=".3f"),
-                 alt.Tooltip("lines:N", title="lines (at that commit)"), alt.Tooltip("phase:N", title="peak in"),
-                 alt.Tooltip("source:N", title="file")]).add_params(pick)
-    layers = [bars]
-    if target_gib is not None:
-        rule = alt.Chart(pd.DataFrame({"x": [target_gib]})).mark_rule(strokeDash=[4, 3], color="#333").encode(
-            x="x:Q", tooltip=[alt.Tooltip("x:Q", title="target GiB")])
-        layers.append(rule)
-    return alt.layer(*layers).add_params(gpu).properties(
-        width="container", height=alt.Step(34), title="What is allocated at the peak of one training step")
 
 
 def switch_costs(costs: pd.DataFrame) -> alt.LayerChart | alt.Chart:

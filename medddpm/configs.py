@@ -191,6 +191,13 @@ def get_config(name: str | Config) -> Config:
     return CONFIGS[base].with_flags(name=name, **flags)
 
 
+def mismatch(row) -> dict:
+    """The switches in which a recorded run (a run.parquet row, or a dict) differs from its configuration's
+    definition today, as {switch: (recorded, defined)}; {} when it matches. A name never changes meaning, so a
+    committed row always matches; an unknown name raises ConfigError."""
+    return {k: (row[k], v) for k, v in get_config(row["config"]).flags.items() if k in row and row[k] != v}
+
+
 # A lever's value without it, where that is not the switch's default: bf16 is measured against TF32 (the
 # fastest FP32 path of a tensor-core GPU, the paper's OPT1), not against strict FP32; TF32 against strict FP32.
 _WITHOUT = {"precision": "tf32"}

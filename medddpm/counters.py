@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from . import schema
-from .bookdata import redefined
+from .configs import mismatch
 from .env import device_name, git_commit, gpu_slug
 from .measure import NCU_REPORTS
 from .model import format_size, parse_size
@@ -43,9 +43,10 @@ def check_run(run_dir: str | Path, *, device: torch.device | str = "cuda"):
         raise CountersError(f"{run_dir}: the run's status is {run['status']!r}; counters need a measured step")
     if not (run_dir / "kernels.parquet").is_file():
         raise CountersError(f"{run_dir}: no kernels.parquet (the torch.profiler ranking picks the kernels to count)")
-    if changed := redefined(run):
-        raise CountersError(f"{run_dir}: {run['config']} has been redefined since this run ({changed}); "
-                            "measure it again with `python -m medddpm sweep --force`")
+    if changed := mismatch(run):
+        raise CountersError(f"{run_dir}: the run does not match {run['config']}'s switches "
+                            f"({', '.join(f'{k}={a}' for k, (a, _) in changed.items())}); measure it again with "
+                            "`python -m medddpm sweep --force`")
     device = torch.device(device)
     here = gpu_slug(device_name(device)) if device.type != "cuda" or torch.cuda.is_available() else "no CUDA device"
     if here != run["gpu_slug"]:

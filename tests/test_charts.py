@@ -6,7 +6,6 @@ really ran, and hand-made Nsight Compute rows, so that every chart and every cla
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -282,29 +281,6 @@ def test_roofline_points_take_a_kernel_s_launches_together(monkeypatch):
     assert p.loc["add", "intensity"] == pytest.approx(1e6 / 2e8)
 
 
-def test_checkpointed_benches_are_those_whose_configuration_checkpoints(real, tmp_path):
-    root = _tree(tmp_path)
-    run = {"median_ms": 68.0, "p10_ms": 67.0, "p90_ms": 72.0, "step_ms": [68.0] * 30, "peak_mem_bytes": 4.39 * 2**30}
-    names = ["best-ckpt", "best-ckpt+store_skip_grad=true+cuda_graphs=false", "best", "best+checkpointing=true",
-             "opt1-ckpt+checkpointing=false"]
-    doc = {"environment": {"git_commit": "e3af6ad" + "0" * 33, "time_utc": "2026-12-02T06:00:00+00:00"},
-           "spec": {"size": 128, "mask_channels": 3}, "runs": [{**run, "config": n} for n in names]}
-    (root / "cpu" / "notes" / "bench-ckpt.json").write_text(json.dumps(doc))
-    (root / "cpu" / "notes" / "bench-sample.json").write_text(json.dumps({**doc, "phase": "sample"}))
-    got = bd.checkpointed_benches(bd.bench_runs(root, phase=None))
-    assert sorted(got[["config", "base", "lever"]].values.tolist()) == [
-        ["best+checkpointing=true", "best", "checkpointing=true"],
-        ["best-ckpt", "best-ckpt", "as named"],
-        ["best-ckpt+store_skip_grad=true+cuda_graphs=false", "best-ckpt", "store_skip_grad=true + cuda_graphs=false"]]
-    assert got["peak_mem_gib"].tolist() == pytest.approx([4.39] * 3)
-    assert len(bd.checkpointed_benches(bd.bench_runs(root), shape="128x128x128")) == 3
-    assert bd.checkpointed_benches(bd.bench_runs(root), shape="192x192x144").empty
-    spec = charts.checkpointed_benches(got, target_gib=4.0).to_dict()
-    assert {"target: 4 GiB"} <= {v for d in spec["datasets"].values() for r in d for v in r.values()}
-    assert bd.checkpointed_benches(bd.bench_runs(root).iloc[:0]).empty
-    assert "no bench" in json.dumps(charts.checkpointed_benches(got.iloc[:0], target_gib=4.0).to_dict())
-
-
 def test_bench_json_is_read_from_non_run_folders(real, tmp_path):
     root = _tree(tmp_path)
     good = {"environment": {"torch": "x"}, "spec": {"size": 128, "mask_channels": 3, "base_channels": 64},
@@ -330,51 +306,57 @@ def test_bench_json_is_read_from_non_run_folders(real, tmp_path):
         bd.bench_runs(root)
 
 
-def _kept(root: Path, folder: str, config: str, ms: float, **flags) -> None:
-    """A copy of cpu/best as a run of `config` with `flags`, kept at data/cpu/<folder>."""
-    dest = root / "cpu" / folder
+def _ablated(root: Path, config: str, ms: float, spread: float = 0.02, **row) -> None:
+    """A copy of cpu/best as the ablation's run of `config` (its switches as the name defines them), median `ms`."""
+    from medddpm.configs import get_config
+
+    dest = root / "cpu" / "ablation" / config
+    shutil.rmtree(dest, ignore_errors=True)
     shutil.copytree(root / "cpu" / "best", dest)
     df = schema.read_table(dest / "run.parquet", "run")
+    flags = get_config(config).flags
     df[list(flags)] = list(flags.values())
-    df[["config", "run_id", "train_median_ms"]] = [config, f"cpu/{folder}/x", ms]
+    df[["config", "run_id", "train_median_ms", "train_p10_ms", "train_p90_ms"]] = [
+        config, f"cpu/ablation/{config}/x", ms, ms * (1 - spread / 2), ms * (1 + spread / 2)]
+    for k, v in row.items():
+        df[k] = v
     schema.write_table(df, dest / "run.parquet", "run")
 
 
-def test_kept_runs_line_up_as_best_gained_its_levers(real, tmp_path):
+def test_the_ablation_says_what_each_lever_buys_beyond_the_noise(real, tmp_path):
     if not (REAL / "cpu" / "best" / "run.parquet").is_file():
         pytest.skip("no data/cpu/best run")
     root = _tree(tmp_path)
     shutil.copytree(REAL / "cpu" / "best", root / "cpu" / "best")
-    best = bd.runs(root).set_index("config").loc["best"]
-    gn = CONFIGS["best"].group_norm
-    assert best["redefined"] == "" and best["group_norm"] == gn != "aten"
-    t = best["train_median_ms"]
-    _kept(root, "notes/old", "best", 3 * t, pin_layout=False, group_norm="aten", upsample="interpolate")
-    _kept(root, "notes/pin", "best+pin_layout=true", 2 * t, group_norm="aten", upsample="interpolate")
-    _kept(root, "notes/sep", "best", 2.5 * t, pin_layout=False, group_norm="aten")  # one switch more than pin
-    # re-runs of switches measured again later: off the ladder (the main run, else the latest, stands)
-    _kept(root, "notes/sep-before", "best", 2.7 * t, pin_layout=False, group_norm="aten", start_time="2000-01-01")
-    _kept(root, "notes/again", "best", 0.9 * t)
-    assert sorted(bd.runs(root)["config"]) == ["baseline", "best"], "kept runs are not main runs"
-    kept = bd.kept_runs(root).set_index("folder")
-    assert kept.loc["cpu/notes/old", "redefined"] == "upsample=interpolate, pin_layout=False, group_norm=aten"
-    assert kept.loc["cpu/notes/pin", "redefined"] == "upsample=interpolate, group_norm=aten"
-    ladder = bd.lever_ladder(bd.runs(root), bd.kept_runs(root))
-    assert ladder["folder"].tolist() == ["cpu/notes/old", "cpu/notes/sep", "cpu/notes/pin", "cpu/best"]
-    up = CONFIGS["best"].upsample  # "notes/sep" runs with best's own upsampling
-    assert ladder["added"].tolist() == ["", f"upsample: interpolate -> {up}",
-                                        f"upsample: {up} -> interpolate, pin_layout: False -> True",
-                                        f"upsample: interpolate -> {up}, group_norm: aten -> {gn}"]
-    np.testing.assert_allclose(ladder["gain"].iloc[1:], [3 / 2.5, 2.5 / 2, 2.0])
-    # the repeats: sep and sep-before (2.5 t, 2.7 t), again and the main run (0.9 t, t): the wider one stands
-    spread = bd.rerun_spread(bd.runs(root), bd.kept_runs(root))
-    assert spread[["gpu_slug", "runs", "ran_with"]].values.tolist() == [["cpu", 2, ""]]
-    np.testing.assert_allclose(spread[["fastest_ms", "slowest_ms", "ratio"]].values[0], [0.9 * t, t, 1 / 0.9])
-    assert ladder.loc[3, "ran_with"] == ""
-    assert bd.lever_ladder(bd.runs(root), bd.kept_runs(root), config="opt1").empty
-    shutil.copytree(root / "cpu" / "notes", root / "other-gpu" / "notes")
-    with pytest.raises(bd.DataError, match="run.parquet says cpu, the folder is under other-gpu"):
-        bd.kept_runs(root)
+    t = bd.runs(root).set_index("config").loc["best", "train_median_ms"]
+    _ablated(root, "best", 1.01 * t)  # the main run and the ablation's lie 1% apart
+    _ablated(root, "best+compile=false", 3 * t)
+    _ablated(root, "best+tap_gemm=false", 1.015 * t)  # within the runs' own 2% spread
+    _ablated(root, "best+pad_channels=false", 0.8 * t)  # faster without: the lever costs
+    _ablated(root, "best+fused_adam=false", -1.0, status="oom", message="train: OutOfMemoryError")
+    abl = bd.ablation_runs(root)
+    assert sorted(abl["config"]) == sorted(["best", "best+compile=false", "best+tap_gemm=false",
+                                            "best+pad_channels=false", "best+fused_adam=false"])
+    assert sorted(bd.runs(root)["config"]) == ["baseline", "best"], "the ablation's runs are not main runs"
+    s = bd.ablation_summary(abl, bd.runs(root)).set_index("lever")
+    assert s["verdict"].to_dict() == {"compile=false": "buys", "tap_gemm=false": "not told apart",
+                                      "pad_channels=false": "costs", "fused_adam=false": "failed"}
+    assert s.loc["compile=false", "saved_ms"] == pytest.approx(3 * t - 1.01 * t)
+    assert s.loc["compile=false", "rerun"] == pytest.approx(0.01)
+    assert s.loc["tap_gemm=false", "noise"] == pytest.approx(0.02)
+    # without the main run, the noise is the runs' own spread; a wider one turns a lever into noise
+    s2 = bd.ablation_summary(abl).set_index("lever")
+    assert s2["rerun"].isna().all() and s2.loc["tap_gemm=false", "verdict"] == "not told apart"
+    _ablated(root, "best+compile=false", 3 * t, spread=5.0)
+    assert bd.ablation_summary(bd.ablation_runs(root)).set_index("lever").loc["compile=false", "verdict"] \
+        == "not told apart"
+    spec = charts.ablation(s.reset_index()).to_dict()
+    drawn = {r["lever"] for d in spec["datasets"].values() for r in d}
+    assert drawn == {"compile=false", "tap_gemm=false", "pad_channels=false"}, "a failed variant has no bar"
+    assert "No ablation" in json.dumps(charts.ablation(s.reset_index().iloc[:0]).to_dict())
+    shutil.copytree(root / "cpu" / "ablation" / "best", root / "cpu" / "ablation" / "opt1")
+    with pytest.raises(bd.DataError, match="run.parquet says cpu/ablation/best"):
+        bd.ablation_runs(root)
 
 
 def test_ncu_coverage_says_what_the_counters_stand_for(real):
@@ -431,21 +413,3 @@ def test_gpu_busy_is_kernel_time_over_step_time(real):
     b = bd.gpu_busy(real)
     np.testing.assert_allclose(b["busy"] * b["train_median_ms"], b["kernel_ms"])
     assert b["busy"].between(0.3, 1.2).all(), b
-
-
-def test_narrow_convs_reads_the_microbench_and_refuses_incomplete_rows(tmp_path):
-    """`bd.narrow_convs`: one row per layer, way and compilation from scripts/narrow-convs.py's JSON;
-    a row without its timings is a one-line DataError naming the file."""
-    folder = tmp_path / "nvidia-h200" / "tuning"
-    folder.mkdir(parents=True)
-    row = {"layer": "output", "kind": "taps", "compiled": True, "median_ms": 2.0, "p10_ms": 1.9, "p90_ms": 2.3,
-           "kernels": [["nvjet_sm90_tst", 0.1]]}
-    (folder / "narrow-convs.json").write_text(json.dumps({"environment": {"git_commit": "abc"}, "rows": [row]}))
-    df = bd.narrow_convs(tmp_path)
-    assert list(df.columns) == bd.NARROW_COLUMNS
-    assert df.iloc[0][["gpu_slug", "git_commit", "kind", "top_kernel"]].tolist() == [
-        "nvidia-h200", "abc", "taps", "nvjet_sm90_tst"]
-    del row["p90_ms"]
-    (folder / "narrow-convs-2.json").write_text(json.dumps({"rows": [row]}))
-    with pytest.raises(bd.DataError, match=r"narrow-convs-2.json: a row lacks \['p90_ms'\]"):
-        bd.narrow_convs(tmp_path)

@@ -144,7 +144,7 @@ def test_counters_refuse_what_they_cannot_count(run_dir, tmp_path):
         check_run(run_dir, device="cuda")
     run = schema.read_table(run_dir / "run.parquet", "run")
     schema.write_table(run.assign(precision="fp32"), run_dir / "run.parquet", "run")
-    with pytest.raises(CountersError, match="opt1 has been redefined since this run \\(precision=fp32\\)"):
+    with pytest.raises(CountersError, match="the run does not match opt1.s switches \\(precision=fp32\\)"):
         check_run(run_dir, device="cpu")
     schema.write_table(run.assign(status="oom"), run_dir / "run.parquet", "run")
     with pytest.raises(CountersError, match="status is 'oom'"):
