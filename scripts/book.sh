@@ -20,7 +20,7 @@ out=${BOOK_OUT:-$repo}
 mkdir -p "$out"
 # Charts must not depend on the build machine's clock or locale.
 export TZ=UTC PYDEVD_DISABLE_FILE_VALIDATION=1
-# Static pages: no live-notebook renderer (medddpm.charts.live_notebook), even when run from JupyterLab.
+# Static pages: no live-notebook renderer (medddpm.report.charts.live_notebook), even when run from JupyterLab.
 unset JPY_SESSION_NAME MEDDDPM_LAB
 start=$(date +%s.%N)
 status=0

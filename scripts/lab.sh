@@ -40,7 +40,7 @@ for page in "${pages[@]}"; do
   notebooks+=("$nb")
 done
 data=${MEDDDPM_DATA:-$repo/data}
-# MEDDDPM_LAB=1: charts render as offline JupyterCharts (medddpm.charts.setup), not CDN-loading HTML.
+# MEDDDPM_LAB=1: charts render as offline JupyterCharts (medddpm.report.charts.setup), not CDN-loading HTML.
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" MEDDDPM_DATA="$(cd "$data" && pwd)" MEDDDPM_LAB=1
 if [ "${LAB_CONVERT_ONLY:-0}" = 1 ]; then
   echo "PYTHONPATH=$PYTHONPATH MEDDDPM_DATA=$MEDDDPM_DATA MEDDDPM_LAB=1 .venv/bin/jupyter lab ${notebooks[0]} $*"

@@ -15,8 +15,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from medddpm import bookdata as bd
-from medddpm import charts, claims, schema
+from medddpm import report as bd
+from medddpm import schema
+from medddpm.report import charts, claims
 from medddpm.configs import CONFIGS
 
 REAL = Path(__file__).resolve().parent.parent / "data"
@@ -270,7 +271,7 @@ def test_roofline_points_take_a_kernel_s_launches_together(monkeypatch):
         "duration_ns": [1e6, 3e6, 1e5, 1e5], "flop_fp32": [4e9, 4e9, 1e6, 1e6], "flop_fp16": 0.0, "flop_fp64": 0.0,
         "dram_bytes_per_s": [1e12, 1e12, 2e12, 2e12], "tensor_pipe_pct": [40.0, np.nan, 0.0, 0.0]})
     per_launch = pd.concat([per_launch, per_launch.iloc[[3]].assign(kernel_id=4, kernel="x" * 199 + "y")])
-    monkeypatch.setattr(bd, "ncu_kernels", lambda ncu_df: per_launch)
+    monkeypatch.setattr(bd.counters, "ncu_kernels", lambda ncu_df: per_launch)
     p = bd.roofline_points(pd.DataFrame())
     assert (p["kernel"] == "x" * 160).sum() == 2 and p["launches"].sum() == 5  # alike in their labels, apart
     p = p.set_index("kernel").drop("x" * 160)

@@ -9,8 +9,9 @@ import json
 import pandas as pd
 import pytest
 
-from medddpm import bookdata as bd
-from medddpm import claims, layers, ncu, schema
+from medddpm import report as bd
+from medddpm import layers, ncu, schema
+from medddpm.report import claims
 from medddpm.__main__ import main
 
 GPU = "nvidia-test-gpu"

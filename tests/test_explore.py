@@ -12,9 +12,10 @@ import pandas as pd
 import pytest
 from PIL import Image
 
-from medddpm import bookdata as bd, charts
+from medddpm import report as bd
+from medddpm.report import charts
 from medddpm.data import one_hot_condition
-from medddpm.explore import AXES, LABEL_COLORS, DataExplorer, SliceViewer, labels_from_condition
+from medddpm.report.explore import AXES, LABEL_COLORS, DataExplorer, SliceViewer, labels_from_condition
 from medddpm.sampling import write_nifti
 
 REPO = Path(__file__).resolve().parents[1]

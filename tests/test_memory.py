@@ -11,8 +11,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from medddpm import bookdata as bd
-from medddpm import charts, schema
+from medddpm import report as bd
+from medddpm import schema
+from medddpm.report import charts
 from medddpm.configs import CONFIGS
 
 REAL = Path(__file__).resolve().parent.parent / "data"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from medddpm import bookdata as bd
+from medddpm import report as bd
 from medddpm import model, partition
 from medddpm.__main__ import main
 from medddpm.configs import CONFIGS

@@ -7,8 +7,9 @@ import json
 import pandas as pd
 import pytest
 
-from medddpm import bookdata as bd
-from medddpm import charts, schema
+from medddpm import report as bd
+from medddpm import schema
+from medddpm.report import charts
 from medddpm.__main__ import main
 from medddpm.scaling import merge_rows, parse_world_sizes, scale
 
@@ -25,7 +26,7 @@ def test_two_cpu_ranks_write_every_ranks_steps_and_a_rerun_keeps_other_world_siz
     again = schema.read_table(path, "scaling")
     pd.testing.assert_frame_equal(again[again["world_size"] == 1].reset_index(drop=True), first.reset_index(drop=True))
     assert again.groupby(["world_size", "rank"]).size().to_dict() == {(1, 0): 3, (2, 0): 2, (2, 1): 2}
-    summary = bd.scaling_summary(bd.scaling(tmp_path))
+    summary = bd.scaling_summary(bd.scaling_runs(tmp_path))
     assert list(summary["world_size"]) == [1, 2] and summary["efficiency"].iloc[0] == pytest.approx(1.0)
     assert summary["samples_per_s"].gt(0).all()
 
@@ -83,9 +84,9 @@ def test_scaling_tables_are_found_validated_and_charted(tmp_path):
     schema.write_table(pd.concat([_rows(1, {0: [100.0]}), _rows(2, {0: [110.0], 1: [105.0]})]), folder / "sdpa.parquet",
                        "scaling")
     assert bd.scan(tmp_path).runs == [] and bd.scan(tmp_path).not_runs == []  # not a run folder, not an error
-    spec = charts.scaling(bd.scaling_summary(bd.scaling(tmp_path))).to_dict()
+    spec = charts.scaling(bd.scaling_summary(bd.scaling_runs(tmp_path))).to_dict()
     assert {r["world_size"] for d in spec["datasets"].values() for r in d} == {1, 2}
     assert "no data-parallel scaling" in json.dumps(charts.scaling(bd.scaling_summary(schema.empty("scaling"))).to_dict())
     schema.write_table(_rows(1, {0: [1.0]}, config="opt1"), folder / "sdpa.parquet", "scaling")
     with pytest.raises(bd.DataError, match="another GPU or configuration"):
-        bd.scaling(tmp_path)
+        bd.scaling_runs(tmp_path)

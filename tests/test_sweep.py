@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from medddpm.bookdata import TABLES  # the per-run tables
+from medddpm.report import TABLES  # the per-run tables
 from medddpm.schema import read_table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,7 +112,7 @@ def test_a_failing_configuration_is_recorded_and_the_sweep_goes_on(tmp_path):
 def test_brats_preset_and_batch_reach_the_producer_notebook(tmp_path):
     """--preset brats --batch 2 (at a CPU-sized input): the run lands in <config>@brats-b2 with the BraTS
     model's shape, channels and parameters, read back by the book's loader as a variant run."""
-    from medddpm import bookdata
+    from medddpm import report
 
     p = sweep("--preset", "brats", "--size", "32x32x16", "--configs", "opt1-ckpt", "--batch", "2", "--steps", "1",
               "--warmup", "1", "--profilers", "", "--out", str(tmp_path / "data"), "--device", "cpu",
@@ -125,8 +125,8 @@ def test_brats_preset_and_batch_reach_the_producer_notebook(tmp_path):
     assert (run["preset"], run["shape"], run["batch"], run["checkpointing"]) == ("brats", "32x32x16", 2, True)
     assert (run["image_channels"], run["mask_channels"], run["num_res_blocks"], run["parameters"]) == (4, 4, 2, 57_562_564)
     assert run["sample_steps"] == 20 and len(read_table(folder / "quality.parquet")) == 3
-    assert bookdata.runs(tmp_path / "data", variants=True)["folder"].tolist() == ["cpu/opt1-ckpt@brats-b2"]
-    assert bookdata.runs(tmp_path / "data").empty, "the main pages read the main preset at batch 1 only"
+    assert report.runs(tmp_path / "data", variants=True)["folder"].tolist() == ["cpu/opt1-ckpt@brats-b2"]
+    assert report.runs(tmp_path / "data").empty, "the main pages read the main preset at batch 1 only"
 
 
 def test_nsight_compute_gets_what_the_time_limit_leaves(tmp_path):

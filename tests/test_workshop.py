@@ -8,7 +8,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from medddpm import bookdata as bd, workshop as ws
+from medddpm import report as bd
+from medddpm.report import workshop as ws
 
 
 def test_conv_precision_errors_follow_the_formats():

@@ -23,8 +23,9 @@ from functools import cached_property
 
 import pandas as pd
 
-from . import layers, ncu
-from .bookdata import FAILS, HOLDS, NA, QUALITY_LOSS, QUALITY_REL_ERR, Data
+from .. import layers, ncu
+from .loading import FAILS, HOLDS, NA, Data
+from .quality import QUALITY_LOSS, QUALITY_REL_ERR
 
 SPEEDUP_MIN = 1.10  # a change "cuts" a time, cycle or instruction count when the ratio reaches 1.10
 CONV_DOMINANT = 0.50  # "dominated by convolution": more than half of the baseline's kernel time

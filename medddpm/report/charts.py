@@ -27,7 +27,9 @@ import altair as alt
 import numpy as np
 import pandas as pd
 
-from .bookdata import FAILS, FIT_VERDICTS, GPU_MEMORY_GB, HOLDS, NA, PEAKS, config_order
+from .loading import FAILS, HOLDS, NA, config_order
+from .memory import FIT_VERDICTS, GPU_MEMORY_GB
+from .step_time import PEAKS
 
 # Tableau 10, then 10 more for configurations named in the data but not in CONFIGS.
 PALETTE = ["#4c78a8", "#f58518", "#e45756", "#72b7b2", "#54a24b", "#eeca3b", "#b279a2", "#ff9da6", "#9d755d",
@@ -39,7 +41,7 @@ CATEGORY_COLORS = ["#4c78a8", "#9ecae9", "#b279a2", "#f58518", "#54a24b", "#88d2
                    "#bab0ac", "#9d755d", "#d6d6d6"]
 PASS_ORDER = ["forward", "backward", "optimizer", "graph", "other"]
 VERDICT_COLORS = {HOLDS: "#54a24b", FAILS: "#e45756", NA: "#d6d6d6"}
-# DRAM bandwidth for the roofline, with its source (like bookdata.PEAKS): inputs, not results.
+# DRAM bandwidth for the roofline, with its source (like step_time.PEAKS): inputs, not results.
 BANDWIDTH = {"nvidia-h200": (4.3e12, "device-to-device copy measured on this machine type (data/nvidia-h200/NOTES.md)")}
 MAX_ROWS = 5000  # pages pass aggregated frames; more than this is a mistake
 
@@ -242,7 +244,7 @@ def cost(summary: pd.DataFrame) -> alt.Chart:
 def bench(bench_df: pd.DataFrame) -> alt.Chart:
     """Raw bench timings kept beside the data (ours and the reference implementation), a bar per
     configuration and file: a name's switches are those of its file's commit, so files are not pooled.
-    Training micro-steps only (`bookdata.bench_runs`' default); GPU dropdown."""
+    Training micro-steps only (`loading.bench_runs`' default); GPU dropdown."""
     if bench_df.empty:
         return _empty("no bench timings in the data")
     assert set(bench_df["phase"]) == {"train"}, "a denoising step is not a micro-step: pass training rows"
@@ -278,7 +280,7 @@ ABLATION_COLORS = {"buys": "#4c78a8", "not told apart": "#bab0ac", "costs": "#e4
 
 
 def ablation(summary: pd.DataFrame) -> alt.LayerChart | alt.Chart:
-    """What each lever buys (`bookdata.ablation_summary`): the step time each lever saves, largest first, with the
+    """What each lever buys (`beyond.ablation_summary`): the step time each lever saves, largest first, with the
     variant's p10-p90 spread as a whisker, coloured by verdict; GPU dropdown. Failed variants are left out (the
     page lists them)."""
     df = _light(summary[summary["verdict"] != "failed"].assign(
@@ -372,7 +374,7 @@ def pass_split(passes: pd.DataFrame) -> alt.Chart:
 
 
 def tensor_pipe(counters: pd.DataFrame) -> alt.Chart:
-    """Tensor-pipe utilization per configuration weighted over the step (`bookdata.ncu_by_run`), every GPU;
+    """Tensor-pipe utilization per configuration weighted over the step (`counters.ncu_by_run`), every GPU;
     legend picks the GPU."""
     if counters.empty or "tensor_pipe_pct" not in counters:
         return _empty("no Nsight Compute counters in the data")
@@ -504,7 +506,7 @@ def roofline(points: pd.DataFrame) -> alt.LayerChart:
 
 
 def gpu_busy(busy: pd.DataFrame) -> alt.Chart:
-    """A step's time beside the time its kernels keep the device busy (`bookdata.gpu_busy`); GPU dropdown.
+    """A step's time beside the time its kernels keep the device busy (`beyond.gpu_busy`); GPU dropdown.
     Where the two are equal the device never waits for the host."""
     if busy.empty:
         return _empty("no run with a kernel table in the data")
@@ -591,7 +593,7 @@ def rel_err(qsum: pd.DataFrame, tolerance: float) -> alt.LayerChart:
 
 
 def claims_grid(table: pd.DataFrame) -> alt.Chart:
-    """Each claim x each GPU (`medddpm.claims.verdicts`), coloured by verdict; hover for the evidence; click a
+    """Each claim x each GPU (`claims.verdicts`), coloured by verdict; hover for the evidence; click a
     verdict to highlight."""
     df = table.drop(columns=["figures"], errors="ignore")
     pick = alt.selection_point(fields=["verdict"], bind="legend")
@@ -637,7 +639,7 @@ def scaling(summary: pd.DataFrame) -> alt.LayerChart | alt.Chart:
 
 # ----------------------------------------------------------------------------------------- memory
 
-FIT_COLORS = ["#54a24b", "#eeca3b", "#e45756"]  # fits, tight, does not fit (bookdata.FIT_VERDICTS)
+FIT_COLORS = ["#54a24b", "#eeca3b", "#e45756"]  # fits, tight, does not fit (memory.FIT_VERDICTS)
 
 
 def _model_param(df: pd.DataFrame, name: str = "model") -> alt.Parameter:

@@ -10,7 +10,7 @@ order: axis 0 left-right, 1 posterior-anterior, 2 inferior-superior); other NIfT
 in their own voxel order.
 
 `DataExplorer` puts dropdowns for GPU, configuration, kernel category and view over the tables
-`medddpm.bookdata` reads, and draws the chosen view as an Altair chart. In JupyterLab the chart is an
+`medddpm.report` reads, and draws the chosen view as an Altair chart. In JupyterLab the chart is an
 `altair.JupyterChart` whose JavaScript comes from vl-convert (``offline=True``): nothing is fetched
 from a CDN. ipywidgets need a kernel; in a static page use `SliceViewer.png` and
 `DataExplorer.chart` for a still.
@@ -28,7 +28,7 @@ import ipywidgets as widgets
 import numpy as np
 import pandas as pd
 
-from . import bookdata as bd
+from .. import report as bd
 
 AXES = {"sagittal": 0, "coronal": 1, "axial": 2}
 # label -> RGB, the book's category palette order (Tableau 10); labels past its end cycle through it.
@@ -392,13 +392,13 @@ VIEWS = {
 
 
 def _category_of(names: pd.Series) -> pd.Series:
-    from .kernels import categorize
+    from ..kernels import categorize
 
     return names.map({n: categorize(n) for n in names.unique()})
 
 
 class DataExplorer:
-    """Dropdowns over the measurements (`medddpm.bookdata.Data`): GPU, configuration, kernel category,
+    """Dropdowns over the measurements (`medddpm.report.Data`): GPU, configuration, kernel category,
     and what to show; `chart()` draws the choice and `frame()` is its data. The choice can be set from
     Python (`gpu`, `config`, `category`, `view`) or with the widgets, built on first use (`widget`, or
     displaying the explorer in JupyterLab), where an `altair.JupyterChart` follows the dropdowns."""

@@ -1,0 +1,259 @@
+"""Loading the data tree: every run under ``data/``, validated, one frame per table.
+
+A *run* is a folder ``data/<gpu-slug>/<run>/`` holding ``run.parquet`` (written last by the
+producer, so its presence marks a finished measurement). ``<run>`` is the configuration's name for
+the device's main preset at batch 1 (what every page compares), and ``<config>@<preset>[-b<batch>]``
+for a *variant* (another model, such as the BraTS one, or another batch; `schema.run_folder`): only
+the memory page reads those (``variants=True``). Two folders of a GPU hold runs that belong together
+apart from the main ones: ``ablation/`` (`python -m medddpm ablation`) and ``scaling/`` (data-parallel
+tables). Folders that hold no parquet at all (``reference/`` with the reference implementation's bench
+timings, a sweep's hidden staging folders) are not runs. A folder with some parquet but no
+``run.parquet`` is an incomplete run: reading it raises a one-line `DataError` naming the folder, which
+fails the book build on purpose (a page must never silently drop a measurement).
+
+Nothing here names a GPU: every summary is grouped by the ``gpu_slug`` found in the data, so a GPU added
+under ``data/`` appears on every page without an edit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from .. import schema
+from ..configs import CONFIGS
+from ..scaling import SCALING_DIR
+
+REPO = Path(__file__).resolve().parents[2]
+ABLATION_DIR = "ablation"  # data/<gpu>/ablation/<run>/: `python -m medddpm ablation`
+TABLES = ("run", "steps", "kernels", "ncu", "quality")  # one file each in every run folder
+
+HOLDS, FAILS, NA = "holds", "does not hold", "not measurable"
+NOT_MEASURED = "not measured yet"
+NOT_YET = "not met by the runs so far"  # a memory target none of the measured runs meets, while others are unmeasured
+
+
+class DataError(RuntimeError):
+    """The data tree is missing or malformed (one line naming the folder or file)."""
+
+
+def data_root() -> Path:
+    return Path(os.environ.get("MEDDDPM_DATA", REPO / "data"))
+
+
+def config_order(names=()) -> list[str]:
+    """CONFIGS order first, then any other configuration names found in the data, sorted."""
+    extra = sorted({str(n) for n in names} - set(CONFIGS))
+    return list(CONFIGS) + extra
+
+
+def _sort(df: pd.DataFrame, *cols: str) -> pd.DataFrame:
+    """Rows by GPU, then configuration in CONFIGS order."""
+    if df.empty or "config" not in df:
+        return df.reset_index(drop=True)
+    rank = {c: i for i, c in enumerate(config_order(df["config"].unique()))}
+    keys = [c for c in ("gpu_slug", *cols) if c in df]
+    return (df.assign(_rank=df["config"].map(rank)).sort_values([keys[0], "_rank", *keys[1:]] if keys else ["_rank"])
+            .drop(columns="_rank").reset_index(drop=True))
+
+
+
+
+@dataclass(frozen=True)
+class Scan:
+    runs: list[Path]  # data/<slug>/<config>/ folders with run.parquet
+    not_runs: list[Path]  # folders without any parquet (raw notes, bench JSON), not read as runs
+
+
+def scan(root: str | os.PathLike | None = None) -> Scan:
+    """Find the runs under the data tree; raise on a missing tree or an incomplete run."""
+    root = Path(root) if root is not None else data_root()
+    if not root.is_dir():
+        raise DataError(f"no data tree at {root} (set MEDDDPM_DATA or run `python -m medddpm sweep`)")
+    runs, not_runs = [], []
+    for gpu in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        for folder in sorted(p for p in gpu.iterdir() if p.is_dir() and not p.name.startswith(".")):
+            if folder.name in (SCALING_DIR, ABLATION_DIR):
+                continue  # data-parallel scaling tables (`scaling`) and the ablation's runs (`ablation_runs`)
+            if (folder / "run.parquet").is_file():
+                runs.append(folder)
+            elif any(folder.glob("*.parquet")):
+                raise DataError(f"incomplete run {folder}: parquet files but no run.parquet "
+                                "(re-run the sweep for it, or remove the folder)")
+            else:
+                not_runs.append(folder)
+    return Scan(runs, not_runs)
+
+
+def _read(path: Path, table: str) -> pd.DataFrame:
+    try:
+        return schema.read_table(path, table)
+    except (schema.SchemaError, OSError, ValueError) as e:
+        raise DataError(f"{path}: {str(e).splitlines()[0]}") from None
+
+
+def _read_run(path: Path) -> pd.DataFrame:
+    """A run.parquet, validated, with its one row and what differs from its configuration's definition."""
+    df = _read(path, "run")
+    if len(df) != 1:
+        raise DataError(f"{path}: {len(df)} rows, expected 1")
+    return df
+
+
+def runs(root: str | os.PathLike | None = None, *, variants: bool = False) -> pd.DataFrame:
+    """The run table of every run (one row each), with its folder relative to the data root.
+
+    `variants`: also the runs of other presets or batches (``<config>@<preset>[-b<batch>]``); every
+    page but the memory one compares the main runs only, one per (GPU, configuration)."""
+    root = Path(root) if root is not None else data_root()
+    frames = []
+    for folder in scan(root).runs:
+        df = _read_run(folder / "run.parquet")
+        slug, config = df.loc[0, "gpu_slug"], df.loc[0, "config"]
+        batch = int(df.loc[0, "batch"])  # -1: a run that failed before recording it (older rows), batch 1 then
+        name = schema.run_folder(config, df.loc[0, "preset"], batch if batch > 0 else 1)
+        if (slug, name) != (folder.parent.name, folder.name):
+            raise DataError(f"{folder}: run.parquet says {slug}/{name}, the folder says "
+                            f"{folder.parent.name}/{folder.name}")
+        if variants or name == config:
+            frames.append(df.assign(folder=str(folder.relative_to(root))))
+    if not frames:
+        return schema.empty("run").assign(folder=pd.Series(dtype="str"))
+    out = pd.concat(frames, ignore_index=True)
+    dup = out["run_id"][out["run_id"].duplicated()]
+    if len(dup):
+        raise DataError(f"run_id {dup.iloc[0]} appears in more than one folder")
+    return _sort(out)
+
+
+def ablation_runs(root: str | os.PathLike | None = None) -> pd.DataFrame:
+    """The ablation's runs (``data/<gpu>/ablation/<config>/``, written by `python -m medddpm ablation`): ordinary
+    runs, validated as the main ones, each in the folder its row names."""
+    root = Path(root) if root is not None else data_root()
+    frames = []
+    for path in sorted(root.glob(f"*/{ABLATION_DIR}/*/run.parquet")):
+        df = _read_run(path)
+        r, folder = df.iloc[0], path.parent
+        name = schema.run_folder(r["config"], r["preset"], max(int(r["batch"]), 1))
+        if (r["gpu_slug"], name) != (folder.parent.parent.name, folder.name):
+            raise DataError(f"{folder}: run.parquet says {r['gpu_slug']}/{ABLATION_DIR}/{name}")
+        frames.append(df.assign(folder=str(folder.relative_to(root))))
+    if not frames:
+        return schema.empty("run").assign(folder=pd.Series(dtype="str"))
+    return _sort(pd.concat(frames, ignore_index=True))
+
+
+def load(table: str, root: str | os.PathLike | None = None, *, variants: bool = False) -> pd.DataFrame:
+    """Every ``data/*/*/<table>.parquet`` of the runs, validated, with ``gpu_slug`` and ``config``."""
+    if table not in schema.TABLES:
+        raise DataError(f"unknown table {table!r}; known: {', '.join(schema.TABLES)}")
+    root = Path(root) if root is not None else data_root()
+    run = runs(root, variants=variants)
+    if table == "run":
+        return run
+    frames = []
+    for folder in run["folder"]:
+        path = root / folder / f"{table}.parquet"
+        if not path.is_file():
+            continue  # a phase that did not run (a CPU has no ncu table; a failed run has few tables)
+        df = _read(path, table)
+        if not df.empty and not df["run_id"].isin(run["run_id"]).all():
+            raise DataError(f"{path}: run_id {df['run_id'].iloc[0]} is not the run of its folder")
+        frames.append(df)
+    df = pd.concat(frames, ignore_index=True) if frames else schema.empty(table)
+    keys = run[["run_id", "gpu_slug", "config"]]
+    return df.merge(keys, on="run_id", how="left", validate="many_to_one")
+
+
+BENCH_COLUMNS = ["gpu_slug", "source", "phase", "config", "implementation", "median_ms", "p10_ms", "p90_ms", "steps",
+                 "peak_mem_gib", "fp32_math", "git_commit", "torch", "cudnn", "time_utc", "size", "mask_channels",
+                 "base_channels"]
+BENCH_PHASES = ("train", "sample")
+
+
+@dataclass
+class Data:
+    """All tables of all runs (what `claims` and the page summaries take)."""
+
+    run: pd.DataFrame
+    steps: pd.DataFrame
+    kernels: pd.DataFrame
+    ncu: pd.DataFrame
+    quality: pd.DataFrame
+    bench: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=BENCH_COLUMNS))
+    scaling: pd.DataFrame = field(default_factory=lambda: schema.empty("scaling"))
+
+    @property
+    def ok(self) -> pd.DataFrame:
+        return self.run[self.run["status"] == "ok"]
+
+
+def load_all(root: str | os.PathLike | None = None) -> Data:
+    return Data(**{t: load(t, root) for t in TABLES}, bench=bench_runs(root), scaling=scaling_runs(root))
+
+
+def scaling_runs(root: str | os.PathLike | None = None) -> pd.DataFrame:
+    """Every ``data/<gpu-slug>/scaling/<config>.parquet`` (`python -m medddpm scale`), validated."""
+    root = Path(root) if root is not None else data_root()
+    frames = []
+    for path in sorted(root.glob(f"*/{SCALING_DIR}/*.parquet")):
+        df = _read(path, "scaling")
+        if not df.empty and not ((df["gpu_slug"] == path.parent.parent.name) & (df["config"] == path.stem)).all():
+            raise DataError(f"{path}: rows of another GPU or configuration than its path says")
+        frames.append(df)
+    return pd.concat(frames, ignore_index=True) if frames else schema.empty("scaling")
+
+
+def _json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: not readable JSON ({e})") from None
+
+
+def bench_runs(root: str | os.PathLike | None = None, *, phase: str | None = "train") -> pd.DataFrame:
+    """Raw `python -m medddpm bench` timings (JSON) kept in folders that are not runs.
+
+    These come before the measurement pipeline (no kernels, counters or quality): the book shows them
+    apart and uses them for timing claims only where a GPU has no sweep yet. `phase`: "train" (a
+    micro-step, the default), "sample" (a denoising step) or None for both; a file written before the
+    bench recorded its phase is a sampling one if its runs carry `sample_s` (`sample_total_s` before)."""
+    if phase is not None and phase not in BENCH_PHASES:
+        raise ValueError(f"phase must be one of {BENCH_PHASES} or None, got {phase!r}")
+    cols = BENCH_COLUMNS
+    root = Path(root) if root is not None else data_root()
+    rows = []
+    for folder in scan(root).not_runs:
+        for path in sorted(folder.glob("*.json")):
+            doc = _json(path)
+            if not isinstance(doc, dict) or "runs" not in doc:
+                continue
+            env, spec = doc.get("environment", {}), doc.get("spec", {})
+            bad = [k for r in doc["runs"] for k in ("config", "median_ms", "p10_ms", "p90_ms", "step_ms",
+                                                      "peak_mem_bytes") if k not in r]
+            if bad:
+                raise DataError(f"{path}: a bench run lacks {sorted(set(bad))}")
+            for r in doc["runs"]:
+                name = r["config"]
+                ref = name.startswith("reference-")
+                kind = doc.get("phase", "sample" if {"sample_s", "sample_total_s"} & set(r) else "train")
+                if phase is not None and kind != phase:
+                    continue
+                rows.append({
+                    "gpu_slug": folder.parent.name, "source": str(path.relative_to(root)), "phase": kind,
+                    "config": {"reference-fp32": "baseline", "reference-tf32": "opt1"}.get(name, name),
+                    "implementation": "reference (mobaidoctor/med-ddpm)" if ref else "ours",
+                    "median_ms": r["median_ms"], "p10_ms": r["p10_ms"], "p90_ms": r["p90_ms"],
+                    "steps": len(r["step_ms"]), "peak_mem_gib": r["peak_mem_bytes"] / 2**30,
+                    "fp32_math": r.get("backend_flags", {}).get("cudnn_conv_fp32_precision", ""),
+                    "git_commit": env.get("git_commit", ""), "torch": env.get("torch", ""),
+                    "cudnn": str(env.get("cudnn", "")),
+                    "time_utc": env.get("time_utc", ""), "size": spec.get("size"),
+                    "mask_channels": spec.get("mask_channels"), "base_channels": spec.get("base_channels"),
+                })
+    return _sort(pd.DataFrame(rows, columns=cols), "implementation", "source")
+_GIB = 2**30
