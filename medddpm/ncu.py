@@ -133,8 +133,9 @@ COLUMNS = {"kernel": "str", "kernel_id": "int64", "kind": "str", "section": "str
 
 STOP_MARGIN_S = 60  # for ncu to write and export the report after the profiled program stopped
 STOPPED = "medddpm.capture: stopped"  # what capture prints when --stop-after ends it
-# If the program has not stopped itself by then (best-ckpt's pass under ncu went 60 s past its stop, session 19),
-# its processes are killed this long before the timeout, leaving ncu that long to write what it profiled.
+# If the program has not stopped itself by then, its processes are killed this long before the timeout, leaving ncu
+# that long to write what it profiled: on the H200, best-ckpt's pass under ncu ran 60 s past its stop, and the
+# timeout that then killed ncu took its report and log with it.
 KILL_MARGIN_S = 20
 KILLED = "medddpm.ncu: the profiled program was killed"  # what the log says then
 NON_KERNEL_CATEGORIES = ("memcpy",)  # copies and fills (medddpm.kernels files memsets here too): not kernels
@@ -293,7 +294,7 @@ LIBRARY = re.compile(r"xmma|cudnn|cask|cutlass|nvjet")
 # the kernel launched just before it); the report's names are right. Its name filter and its
 # per-launch-config filter see the launch-time name: filtered by the selected names, one launch a
 # configuration, a pass over opt12 profiled 0 or 1 of its 60 dgrad launches a step; filtered by library
-# names alone, every launch, 37 in its first 266 (data/nvidia-h200/NOTES.md, session 16). So the library
+# names alone, every launch, 37 in its first 266 (measured on the H200). So the library
 # pass admits every library name, in either spelling, and any mangled name (a launch after a C++ kernel;
 # one right after a Triton kernel would carry that kernel's plain name and still be missed).
 LIBRARY_LAUNCH = r"xmma|cudnn|cask|cutlass|nvjet|^_Z"

@@ -54,8 +54,9 @@ class Peak:
 
 
 def snapshot_name(config: str, commit: str) -> str:
-    """The bench's file name for a configuration's snapshot, e.g. ("best+memory_budget=0", "122441d16b...") ->
-    memory-best_memory_budget_0-122441d.pickle (`parse_name` reads it back); a commit that is not one: -unknown."""
+    """The bench's file name for a configuration's snapshot, e.g. ("best-ckpt+narrow_checkpoints=false",
+    "0123456789ab...") -> memory-best-ckpt_narrow_checkpoints_false-0123456.pickle (`parse_name` reads it back);
+    a commit that is not one: -unknown."""
     head = commit.split("-")[0].lower()
     short = head[:7] if re.fullmatch(r"[0-9a-f]{7,40}", head) else "unknown"
     return f"memory-{file_config(config)}-{short}.pickle"

@@ -7,8 +7,9 @@
 #   COUNTERS_ARGS: more `python -m medddpm counters` flags, e.g. "--coverage 0.9".
 #   Inductor's cache is device-bench.sh's (scripts/inductor-cache.sh), so that on a warm lease a compiled
 #   configuration benched (or profiled) just before can start its ncu pass from the cache instead of compiling and
-#   tuning under ncu (best-ckpt's library pass did not reach its step in 306 s; from the cache, its both pass ran
-#   past its stop in session 19, and whether it reached its step is not known); AUTOTUNE_IN carries block sizes in.
+#   tuning under ncu (on the H200, compiling under ncu, best-ckpt's library pass did not reach its step in 306 s;
+#   from a cache a bench had just filled, its both pass reached the step and profiled 141 launches, 79.8% of the
+#   step, in 357 s); AUTOTUNE_IN carries block sizes in.
 # Unpack here with: tar -xzf counters.tgz   (from the repository root)
 set -uo pipefail
 cd "$(dirname "$0")/.."

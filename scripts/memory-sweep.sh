@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The memory page's GPU measurements ("what fits where", issue 8), most important first, within
+# The memory page's GPU measurements ("what fits where"), most important first, within
 # DEADLINE_S seconds of a time-limited lease: the BraTS-size model at batch 1, the whole-head model's
 # fastest and checkpointed configurations, then batch 2 of both for the batch line. Each configuration
 # is packed into $OUT as soon as it is done (scripts/device-sweep.sh: data.tgz, unpack with

@@ -42,7 +42,7 @@ CATEGORY_COLORS = ["#4c78a8", "#9ecae9", "#b279a2", "#f58518", "#54a24b", "#88d2
 PASS_ORDER = ["forward", "backward", "optimizer", "graph", "other"]
 VERDICT_COLORS = {HOLDS: "#54a24b", FAILS: "#e45756", NA: "#d6d6d6"}
 # DRAM bandwidth for the roofline, with its source (like step_time.PEAKS): inputs, not results.
-BANDWIDTH = {"nvidia-h200": (4.3e12, "device-to-device copy measured on this machine type (data/nvidia-h200/NOTES.md)")}
+BANDWIDTH = {"nvidia-h200": (4.3e12, "measured on this machine type (one run of a device-to-device copy)")}
 MAX_ROWS = 5000  # pages pass aggregated frames; more than this is a mistake
 
 

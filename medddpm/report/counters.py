@@ -52,7 +52,8 @@ def ncu_coverage(data: Data) -> pd.DataFrame:
     """Per run with counters: the share of step time (torch.profiler) of the kernels chosen for ncu,
     and of those it actually profiled. They differ when a chosen kernel never ran under ncu (cuDNN's
     autotuner can pick other algorithms there): the counters stand for the second share only. The
-    chosen share is the one the run recorded (runs before session 8 aimed at 80%)."""
+    chosen share is the one the run recorded: a run aims at `ncu.COVERAGE` unless told another share (some
+    aimed at 80%)."""
     from .. import ncu
 
     aimed = {r["run_id"]: json.loads(r["profilers"] or "{}").get("ncu", {}).get("coverage", math.nan)

@@ -66,7 +66,7 @@ def _sort(df: pd.DataFrame, *cols: str) -> pd.DataFrame:
 @dataclass(frozen=True)
 class Scan:
     runs: list[Path]  # data/<slug>/<config>/ folders with run.parquet
-    not_runs: list[Path]  # folders without any parquet (raw notes, bench JSON), not read as runs
+    not_runs: list[Path]  # folders without any parquet (bench timings in JSON), not read as runs
 
 
 def scan(root: str | os.PathLike | None = None) -> Scan:

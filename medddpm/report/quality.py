@@ -7,7 +7,7 @@ import pandas as pd
 
 from .loading import Data, _sort
 
-# Quality against strict FP32, for the quality page and the claims' "TF32 keeps quality" (`medddpm.claims`).
+# Quality against strict FP32, for the quality page and the claims' "TF32 keeps quality" (`medddpm.report.claims`).
 QUALITY_REL_ERR = 1e-2  # forward-pass relative L2 error tolerated against strict FP32
 QUALITY_LOSS = 0.02  # mean relative loss difference tolerated against strict FP32
 

@@ -18,7 +18,7 @@ REFERENCE_STEPS, REFERENCE_ACCUM = 100_000, 2  # the reference's optimizer steps
 # each with its source. A GPU missing here simply has no floor drawn.
 PEAKS: dict[str, dict[str, tuple[float, str]]] = {
     "nvidia-h200": {
-        "bf16": (790e12, "dense bf16 matmul measured on this machine type (data/nvidia-h200/NOTES.md)"),
+        "bf16": (790e12, "measured on this machine type (one run of a dense bf16 matmul)"),
         "fp32": (67e12, "FP32 without tensor cores, NVIDIA H200 SXM datasheet"),
     },
 }
