@@ -87,31 +87,12 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    help="stem and output convolutions zero-padded to 8 channels (the same numbers)")
     g.add_argument("--tap-gemm", type=_bool, metavar="BOOL",
                    help="the output convolution as a GEMM and a sum of its 27 shifted taps, not cuDNN (the same numbers)")
-    g.add_argument("--split-skip", type=_bool, metavar="BOOL",
-                   help="decoder blocks take the skip connection as a second input, not concatenated (the same numbers)")
-    g.add_argument("--cudnn-try-all", type=_bool, metavar="BOOL",
-                   help="cuDNN autotuning tries every algorithm (benchmark_limit 0)")
-    g.add_argument("--memory-budget", type=_fraction, metavar="F",
-                   help="compiled graphs: activations kept for backward, as a fraction of the partitioner's "
-                        "default (0 to 1; less recomputes more)")
-    g.add_argument("--aot-cse", type=_bool, metavar="BOOL",
-                   help="compiled graphs: AOTAutograd merges identical expressions before partitioning (default true)")
     g.add_argument("--recompute-pointwise", type=_bool, metavar="BOOL",
                    help="compiled graphs: a reused pointwise result is recomputed in each kernel that reads it, "
                         "not stored in float32")
-    g.add_argument("--recompute-reads", type=_bool, metavar="BOOL",
-                   help="compiled graphs: a pointwise result that reads many buffers is not stored on that count")
-    g.add_argument("--nd-tiling", type=_bool, metavar="BOOL",
-                   help="compiled graphs on a GPU: Triton kernels tiled over several dimensions (simpler indexing)")
-    g.add_argument("--coordinate-descent", type=_bool, metavar="BOOL",
-                   help="compiled graphs on a GPU: each Triton kernel's block sizes tuned by timing at its first run")
-    g.add_argument("--combo-kernels", type=_bool, metavar="BOOL",
-                   help="compiled graphs on a GPU: independent kernels fused side by side (fewer launches)")
     g.add_argument("--checkpointing", type=_bool, metavar="BOOL", help="activation checkpointing per U-Net block")
     g.add_argument("--store-skip-grad", type=_bool, metavar="BOOL",
                    help="each skip connection's gradient written out as soon as its decoder block computed it")
-    g.add_argument("--store-norm-grad", type=_bool, metavar="BOOL",
-                   help="compiled graphs: each GroupNorm's input gradient written out in the activations' dtype")
     g.add_argument("--narrow-checkpoints", type=_bool, metavar="BOOL",
                    help="with checkpointing: the stem and each decoder upsampling recomputed in the checkpoints after "
                         "them, which keep their narrow inputs")
@@ -120,10 +101,8 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 _OVERRIDES = ("precision", "channels_last", "compile", "cuda_graphs", "fused_adam", "recompute_attention", "attention",
-              "upsample", "checkpointing", "pin_layout", "group_norm", "pad_channels", "cudnn_try_all", "memory_budget",
-              "aot_cse", "recompute_pointwise", "recompute_reads", "nd_tiling", "coordinate_descent", "combo_kernels",
-              "split_skip", "tap_gemm", "store_skip_grad", "store_norm_grad",
-              "narrow_checkpoints")
+              "upsample", "checkpointing", "pin_layout", "group_norm", "pad_channels", "recompute_pointwise",
+              "tap_gemm", "store_skip_grad", "narrow_checkpoints")
 
 
 def _config_from(args):
@@ -238,11 +217,12 @@ def cmd_claims(args) -> None:
     import textwrap
     from pathlib import Path
 
-    from . import bookdata, claims
+    from . import report
+    from .report import claims
 
     if args.data is not None and not Path(args.data).is_dir():
         raise FileNotFoundError(f"--data {args.data}: no such folder (a data tree such as data/)")
-    table = claims.verdicts(bookdata.load_all(args.data))
+    table = claims.verdicts(report.load_all(args.data))
     if args.json:
         print(claims.as_json(table))
         return
@@ -315,7 +295,7 @@ def cmd_bench(args) -> None:
                "phase": args.phase, "runs": []}
     bench = bench_sample if args.phase == "sample" else bench_train
 
-    def snapshot(c):  # memory-<config as letters, digits, '_', '.', '-'>-<commit>.pickle (bookdata.snapshot_peaks)
+    def snapshot(c):  # memory-<config as letters, digits, '_', '.', '-'>-<commit>.pickle (`python -m medddpm peak` reads it)
         return Path(args.memory_snapshot) / snapshot_name(c.name, results["environment"]["git_commit"])
 
     jobs = [lambda c=c: bench(spec, c, device=device, warmup=args.warmup, steps=args.steps, seed=args.seed,
@@ -496,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("saved", help="what a compiled configuration's training step saves for its backward "
                                      "(AOTAutograd's partition), traced at full size on the CPU: no GPU")
     _add_model_args(p)
-    p.add_argument("--configs", required=True, help="compiled configurations, e.g. best,best+split_skip=true")
+    p.add_argument("--configs", required=True, help="compiled configurations, e.g. best,best-ckpt+group_norm=fused")
     p.add_argument("--min-mib", type=float, default=64.0, help="list tensors of at least this size (MiB)")
     p.add_argument("--write", nargs="?", const=str(Path("data") / "partition.parquet"), metavar="FILE",
                    help="also record each in the partition table the memory page reads (default "

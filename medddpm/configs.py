@@ -19,11 +19,6 @@ UpsampleKind = Literal["interpolate", "separable", "separable_ndhwc"]
 GroupNormKind = Literal["aten", "chunked", "fused"]
 
 
-# Switches that set one Inductor option for the Triton kernels of compiled graphs (GPU only)
-TRITON_OPTIONS = {"nd_tiling": "triton.prefer_nd_tiling", "coordinate_descent": "coordinate_descent_tuning",
-                  "combo_kernels": "combo_kernels"}
-
-
 class ConfigError(ValueError):
     """An unknown configuration or a flag of the wrong type or value (one line)."""
 
@@ -49,49 +44,19 @@ class Config:
     pad_channels: bool = False  # stem and output convolutions zero-padded to 8 channels (model.PaddedConv3d)
     # the output convolution as a GEMM and a sum of its 27 shifted taps, not cuDNN (model.TapConv3d)
     tap_gemm: bool = False
-    # decoder blocks take the skip connection as a second input, not concatenated, where their GroupNorm
-    # groups allow it (model.ResBlock.forward_parts): no 128-channel tensor at the top level
-    split_skip: bool = False
     # each skip connection's gradient written out (bf16 under autocast) as soon as its decoder block has computed
     # it, through an operator Inductor cannot fuse into (model._StoreGradient); otherwise compiled backward graphs
     # hold the top decoder blocks' whole float32 input gradient until the encoder reads the skip's slice
     store_skip_grad: bool = False
-    # each GroupNorm's input gradient written out in the activations' dtype (bf16 under autocast) where it is
-    # computed, through Inductor's realize barrier after the cast (model._Upcast); otherwise a compiled backward
-    # stores it in float32 where two kernels read it (1 GiB a top-level decoder block at 128^3). Measured a loss:
-    # best-ckpt+store_skip_grad 77.1 ms, 4.88 GiB with it, 68.1 ms, 4.39 GiB without (NOTES.md, session 18)
-    store_norm_grad: bool = False
     # with checkpointing: the stem and each decoder level's upsampling run inside the checkpoints of the blocks that
     # read their outputs, so that the checkpoints keep the narrow tensors before them (the stem's 4-8 input channels,
     # the upsampling's 8x fewer voxels), not two full-size 64-channel tensors through the whole backward. On the H200
     # (torch 2.11) compiled best-ckpt with it failed an Inductor stride check in its backward (pytorch/pytorch#174869),
     # which medddpm.layout's pass now avoids; it then lowered best-ckpt's peak 4.30 -> 4.23 GiB (NOTES.md, session 23)
     narrow_checkpoints: bool = False
-    cudnn_try_all: bool = False  # cuDNN autotuning tries every algorithm (benchmark_limit 0), not PyTorch's first 10
-    # compiled graphs: activations AOTAutograd's partitioner may keep, as a fraction of what it keeps by
-    # default (functorch's activation_memory_budget; 0 = recompute the whole compiled region in backward)
-    memory_budget: float = 1.0
-    # compiled graphs: AOTAutograd merges identical expressions before it partitions (functorch's cse). Off, a
-    # decoder's float32 upcast of a skip connection under split_skip stays its own node instead of one shared
-    # with the encoder, which the partitioner kept from encoder to backward (data/nvidia-h200/NOTES.md, session 10)
-    aot_cse: bool = True
     # compiled graphs: a reused pointwise result (a GroupNorm-SiLU chain in backward) is recomputed in each
     # kernel that reads it instead of being written out in float32 (Inductor's realize thresholds raised)
     recompute_pointwise: bool = False
-    # compiled graphs: a pointwise result that reads many buffers is not stored on that count alone (Inductor's
-    # realize_acc_reads_threshold raised), for the float32 GroupNorm input gradients held to the end of the
-    # checkpointed backward. Measured a loss: best-ckpt 113.5 ms, 5.32 GiB with it, 67.7 ms, 4.64 GiB without
-    # (data/nvidia-h200/NOTES.md, session 15)
-    recompute_reads: bool = False
-    # compiled graphs on a GPU: Triton kernels tiled over as many dimensions as their views allow, which
-    # turns index divisions and modulos into sums (Inductor's triton.prefer_nd_tiling, pytorch/pytorch#132937)
-    nd_tiling: bool = False
-    # compiled graphs on a GPU: each Triton kernel's block sizes tuned at its first run by timing neighbouring
-    # configurations (Inductor's coordinate_descent_tuning) instead of taken from its size heuristics
-    coordinate_descent: bool = False
-    # compiled graphs on a GPU: independent kernels fused side by side into one launch (Inductor's combo_kernels),
-    # fewer launches and so fewer gaps between them
-    combo_kernels: bool = False
     description: str = field(default="", compare=False)
 
     def __post_init__(self):
@@ -102,9 +67,6 @@ class Config:
                 raise ConfigError(f"config flag {f.name} must be a bool, got {value!r}")
             if hint is str and not isinstance(value, str):
                 raise ConfigError(f"config field {f.name} must be a str, got {value!r}")
-            if hint is float and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not 0.0 <= value <= 1.0):
-                raise ConfigError(f"config flag {f.name} must be a number from 0 to 1, got {value!r}")
             if get_args(hint) and value not in get_args(hint):
                 raise ConfigError(f"config flag {f.name} must be one of {get_args(hint)}, got {value!r}")
 
@@ -163,9 +125,6 @@ CONFIGS: dict[str, Config] = {c.name: c for c in [
 PAPER = ("baseline", "opt1", "opt2", "opt12")
 
 
-_HINTS = get_type_hints(Config)
-
-
 def get_config(name: str | Config) -> Config:
     if isinstance(name, Config):
         return name
@@ -183,11 +142,6 @@ def get_config(name: str | Config) -> Config:
         if not eq or not key:
             raise ConfigError(f"bad switch {change!r} in {name!r}; expected FLAG=VALUE")
         flags[key] = {"true": True, "false": False}.get(value.lower(), value)
-        if _HINTS.get(key) is float:
-            try:
-                flags[key] = float(value)
-            except ValueError:
-                raise ConfigError(f"config flag {key} must be a number from 0 to 1, got {value!r}") from None
     return CONFIGS[base].with_flags(name=name, **flags)
 
 
@@ -245,15 +199,7 @@ class Resolved:
     cuda_graphs: bool
     fused_adam: bool
     pin_layout: bool
-    cudnn_try_all: bool
-    memory_budget: float
-    aot_cse: bool
     recompute_pointwise: bool
-    recompute_reads: bool
-    nd_tiling: bool
-    coordinate_descent: bool
-    combo_kernels: bool
-    store_norm_grad: bool
     not_applicable: dict[str, str]  # flag -> why it is off on this device
 
     @property
@@ -280,49 +226,22 @@ def resolve(config: Config, device: torch.device | str) -> Resolved:
     pin = config.pin_layout and config.compile and config.channels_last
     if config.pin_layout and not pin:
         na["pin_layout"] = "pins channels-last in compiled graphs: needs compile and channels_last"
-    try_all = config.cudnn_try_all and device.type == "cuda"
-    if config.cudnn_try_all and not try_all:
-        na["cudnn_try_all"] = "cuDNN autotuning needs a CUDA device"
-    budget = config.memory_budget if config.compile else 1.0
-    if budget != config.memory_budget:
-        na["memory_budget"] = "a budget for the compiled graphs' partitioner: needs compile"
-    cse = config.aot_cse or not config.compile
-    if cse != config.aot_cse:
-        na["aot_cse"] = "a choice of the compiled graphs' partitioner: needs compile"
     recompute = config.recompute_pointwise and config.compile
     if config.recompute_pointwise and not recompute:
         na["recompute_pointwise"] = "an Inductor fusion choice: needs compile"
-    reads = config.recompute_reads and config.compile
-    if config.recompute_reads and not reads:
-        na["recompute_reads"] = "an Inductor fusion choice: needs compile"
-    norm_grad = config.store_norm_grad and config.compile
-    if config.store_norm_grad and not norm_grad:
-        na["store_norm_grad"] = "a barrier for Inductor's fusion (eager writes every gradient out anyway): needs compile"
     if config.narrow_checkpoints and not config.checkpointing:
         na["narrow_checkpoints"] = "moves layers into the checkpoints of the blocks after them: needs checkpointing"
-    triton = {f: getattr(config, f) and config.compile and device.type == "cuda" for f in TRITON_OPTIONS}
-    for f, on in triton.items():
-        if getattr(config, f) and not on:
-            na[f] = f"Inductor's {TRITON_OPTIONS[f]} shapes the Triton kernels of compiled graphs: needs compile and " \
-                    "a CUDA device"
     return Resolved(config, device, precision, config.channels_last, config.compile, graphs, config.fused_adam, pin,
-                    try_all, budget, cse, recompute, reads, **triton, store_norm_grad=norm_grad, not_applicable=na)
+                    recompute, not_applicable=na)
 
 
-DEFAULT_BENCHMARK_LIMIT = torch.backends.cudnn.benchmark_limit  # PyTorch's: 10 (None in a build without cuDNN)
-
-
-def set_precision_flags(precision: str, *, cudnn_try_all: bool = False) -> dict[str, str]:
+def set_precision_flags(precision: str) -> dict[str, str]:
     """Set the process-wide FP32 math mode for cuDNN convolutions and matmuls, and verify it took.
 
     PyTorch's default leaves cuDNN TF32 on (and matmul TF32 off), so an unmodified "FP32" run
     already uses TF32 convolutions: strict fp32 must turn both off. bf16 keeps TF32 on for the
     few fp32 operations autocast leaves in fp32. Uses the `fp32_precision` API (torch >= 2.9):
     mixing it with the legacy `allow_tf32` switches raises in current PyTorch.
-
-    `cudnn_try_all`: cuDNN's autotuner (`benchmark`) times every algorithm its heuristics offer
-    (`benchmark_limit = 0`) instead of the first `DEFAULT_BENCHMARK_LIMIT`: a longer first step, maybe
-    faster kernels.
     """
     want = "ieee" if precision == "fp32" else "tf32"
     torch.backends.cudnn.conv.fp32_precision = want
@@ -333,7 +252,4 @@ def set_precision_flags(precision: str, *, cudnn_try_all: bool = False) -> dict[
     if set(got.values()) != {want}:
         raise RuntimeError(f"could not set fp32 math mode to {want!r}: {got}")
     torch.backends.cudnn.benchmark = True
-    if DEFAULT_BENCHMARK_LIMIT is not None:
-        torch.backends.cudnn.benchmark_limit = 0 if cudnn_try_all else DEFAULT_BENCHMARK_LIMIT
-        got["cudnn_benchmark_limit"] = str(torch.backends.cudnn.benchmark_limit)
     return got

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from torch.profiler import record_function
 
-from .configs import TRITON_OPTIONS, Config, Resolved, get_config, resolve, set_precision_flags
+from .configs import Config, Resolved, get_config, resolve, set_precision_flags
 from .diffusion import TIMESTEPS, GaussianDiffusion
 from .layout import compile_options
 from .model import ModelSpec, UNet3D
@@ -56,59 +56,17 @@ class EMA:
 # statistics, weight and bias) is both, so each GroupNorm's backward wrote a float32 copy of the voxels and read
 # it back: 1 GiB at 128 channels of 128^3. Raised, each kernel recomputes the chain from the bf16 input.
 RECOMPUTE_POINTWISE = {"realize_reads_threshold": 100, "realize_opcount_threshold": 1000}
-# `recompute_reads`. Inductor also stores any pointwise result that reads more than `realize_acc_reads_threshold`
-# (8) buffers (GraphLowering.run_node). The fused GroupNorm's input gradient reads dy, x, the statistics, the
-# affine parameters and two reduced sums: stored in float32 before its cast to bf16, and at the top level the
-# skip connection's share of it is read by the encoder's first block, at the end of the backward.
-RECOMPUTE_READS = {"realize_acc_reads_threshold": 100}
 
 
 def inductor_options(run: Resolved, *, training: bool = True) -> dict:
-    """`torch.compile(options=...)` for a configuration as it runs; the training graphs' own switches
-    (`recompute_pointwise`, `recompute_reads`) are left out of the denoising step's (`Engine.sampler`)."""
+    """`torch.compile(options=...)` for a configuration as it runs; the training graphs' own switch
+    (`recompute_pointwise`) is left out of the denoising step's (`Engine.sampler`)."""
     options = compile_options(pin_layout=run.pin_layout)
     if training and run.config.checkpointing:
         options["joint_custom_pre_pass"] = SaveRandomOps()  # a recomputed SDPA kept the graphs out of the FX cache
     if training and run.recompute_pointwise:
         options |= RECOMPUTE_POINTWISE
-    if training and run.recompute_reads:
-        options |= RECOMPUTE_READS
-    return options | {option: True for switch, option in TRITON_OPTIONS.items() if getattr(run, switch)}
-
-
-def partition_patches(run: Resolved) -> dict:
-    """functorch config for AOTAutograd's partition of a configuration's compiled graphs: the activation
-    memory budget (`memory_budget`) and common-subexpression elimination (`aot_cse`); {} for the defaults."""
-    patches = {}
-    if run.memory_budget < 1.0:
-        patches["activation_memory_budget"] = run.memory_budget
-    if not run.aot_cse:
-        patches["cse"] = False
-    return patches
-
-
-class PartitionedInductor:
-    """Inductor with functorch config patched while AOTAutograd partitions the joint graph into forward
-    and backward (`partition_patches`): that config is not Inductor's, so `torch.compile(options=...)`
-    cannot carry it, and a patch around the first call would let Dynamo hand the graph of an engine
-    compiled before to one of other settings. Equal patches and options compare equal (Dynamo's
-    backend match, pytorch/pytorch#168373)."""
-
-    def __init__(self, patches: dict, options: dict):
-        self.patches, self.options = patches, options
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs, **kwargs):
-        import torch._functorch.config
-        from torch._inductor.compile_fx import compile_fx
-
-        with torch._functorch.config.patch(**self.patches):
-            return compile_fx(gm, example_inputs, config_patches=self.options, **kwargs)
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, PartitionedInductor) and (self.patches, self.options) == (other.patches, other.options)
-
-    def __hash__(self) -> int:
-        return hash(tuple(sorted(self.patches.items())))
+    return options
 
 
 class Engine:
@@ -118,20 +76,18 @@ class Engine:
         self.spec, self.config = spec, config
         self.run: Resolved = resolve(config, device)
         self.device = self.run.device
-        self.backend_flags = set_precision_flags(self.run.precision, cudnn_try_all=self.run.cudnn_try_all)
+        self.backend_flags = set_precision_flags(self.run.precision)
         torch.manual_seed(seed)
 
         model = UNet3D(spec, attention=config.attention, recompute_attention=config.recompute_attention,
                        upsample=config.upsample, checkpointing=config.checkpointing, group_norm=config.group_norm,
                        pad_channels=config.pad_channels, tap_gemm=config.tap_gemm,
-                       split_skip=config.split_skip, store_skip_grad=config.store_skip_grad,
-                       store_norm_grad=self.run.store_norm_grad, narrow_checkpoints=config.narrow_checkpoints)
+                       store_skip_grad=config.store_skip_grad, narrow_checkpoints=config.narrow_checkpoints)
         self.model = model.to(self.device, memory_format=self.run.memory_format)
         self.denoiser = self._compile(self.model) if self.run.compile else self.model
-        # Sampling saves nothing for a backward, so `recompute_pointwise` and `recompute_reads` only add work
-        # there: its graph keeps Inductor's thresholds (best's denoising step on the H200: 18.8 ms without
-        # recompute_pointwise, 20.6 ms with).
-        separate = self.run.recompute_pointwise or self.run.recompute_reads  # both need compile
+        # Sampling saves nothing for a backward, so `recompute_pointwise` only adds work there: its graph keeps
+        # Inductor's thresholds (best's denoising step on the H200: 18.8 ms without recompute_pointwise, 20.6 ms with).
+        separate = self.run.recompute_pointwise  # needs compile
         self._sampler = self._compile(self.model, training=False) if separate else None
         self.diffusion = GaussianDiffusion(timesteps=timesteps).to(self.device)
         # capturable keeps Adam's step counter on the device, which graph replay requires.
@@ -173,10 +129,7 @@ class Engine:
     def _compile(self, module: torch.nn.Module, *, training: bool = True):
         # dynamic=False: a run trains one volume shape; after other shapes in one process, automatic
         # dynamic shapes would trace symbolic sizes, which checkpointed blocks fail to lower (torch 2.13 CPU)
-        options = inductor_options(self.run, training=training)
-        if patches := partition_patches(self.run):
-            return torch.compile(module, dynamic=False, backend=PartitionedInductor(patches, options))
-        return torch.compile(module, dynamic=False, options=options)
+        return torch.compile(module, dynamic=False, options=inductor_options(self.run, training=training))
 
     def autocast(self):
         dtype = self.run.autocast_dtype
@@ -191,7 +144,7 @@ class Engine:
 
     def activate(self) -> None:
         """Re-apply this configuration's process-wide math modes (another Engine may have changed them)."""
-        self.backend_flags = set_precision_flags(self.run.precision, cudnn_try_all=self.run.cudnn_try_all)
+        self.backend_flags = set_precision_flags(self.run.precision)
 
     def loss(self, x0: torch.Tensor, cond: torch.Tensor, **kw) -> torch.Tensor:
         with self.autocast():
@@ -285,8 +238,8 @@ class Engine:
 
     @property
     def sampler(self):
-        """The denoiser that sampling calls: the training one, or with `recompute_pointwise` or
-        `recompute_reads` the same model compiled a second time without them."""
+        """The denoiser that sampling calls: the training one, or with `recompute_pointwise` the same
+        model compiled a second time without it."""
         return self.denoiser if self._sampler is None else self._sampler
 
     def _denoise(self, x: torch.Tensor, cond: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

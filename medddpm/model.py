@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -179,34 +178,14 @@ def _affine(mean, rstd, weight, bias):
 
 
 def _realized(x: torch.Tensor) -> torch.Tensor:
-    """x, written out in its own dtype where a compiled graph computes it: Inductor's realize barrier
-    (`torch._inductor.test_operators`, whose lowering stores its input and copies nothing), so that the
-    float32 arithmetic before a cast stays in registers; also a node no other equals (`UNet3D._decode`).
-    Eager: x itself."""
+    """x through Inductor's realize barrier where a compiled graph computes it (`torch._inductor.test_operators`,
+    whose lowering stores its input and copies nothing): a node no other equals, which AOTAutograd's
+    common-subexpression pass cannot merge with another (`UNet3D._decode`). Eager: x itself."""
     if not torch.compiler.is_compiling():
         return x
     from torch._inductor.test_operators import realize  # registers the op; its backward passes the gradient on
 
     return realize(x)
-
-
-class _Upcast(torch.autograd.Function):
-    """x.to(dtype), whose backward casts the gradient back and writes it out in x's dtype (`store_norm_grad`).
-
-    A compiled backward computes a GroupNorm's input gradient in float32, and where two kernels read it (a
-    decoder block's input gradient, sliced into the skip's part and the upsampling's) Inductor stores that
-    float32 sum and casts in each reader: 1 GiB for each of the top two decoder blocks of the 128^3 model, one
-    of them live at best-ckpt+store_skip_grad's peak (data/nvidia-h200/NOTES.md, session 17). Stored after the
-    cast, it is 0.5 GiB."""
-
-    @staticmethod
-    def forward(ctx, x, dtype):
-        ctx.dtype = x.dtype
-        return x.to(dtype)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return _realized(dy.to(ctx.dtype)), None
 
 
 class _GroupNormSiLU(torch.autograd.Function):
@@ -222,13 +201,13 @@ class _GroupNormSiLU(torch.autograd.Function):
     SiLU's input is recomputed (data/nvidia-h200/NOTES.md, session 13)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, groups: int, eps: float, silu: bool, store_grad: bool = False):
+    def forward(ctx, x, weight, bias, groups: int, eps: float, silu: bool):
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
         mean, rstd = _group_stats(xf, groups, eps)
         scale, shift = _affine(mean, rstd, weight, bias)
         a = xf * _bcast(scale, x) + _bcast(shift, x)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
-        ctx.groups, ctx.silu, ctx.store_grad = groups, silu, store_grad
+        ctx.groups, ctx.silu = groups, silu
         # A new tensor even where x is float32 (a bf16 x makes it a cast anyway): torch 2.11's Dynamo gave every
         # input a zero gradient when the output was the intermediate itself (pytorch/pytorch#180642, fixed in 2.12)
         return (F.silu(a) if silu else a).to(x.dtype, copy=True)
@@ -258,8 +237,7 @@ class _GroupNormSiLU(torch.autograd.Function):
         dx = da * _bcast(scale, x) - _bcast(rstd * m1, x) - xhat * _bcast(rstd * m2, x)
         dweight = sum_da_xhat.sum(0) if weight is not None else None
         dbias = sum_da.sum(0) if bias is not None else None
-        dx = dx.to(x.dtype)
-        return _realized(dx) if ctx.store_grad else dx, dweight, dbias, None, None, None, None
+        return dx.to(x.dtype), dweight, dbias, None, None, None
 
 
 def _bcast(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -279,37 +257,13 @@ class GroupNorm32(nn.GroupNorm):
         assert not silu or kind == "fused", f"only the fused group norm takes its SiLU in, not {kind!r}"
         super().__init__(num_groups, num_channels)
         self.kind, self.silu = kind, silu
-        self.store_grad = False  # UNet3D(store_norm_grad=True) sets it on every GroupNorm (_Upcast)
 
     def forward(self, x):
-        return self._norm(x, self.num_groups, self.weight, self.bias)
-
-    def splits(self, channels: Sequence[int]) -> bool:
-        """Whether inputs of these channel counts, concatenated, split along group boundaries."""
-        per_group = self.num_channels // self.num_groups
-        return sum(channels) == self.num_channels and all(c % per_group == 0 for c in channels)
-
-    def forward_parts(self, parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """The GroupNorm of torch.cat(parts, dim=1), part by part (each part holds whole groups)."""
-        assert self.splits([p.shape[1] for p in parts]), (
-            f"parts of {[p.shape[1] for p in parts]} channels do not split {self.num_channels} channels into "
-            f"whole groups of {self.num_channels // self.num_groups}")
-        per_group, out, start = self.num_channels // self.num_groups, [], 0
-        for p in parts:
-            c = p.shape[1]
-            out.append(self._norm(p, c // per_group, self.weight[start:start + c], self.bias[start:start + c]))
-            start += c
-        return out
-
-    def _norm(self, x, groups, weight, bias):
         if self.kind == "fused":
-            return _GroupNormSiLU.apply(x, weight, bias, groups, self.eps, self.silu, self.store_grad)
+            return _GroupNormSiLU.apply(x, self.weight, self.bias, self.num_groups, self.eps, self.silu)
         dtype = torch.promote_types(x.dtype, torch.float32)  # bf16 -> fp32; a float64 model (tests) stays float64
         fn = group_norm_chunked if self.kind == "chunked" else F.group_norm
-        # (no _Upcast where there is no cast: torch 2.11's Dynamo gives an input returned as it is a zero
-        # gradient, pytorch/pytorch#180642)
-        xf = _Upcast.apply(x, dtype) if self.store_grad and x.dtype != dtype else x.to(dtype)
-        return fn(xf, groups, weight, bias, self.eps).to(x.dtype)
+        return fn(x.to(dtype), self.num_groups, self.weight, self.bias, self.eps).to(x.dtype)
 
 
 def norm(channels: int, *, kind: str = "aten") -> nn.GroupNorm:
@@ -415,32 +369,10 @@ class ResBlock(nn.Module):
         self.skip = nn.Identity() if ch_in == ch_out else nn.Conv3d(ch_in, ch_out, 1)
 
     def forward(self, x, emb):
-        return self._out(self.skip(x), self.in_layers(x), emb)
-
-    def _out(self, skip, h, emb):
+        skip = self.skip(x)
+        h = self.in_layers(x)
         h = h + self.emb_layers(emb).to(h.dtype)[:, :, None, None, None]
         return skip + self.out_layers(h)
-
-    def splits(self, parts: Sequence[torch.Tensor]) -> bool:
-        """Whether `forward_parts` takes these inputs: its GroupNorm's groups do not straddle them."""
-        return isinstance(self.skip, nn.Conv3d) and self.in_layers[0].splits([p.shape[1] for p in parts])
-
-    def forward_parts(self, parts: Sequence[torch.Tensor], emb):
-        """forward(torch.cat(parts, dim=1), emb) without the concatenation (the `split_skip` switch).
-
-        GroupNorm runs per part (whole groups in each), and each convolution on the concatenation is
-        the sum of convolutions of the parts with the matching slices of its weight: the same function
-        and parameters. At a decoder's top level the concatenation is the largest tensor of the step
-        (128 channels at 128^3), written in the forward and kept or recomputed for the backward."""
-        norm, act, conv = self.in_layers
-        sizes = [p.shape[1] for p in parts]
-
-        def conv_sum(layer: nn.Conv3d, xs):  # layer(torch.cat(xs, dim=1)), its bias added once
-            ws = layer.weight.split(sizes, dim=1)
-            return functools.reduce(torch.add, (layer._conv_forward(x, w, layer.bias if i == 0 else None)
-                                                for i, (x, w) in enumerate(zip(xs, ws))))
-
-        return self._out(conv_sum(self.skip, parts), conv_sum(conv, [act(n) for n in norm.forward_parts(parts)]), emb)
 
 
 class Attention(nn.Module):
@@ -572,21 +504,9 @@ class Level(nn.Module):
         super().__init__()
         self.res, self.attn, self.resample = res, attn, resample
 
-    def forward_skip(self, h, skip, emb, *, split: bool = False, store_grad: bool = False, resample: bool = True):
-        """A decoder block: the skip connection concatenated on the channel axis first, or, with `split`
-        where the block's GroupNorm groups allow it, taken as a second input (ResBlock.forward_parts).
-        `store_grad`: the skip's gradient is written out as soon as it is computed (_StoreGradient).
-        `resample=False`: the block's resampler is left to the caller."""
-        if store_grad and torch.is_grad_enabled():
-            skip = _StoreGradient.apply(skip)
-        if split and self.res.splits((h, skip)):
-            return self._after_res(self.res.forward_parts((h, skip), emb), resample=resample)
-        return self._after_res(self.res(torch.cat([h, skip], dim=1), emb), resample=resample)
-
-    def forward(self, x, emb):
-        return self._after_res(self.res(x, emb))
-
-    def _after_res(self, x, *, resample: bool = True):
+    def forward(self, x, emb, *, resample: bool = True):
+        """`resample=False`: the resampler is left to the caller (`UNet3D._narrowed`)."""
+        x = self.res(x, emb)
         if self.attn is not None:
             x = self.attn(x)
         if self.resample is not None and resample:
@@ -598,27 +518,28 @@ class Level(nn.Module):
 
 
 class UNet3D(nn.Module):
-    """`checkpointing=True`: activation checkpointing per U-Net block (see `forward`); it subsumes
+    """The U-Net (`forward`): a stem convolution; an encoder, each of whose outputs is also kept as a skip
+    connection; a middle of a residual block, attention and a residual block; a decoder, each block of which
+    takes its level's skip concatenated on the channel axis; an output GroupNorm, SiLU and convolution.
+
+    Memory levers, each a part of its own beside the forward:
+    `checkpointing=True`: activation checkpointing per U-Net block (`_checkpoint`); it subsumes
     `recompute_attention`, whose inner checkpoint would only recompute attention a second time.
-    `tap_gemm=True`: the output convolution as a GEMM and a sum of its 27 shifted taps (TapConv3d).
-    `split_skip=True`: decoder blocks take the skip connection as a second input instead of a
-    concatenation, where their GroupNorm groups allow it (ResBlock.forward_parts).
     `store_skip_grad=True`: each skip connection's gradient is written out as soon as a decoder block has
-    computed it (_StoreGradient).
-    `store_norm_grad=True`: each GroupNorm's input gradient is written out in the activations' dtype, not
-    in float32 (_Upcast; compiled graphs only).
+    computed it (`_decode`, _StoreGradient).
     `narrow_checkpoints=True` (with `checkpointing`): the stem and each decoder level's upsampling run inside the
     checkpoints of the blocks that read their outputs, so that the checkpoints keep the narrow tensors before
-    them (see `forward`)."""
+    them (`_narrowed`).
+    `tap_gemm=True`: the output convolution as a GEMM and a sum of its 27 shifted taps (TapConv3d)."""
 
     def __init__(self, spec: ModelSpec = ModelSpec(), *, attention: str = "math", recompute_attention: bool = True,
                  upsample: str = "interpolate", checkpointing: bool = False, group_norm: str = "aten",
-                 pad_channels: bool = False, tap_gemm: bool = False, split_skip: bool = False,
-                 store_skip_grad: bool = False, store_norm_grad: bool = False, narrow_checkpoints: bool = False):
+                 pad_channels: bool = False, tap_gemm: bool = False, store_skip_grad: bool = False,
+                 narrow_checkpoints: bool = False):
         super().__init__()
         assert spec.num_res_blocks >= 1, "each level needs a residual block (the stem's output is its input)"
         self.spec = spec
-        self.checkpointing, self.split_skip, self.store_skip_grad = checkpointing, split_skip, store_skip_grad
+        self.checkpointing, self.store_skip_grad = checkpointing, store_skip_grad
         self.narrow_checkpoints = narrow_checkpoints
         ch = spec.base_channels
         emb_dim = 4 * ch
@@ -658,10 +579,6 @@ class UNet3D(nn.Module):
 
         self.out = nn.Sequential(*norm_silu(ch, kind=group_norm),
                                  zero_init((TapConv3d if tap_gemm else conv)(ch, spec.image_channels, 3, padding=1)))
-        if store_norm_grad:
-            for m in self.modules():
-                if isinstance(m, GroupNorm32):
-                    m.store_grad = True
 
     def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         spec = self.spec
@@ -669,65 +586,95 @@ class UNet3D(nn.Module):
             f"expected (B, {spec.in_channels}, D, H, W) input, got {tuple(x.shape)}"
         )
         assert t.shape == x.shape[:1], f"expected one timestep per sample, got t of shape {tuple(t.shape)}"
-        # in the weights' dtype: a float64 model (tests) takes it too; autocast casts as it does anyway
-        emb = timestep_embedding(t, spec.time_dim, max_period=spec.max_period).to(self.time_embed[0].weight.dtype)
-        emb = self.time_embed(emb)
-        # `narrow_checkpoints`: the stem's output (base channels at full size, a skip kept from the first encoder
-        # block to the last decoder block) is recomputed from x inside the two checkpoints that read it, and a
-        # decoder level's upsampling runs in the next block's checkpoint, which keeps its input (8x fewer voxels).
-        # The cost: the stem runs 4 times instead of once, and each upsampling's convolution once more (plain, a
-        # recomputation stops before it, the last layer of its block: checkpoint's early stop)
-        narrow = self.narrow_checkpoints and self.checkpointing and torch.is_grad_enabled()
-        h = x if narrow else self.stem(x)
+        emb = self._embed_time(t)
+        stem, encoder, decoder = self._layers()
+        h = stem(x)
         hs = [h]
-        for i, block in enumerate(self.down):
-            # A downsample-only entry saves just its input, which is kept anyway: nothing to gain.
-            if isinstance(block, _DownOnly):
-                h = block(h, emb)
-            else:
-                h = self._block(functools.partial(_after, block, before=self.stem) if narrow and i == 0 else block,
-                                h, emb)
+        for block in encoder:
+            h = block(h, emb)
             hs.append(h)
-        h = self._block(self.middle[0], h, emb)
-        h = self._block(self.middle[1], h)
-        h = self._block(self.middle[2], h, emb)
-        upsample = None  # narrow: the previous decoder level's upsampling, left to this block's checkpoint
-        for block in self.up:
-            # The skip concatenation runs inside the checkpoint: only h and the skip (held anyway)
-            # are kept, not their concatenation, which at the top level is the largest tensor.
-            skip_stem = self.stem if narrow and len(hs) == 1 else None  # the last skip is x
-            decoder = functools.partial(self._decode, block, upsample=upsample, skip_stem=skip_stem, resample=not narrow)
-            h = self._block(decoder, h, hs.pop(), emb)
-            upsample = block.resample if narrow else None
+        h = self._checkpoint(self.middle[0], h, emb)
+        h = self._checkpoint(self.middle[1], h)
+        h = self._checkpoint(self.middle[2], h, emb)
+        for block in decoder:
+            h = block(h, hs.pop(), emb)
+        return self._checkpoint(self.out, h)
+
+    def _embed_time(self, t: torch.Tensor) -> torch.Tensor:
+        emb = timestep_embedding(t, self.spec.time_dim, max_period=self.spec.max_period)
+        # in the weights' dtype: a float64 model (tests) takes it too; autocast casts as it does anyway
+        return self.time_embed(emb.to(self.time_embed[0].weight.dtype))
+
+    def _layers(self) -> tuple:
+        """The forward's stem, encoder blocks and decoder blocks (`_decode`), as it calls them: every block
+        under `_checkpoint` but the downsample-only ones, which save just their input, kept anyway as a skip.
+        Rearranged by `_narrowed` where `narrow_checkpoints` applies."""
+        encoder = [block if isinstance(block, _DownOnly) else self._checkpointed(block) for block in self.down]
+        if self.narrow_checkpoints and self._checkpointing():
+            return self._narrowed(encoder)
+        return self.stem, encoder, [self._checkpointed(functools.partial(self._decode, block)) for block in self.up]
+
+    def _narrowed(self, encoder: list) -> tuple:
+        """`narrow_checkpoints`: the layers that widen a tensor run inside the checkpoints of the blocks that
+        read their outputs, so that those checkpoints keep the narrow input. The stem's output (base channels at
+        full size, a skip kept from the first encoder block to the last decoder block) is made from x inside
+        the first encoder block's checkpoint and the last decoder block's; a decoder level's upsampling runs in
+        the next block's checkpoint, which keeps its input (8x fewer voxels). The cost: the stem runs 4 times
+        instead of once, and each upsampling's convolution once more (plain, a recomputation stops before it,
+        the last layer of its block: checkpoint's early stop)."""
+        encoder[0] = self._checkpointed(functools.partial(_after, self.down[0], before=self.stem))
+        decoder, upsample = [], None
+        for i, block in enumerate(self.up):
+            skip_stem = self.stem if i == len(self.up) - 1 else None  # the last decoder block's skip is x
+            decoder.append(self._checkpointed(functools.partial(self._decode, block, upsample=upsample,
+                                                                skip_stem=skip_stem, resample=False)))
+            upsample = block.resample  # left to the next block's checkpoint
         assert upsample is None, "the top decoder level has no upsampling"
-        return self._block(self.out, h)
+        return _identity, encoder, decoder
 
-    def _decode(self, block: "Level", h, skip, emb, *, upsample: nn.Module | None, skip_stem: nn.Module | None,
-                resample: bool):
-        """A decoder block, with h upsampled and the skip made by the stem first where `narrow_checkpoints`
-        leaves them to it. A skip made here sends its gradient straight into the stem: nothing to store."""
+    def _decode(self, block: Level, h, skip, emb, *, upsample: nn.Module | None = None,
+                skip_stem: nn.Module | None = None, resample: bool = True):
+        """A decoder block: the skip connection concatenated to h on the channel axis, then the block. Inside
+        its checkpoint the concatenation, at the top level the largest tensor, is recomputed rather than kept.
+        `store_skip_grad`: the skip's gradient is written out as soon as it is computed (_StoreGradient).
+        `upsample`, `skip_stem`, `resample=False`: the layers `_narrowed` moves into this block."""
         h = upsample(h) if upsample is not None else h
-        # Through Inductor's realize (stores its input, copies nothing): AOTAutograd's CSE, blind to checkpoint
-        # regions, merged this stem with the first encoder checkpoint's (the same ops on the same x; a clone is
-        # removed before CSE runs), and a node two regions share is saved for the backward: the stem's output,
-        # 0.25 GiB at 128^3, live through the whole backward (data/nvidia-h200/NOTES.md, session 24).
-        skip = skip_stem(_realized(skip)) if skip_stem is not None else skip
-        return block.forward_skip(h, skip, emb, split=self.split_skip, resample=resample,
-                                  store_grad=self.store_skip_grad and skip_stem is None)
+        if skip_stem is not None:
+            # Through Inductor's realize (stores its input, copies nothing): AOTAutograd's CSE, blind to checkpoint
+            # regions, would merge this stem with the first encoder checkpoint's (the same ops on the same x; a
+            # clone is removed before CSE runs), and a node two regions share is saved for the backward: the stem's
+            # output, 0.25 GiB at 128^3, live through the whole backward. A skip made here sends its gradient
+            # straight into the stem: nothing to store.
+            skip = skip_stem(_realized(skip))
+        elif self.store_skip_grad and torch.is_grad_enabled():
+            skip = _StoreGradient.apply(skip)
+        return block(torch.cat([h, skip], dim=1), emb, resample=resample)
 
-    def _block(self, fn, *args):
-        """fn(*args), under activation checkpointing when it is on and a backward will follow.
+    def _checkpointing(self) -> bool:
+        """Whether blocks run under activation checkpointing: it is on and a backward will follow."""
+        return self.checkpointing and torch.is_grad_enabled()
+
+    def _checkpointed(self, fn):
+        """fn, called through `_checkpoint`."""
+        return functools.partial(self._checkpoint, fn)
+
+    def _checkpoint(self, fn, *args):
+        """fn(*args), under activation checkpointing where `_checkpointing`.
 
         Only the block's inputs are kept for backward; its inside is recomputed then. No block draws
         random numbers (dropout is 0), so the RNG state need not be saved and restored: skipping it
         keeps the step capturable in a CUDA graph and saves a device-state copy per block."""
-        if self.checkpointing and torch.is_grad_enabled():
+        if self._checkpointing():
             # Plain checkpointing, also under torch.compile. A recompute-everything selective policy (which makes torch
             # 2.11 recompute the fused GroupNorm's autograd.Function too, pytorch/pytorch#177396) measured slower
             # and higher on the H200: best-ckpt+group_norm=fused 68.2 ms, 6.14 GiB with it, 60.8 ms, 5.74 GiB
             # without (data/nvidia-h200/NOTES.md, sessions 13 and 15)
             return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
         return fn(*args)
+
+
+def _identity(x):
+    return x
 
 
 def _after(block: nn.Module, x, *args, before: nn.Module):

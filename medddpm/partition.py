@@ -5,8 +5,8 @@ Dynamo and AOTAutograd trace on fake tensors, so no kernel runs and no activatio
 Inductor is stopped after the partition, before code generation. A 128^3 configuration takes about
 20 s on two cores. The graph is the CPU's (its autocast rules and decompositions), which can differ from
 a GPU's in detail. The saved set is a large part of a compiled step's peak memory, not the peak: the
-backward's own buffers and the training state add the rest. Equal saved sets peaked 1.65 GiB apart on the
-H200 (best-ckpt and best-ckpt+split_skip+aot_cse=false, data/nvidia-h200/NOTES.md, session 11)."""
+backward's own buffers and the training state add the rest: equal saved sets peaked 1.65 GiB apart on the
+H200 (best-ckpt, and a variant of it whose decoder blocks took their skip connections unconcatenated)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 
 from . import schema
 from .configs import Config, get_config
-from .engine import Engine, PartitionedInductor, inductor_options, partition_patches
+from .engine import Engine, inductor_options
 from .env import git_commit
 from .model import ModelSpec
 
@@ -65,11 +65,14 @@ def _saved_tensors(spec: ModelSpec, config: Config) -> pd.DataFrame:
         raise _Partitioned
 
     # As Engine compiles it, with the caches off: a cached graph of an earlier compile skips the partition.
-    inductor = PartitionedInductor(partition_patches(engine.run) | {"enable_autograd_cache": False},
-                                   options | {"fx_graph_cache": False})
-
+    # AOTAutograd's cache is functorch config, not Inductor's, so it is patched around the compile.
     def backend(gm, example_inputs):
-        return inductor(gm, example_inputs, inner_compile=read_forward)
+        import torch._functorch.config
+        from torch._inductor.compile_fx import compile_fx
+
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            return compile_fx(gm, example_inputs, config_patches=options | {"fx_graph_cache": False},
+                              inner_compile=read_forward)
 
     torch._dynamo.reset()
     model = torch.compile(engine.model, dynamic=False, fullgraph=True, backend=backend)

@@ -55,26 +55,11 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
                               "(chunked statistics, the SiLU after it and a hand-written backward in one function)"),
         "pad_channels": (B, "stem and output convolutions zero-padded to 8 channels"),
         "tap_gemm": (B, "the output convolution as a GEMM and a sum of its 27 shifted taps, not cuDNN"),
-        "split_skip": (B, "decoder blocks take the skip connection as a second input, not concatenated"),
         "store_skip_grad": (B, "each skip connection's gradient written out as soon as its decoder block computed it"),
-        "store_norm_grad": (B, "each GroupNorm's input gradient written out in the activations' dtype, not float32"),
         "narrow_checkpoints": (B, "the stem and each decoder upsampling recomputed inside the checkpoints of the "
                                   "blocks after them, which keep the narrow tensors before them"),
-        "cudnn_try_all": (B, "cuDNN autotuning tried every algorithm (benchmark_limit 0; as requested)"),
-        "memory_budget": (F, "activations the compiled graphs' partitioner may keep, as a fraction of its default "
-                             "(as requested; 1 = PyTorch's default)"),
-        "aot_cse": (B, "AOTAutograd merged identical expressions of compiled graphs before partitioning them "
-                       "(as requested; true = PyTorch's default)"),
         "recompute_pointwise": (B, "compiled training graphs recompute a reused pointwise result in each kernel "
                                    "that reads it, not store it (as requested)"),
-        "recompute_reads": (B, "compiled training graphs store a pointwise result that reads many buffers only "
-                               "where another rule asks (Inductor's realize_acc_reads_threshold raised; as requested)"),
-        "nd_tiling": (B, "Triton kernels of compiled graphs tiled over several dimensions, Inductor's "
-                         "prefer_nd_tiling (as requested; GPU only)"),
-        "coordinate_descent": (B, "Triton kernels of compiled graphs tuned at their first run, Inductor's "
-                                  "coordinate_descent_tuning (as requested; GPU only)"),
-        "combo_kernels": (B, "independent kernels of compiled graphs fused side by side, Inductor's combo_kernels "
-                             "(as requested; GPU only)"),
         "not_applicable": (S, "JSON: switches that could not apply on this device, with why"),
         "backend_flags": (S, "JSON: fp32 math modes read back after setting them"),
         "preset": (S, "smoke | paper | brats"),
@@ -218,22 +203,21 @@ ADDED: dict[str, dict[str, object]] = {
         "pin_layout": False,  # the switch came with session 3's layout pass
         "group_norm": "aten",  # the switch came in session 4; before it, always F.group_norm
         "pad_channels": False,  # the switches came in session 4
-        "cudnn_try_all": False,
-        "memory_budget": 1.0,  # the switch came in session 5
         "recompute_pointwise": False,  # the switch came in session 6
-        "nd_tiling": False,  # the switch came in session 7
-        "coordinate_descent": False,  # the switches came in session 8
-        "combo_kernels": False,
         "compile_cache": "",  # recorded since session 7
-        "split_skip": False,  # the switch came in session 9
-        "aot_cse": True,  # the switch came in session 10; before it, always functorch's default (on)
         "tap_gemm": False,  # the switch came in session 12
-        "recompute_reads": False,  # the switch came in session 15
         "store_skip_grad": False,  # the switch came in session 16
-        "store_norm_grad": False,  # the switch came in session 17
         "narrow_checkpoints": False,  # the switch came in session 21
     },
     "kernels": {"op": ""},  # which operator launched a kernel: recorded since session 3 (not known before)
+}
+
+# Columns that committed tables carry and the schema no longer has: switches removed from the product
+# after their runs were recorded (each measured a loss or was never kept). A table is read without them (the
+# files themselves stay as measured); writing rejects them like any column not in the schema.
+RETIRED: dict[str, tuple[str, ...]] = {
+    "run": ("split_skip", "store_norm_grad", "cudnn_try_all", "memory_budget", "aot_cse", "recompute_reads",
+            "nd_tiling", "coordinate_descent", "combo_kernels"),
 }
 
 MAIN_PRESETS = ("smoke", "paper")  # a device's own preset: its runs sit in data/<gpu>/<config>/
@@ -283,12 +267,14 @@ def write_table(df: pd.DataFrame, path: str | os.PathLike, table: str) -> Path:
 
 
 def read_table(path: str | os.PathLike, table: str | None = None) -> pd.DataFrame:
-    """Read a table and check it against its schema (the table name defaults to the file stem)."""
+    """Read a table and check it against its schema (the table name defaults to the file stem): a column the
+    schema has retired (`RETIRED`) is dropped, one added since the file was written (`ADDED`) is filled in."""
     path = Path(path)
     table = table or path.name.removesuffix(".parquet")
     if not path.is_file():
         raise FileNotFoundError(f"missing data file {path}")
     arrow = pq.read_table(path)
+    arrow = arrow.drop_columns([n for n in RETIRED.get(table, ()) if n in arrow.schema.names])
     want = arrow_schema(table)
     for name, value in ADDED.get(table, {}).items():  # tables written before the column existed
         if name not in arrow.schema.names and name in want.names:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # For a time-limited GPU lease: `python -m medddpm bench` whose Triton block-size tuning outlives the call.
-# Inductor's tuned block sizes (coordinate_descent, autotuning) are cached per kernel as `*.best_config`
+# Inductor's tuned block sizes (its autotuning of each Triton kernel) are cached per kernel as `*.best_config`
 # files as each kernel is tuned; a kernel of the same source on the next machine finds its file and is not
 # tuned again. So this runs the bench with Inductor's cache under BENCH_CACHE, first unpacking the block
 # sizes carried in (AUTOTUNE_IN), and at the end, even when the time ran out, packs every `*.best_config`
@@ -8,7 +8,7 @@
 # runs/autotune.tgz, carry that path, and run the same bench: compilation again (about 2 minutes for best),
 # tuning only for the kernels not tuned yet.
 # Usage: scripts/device-bench.sh DEADLINE_S NAME BENCH_ARGS...   (writes $OUT/NAME.json)
-#   e.g. scripts/device-bench.sh 560 bench-coord --size 128 --configs best+coordinate_descent=true --steps 30
+#   e.g. scripts/device-bench.sh 560 bench-best --size 128 --configs best --steps 30
 set -uo pipefail
 cd "$(dirname "$0")/.."
 deadline=$1

@@ -54,6 +54,7 @@ def test_configs_lists_every_configuration_and_what_does_not_apply(capsys):
     assert rows["baseline"]["not_applicable_here"] == {}
 
 
+@pytest.mark.slow
 def test_train_then_sample_on_embedded_data(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MEDDDPM_CACHE", str(tmp_path / "cache"))
     args = ["train", "--size", "16", "--base-channels", "32", "--pairs", "2", "--steps", "2", "--device", "cpu",
@@ -68,6 +69,7 @@ def test_train_then_sample_on_embedded_data(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "gen" / "mask" / "sample_000.nii.gz").exists()
 
 
+@pytest.mark.slow
 def test_bench_times_denoising_steps_with_a_kernel_breakdown(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["bench", "--phase", "sample", "--configs", "sdpa", "--size", "16", "--base-channels", "32",
@@ -98,7 +100,9 @@ def test_bench_times_denoising_steps_with_a_kernel_breakdown(tmp_path, capsys):
     (["bench", "--configs", "best+group_norm=welford"], "group_norm must be one of ('aten', 'chunked', 'fused')"),
     (["bench", "--phase", "sample", "--reference", "/some/med-ddpm"], "--reference times training steps only"),
     (["bench", "--phase", "sample", "--kernels", "0"], "expected a positive integer, got 0"),
-    (["train", "--memory-budget", "1.5", "--out", "x"], "expected a number from 0 to 1, got 1.5"),
+    (["counters", "data/x", "--coverage", "1.5"], "expected a number from 0 to 1, got 1.5"),
+    (["train", "--nd-tiling", "true", "--out", "x"], "unrecognized arguments: --nd-tiling true"),
+    (["bench", "--configs", "best+split_skip=true"], "unknown config flag(s) ['split_skip']"),
     (["train", "--recompute-pointwise", "always", "--out", "x"], "expected true or false"),
     (["bench", "--configs", "best", "--memory-snapshot", "snaps"], "best replay a CUDA graph, which allocates nothing"),
     (["bench", "--phase", "sample", "--configs", "compile", "--memory-snapshot", "snaps"], "records a training step"),
@@ -113,6 +117,7 @@ def test_bad_input_fails_with_one_clear_line(args, message, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow
 def test_device_bench_script_carries_tuned_block_sizes(tmp_path):
     """scripts/device-bench.sh: the block sizes carried in reach Inductor's cache and go out again with the
     bench's JSON, also when the bench fails (here on the CPU, where no Triton kernel is tuned)."""

@@ -4,6 +4,7 @@ import torch
 from medddpm.configs import (CONFIGS, PAPER, Config, ConfigError, get_config, parse_config_list, resolve,
                              set_precision_flags)
 from medddpm.engine import Engine
+from medddpm.schema import RETIRED
 
 from conftest import random_batch
 
@@ -36,9 +37,6 @@ def test_checkpointed_configurations_are_their_twins_plus_checkpointing():
     (dict(channels_last="yes"), "channels_last must be a bool"),
     (dict(compile=1), "compile must be a bool"),
     (dict(attention="flash"), "attention must be one of"),
-    (dict(memory_budget=1.5), "memory_budget must be a number from 0 to 1"),
-    (dict(memory_budget=True), "memory_budget must be a number from 0 to 1"),
-    (dict(memory_budget="half"), "memory_budget must be a number from 0 to 1"),
 ])
 def test_wrong_flag_types_are_refused(bad, message):
     with pytest.raises(ConfigError, match=message):
@@ -56,41 +54,21 @@ def test_unknown_names_are_refused_before_any_work():
     assert len(parse_config_list("all")) == len(CONFIGS)
 
 
-def test_aot_cse_is_a_switch_of_compiled_graphs():
-    c = get_config("best-ckpt+split_skip=true+aot_cse=false")
-    assert not c.aot_cse and c.split_skip and c.checkpointing and CONFIGS["best"].aot_cse
-    assert not resolve(c, "cpu").aot_cse and "aot_cse" not in resolve(c, "cpu").not_applicable
-    r = resolve(get_config("opt1+aot_cse=false"), "cpu")
-    assert r.aot_cse and "needs compile" in r.not_applicable["aot_cse"]
+def test_recompute_pointwise_needs_compile():
+    assert resolve(get_config("best+recompute_pointwise=true"), "cpu").recompute_pointwise
+    r = resolve(get_config("opt1+recompute_pointwise=true"), "cpu")
+    assert not r.recompute_pointwise and "needs compile" in r.not_applicable["recompute_pointwise"]
+    with pytest.raises(ConfigError, match="recompute_pointwise must be a bool"):
+        CONFIGS["best"].with_flags(recompute_pointwise="yes")
 
 
-def test_memory_budget_is_a_number_in_a_name_and_needs_compile():
-    c = get_config("best+memory_budget=0.25")
-    assert c.memory_budget == 0.25 and c.name == "best+memory_budget=0.25"
-    with pytest.raises(ConfigError, match="memory_budget must be a number from 0 to 1, got 'most'"):
-        get_config("best+memory_budget=most")
-    assert resolve(c, "cpu").memory_budget == 0.25
-    r = resolve(get_config("opt1+memory_budget=0.5"), "cpu")
-    assert r.memory_budget == 1.0 and "needs compile" in r.not_applicable["memory_budget"]
-
-
-@pytest.mark.parametrize("switch", ["recompute_pointwise", "recompute_reads", "store_norm_grad"])
-def test_inductor_fusion_switches_need_compile(switch):
-    assert getattr(resolve(get_config(f"best+{switch}=true"), "cpu"), switch)
-    r = resolve(get_config(f"opt1+{switch}=true"), "cpu")
-    assert not getattr(r, switch) and "needs compile" in r.not_applicable[switch]
-    with pytest.raises(ConfigError, match=f"{switch} must be a bool"):
-        CONFIGS["best"].with_flags(**{switch: "yes"})
-
-
-@pytest.mark.parametrize("flag", ["nd_tiling", "coordinate_descent", "combo_kernels"])
-def test_triton_kernel_switches_need_compile_and_a_gpu(flag):
-    assert getattr(resolve(get_config(f"best+{flag}=true"), "cuda"), flag)
-    for name, device, why in ((f"best+{flag}=true", "cpu", "CUDA device"), (f"sdpa+{flag}=true", "cuda", "compile")):
-        r = resolve(get_config(name), device)
-        assert not getattr(r, flag) and why in r.not_applicable[flag], (name, device)
-    with pytest.raises(ConfigError, match=f"{flag} must be a bool"):
-        CONFIGS["best"].with_flags(**{flag: 1})
+@pytest.mark.parametrize("lever", RETIRED["run"])
+def test_a_retired_lever_is_an_unknown_flag(lever):
+    """The levers that measured a loss left the product: a name that sets one fails in one line, as any
+    unknown flag does, and no configuration has the switch."""
+    with pytest.raises(ConfigError, match=rf"^unknown config flag\(s\) \['{lever}'\]; known: [^\n]*$"):
+        get_config(f"best+{lever}=true")
+    assert all(lever not in c.flags for c in CONFIGS.values())
 
 
 def test_with_flags_composes_and_names_the_change():
@@ -118,24 +96,8 @@ def test_strict_fp32_turns_both_tf32_switches_off_and_tf32_on():
     set_precision_flags("fp32")
 
 
-def test_cudnn_try_all_lifts_the_autotuning_limit_and_puts_it_back(monkeypatch):
-    from medddpm import configs
-
-    assert "cudnn_try_all" in resolve(get_config("best+cudnn_try_all=true"), "cpu").not_applicable
-    assert resolve(get_config("best+cudnn_try_all=true"), "cuda").cudnn_try_all
-    before = torch.backends.cudnn.benchmark_limit
-    monkeypatch.setattr(configs, "DEFAULT_BENCHMARK_LIMIT", 10)  # a CUDA build's default (None without cuDNN)
-    try:
-        assert set_precision_flags("tf32", cudnn_try_all=True)["cudnn_benchmark_limit"] == "0"
-        assert torch.backends.cudnn.benchmark_limit == 0
-        assert set_precision_flags("tf32")["cudnn_benchmark_limit"] == "10"  # the next engine's default again
-    finally:
-        if before is not None:
-            torch.backends.cudnn.benchmark_limit = before
-        set_precision_flags("fp32")
-
-
-@pytest.mark.parametrize("name", list(CONFIGS))
+# A compiled configuration compiles its step (a minute or two on the CPU): slow.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if c.compile else n for n, c in CONFIGS.items()])
 def test_every_named_configuration_runs_one_cpu_step(name, tiny_spec):
     engine = Engine(tiny_spec, name, device="cpu", ema=False)
     x, c = random_batch(tiny_spec)

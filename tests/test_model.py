@@ -3,7 +3,6 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from medddpm import model as model_module
 from medddpm.diffusion import GaussianDiffusion, cosine_betas
 from medddpm.flops import count
 from medddpm.model import (UPSAMPLE_KINDS, Attention, GroupNorm32, ModelSpec, UNet3D, Upsample, _GroupNormSiLU,
@@ -189,6 +188,7 @@ def test_checkpointing_gives_the_same_gradients(kw):
         torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-12, atol=1e-14, msg=name)
 
 
+@pytest.mark.slow
 def test_compiled_checkpointing_with_the_fused_group_norm_has_the_plain_gradients():
     """Checkpointed blocks holding the fused GroupNorm's autograd.Function, compiled (AOTAutograd's partition, no
     Inductor code generation): the same gradients as the plain model in float64."""
@@ -378,46 +378,6 @@ def test_padded_narrow_convolutions_give_the_same_model(tiny_spec, layout):
         torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-10, atol=1e-13, msg=name)
 
 
-class _CatShapes(TorchDispatchMode):
-    """Channel counts of every channel-axis concatenation a model computes."""
-
-    def __init__(self):
-        super().__init__()
-        self.channels = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten.cat.default and (args[1] if len(args) > 1 else kwargs.get("dim", 0)) == 1:
-            self.channels.append(out.shape[1])
-        return out
-
-
-@pytest.mark.parametrize("group_norm", ["aten", "chunked"])
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_split_skip_gives_the_same_model_without_the_concatenations(tiny_spec, group_norm, checkpointing):
-    """Decoder blocks taking the skip as a second input compute what the concatenation computed, with
-    the same parameters, and concatenate nothing where the GroupNorm groups allow it (here 64+64 and
-    32+32 channels, groups of 4 and 2; 64+32, groups of 3, straddles its parts and keeps its cat)."""
-    torch.manual_seed(0)
-    plain = UNet3D(tiny_spec, group_norm=group_norm, checkpointing=checkpointing).double()
-    for p in plain.parameters():
-        torch.nn.init.normal_(p, std=0.05)
-    split = UNet3D(tiny_spec, group_norm=group_norm, checkpointing=checkpointing, split_skip=True).double()
-    split.load_state_dict(plain.state_dict())
-    x = torch.randn(2, 4, 16, 16, 16, dtype=torch.float64).to(memory_format=torch.channels_last_3d)
-    t = torch.tensor([3, 180])
-    with _CatShapes() as plain_cats:
-        ya = plain(x, t)
-    with _CatShapes() as split_cats:
-        yb = split(x, t)
-    assert sorted(plain_cats.channels) == [64, 96, 96, 128] and split_cats.channels == [96, 96]
-    torch.testing.assert_close(yb, ya, rtol=1e-12, atol=1e-14)
-    ya.square().sum().backward()
-    yb.square().sum().backward()
-    for (name, pa), pb in zip(plain.named_parameters(), split.parameters()):
-        torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-10, atol=1e-13, msg=name)
-
-
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_store_skip_grad_gives_the_same_model_and_stores_each_skip_gradient(tiny_spec, checkpointing):
     """The switch adds an identity on each decoder block's skip connection, whose backward copies the gradient
@@ -513,37 +473,6 @@ def test_narrow_checkpoints_without_checkpointing_is_the_plain_model_and_recorde
         resolve(CONFIGS["best-ckpt"], "cpu").not_applicable.keys()
 
 
-@pytest.mark.parametrize("kind", ["chunked", "fused"])
-def test_store_norm_grad_gives_the_same_model_and_touches_only_compiled_graphs(tiny_spec, kind, monkeypatch):
-    """The switch routes each GroupNorm's bf16 -> float32 cast through model._Upcast, whose backward casts the
-    gradient back behind Inductor's realize barrier; outside a compiled graph that barrier is the identity, so
-    eager outputs and gradients are bit for bit those without it (no upcast at all in a float64 model)."""
-    import torch._inductor.test_operators  # noqa: F401 - the barrier's operator, so that its calls can be counted
-
-    torch.manual_seed(0)
-    plain = UNet3D(tiny_spec, group_norm=kind)
-    for p in plain.parameters():
-        torch.nn.init.normal_(p, std=0.05)
-    stored = UNet3D(tiny_spec, group_norm=kind, store_norm_grad=True)
-    stored.load_state_dict(plain.state_dict())
-    norms = [m for m in stored.modules() if isinstance(m, GroupNorm32)]
-    assert norms and all(m.store_grad for m in norms)
-    assert not any(m.store_grad for m in plain.modules() if isinstance(m, GroupNorm32))
-    x = torch.randn(1, 4, 16, 16, 16).to(memory_format=torch.channels_last_3d)
-    t = torch.tensor([70])
-    barriers, upcasts = [], []
-    real = model_module._Upcast.apply
-    monkeypatch.setattr(model_module._Upcast, "apply", lambda *a: (upcasts.append(a[0].dtype), real(*a))[1])
-    for model in (plain, stored):
-        with torch.autocast("cpu", dtype=torch.bfloat16), _OpCalls(torch.ops._inductor_test.realize.default, barriers):
-            model(x, t).float().square().sum().backward()
-    assert not barriers
-    # the chunked kind casts through _Upcast (bf16 activations, the stored model only); the fused one casts inside
-    assert (set(upcasts) == {torch.bfloat16}) if kind == "chunked" else not upcasts
-    for (name, pa), pb in zip(plain.named_parameters(), stored.parameters()):
-        torch.testing.assert_close(pb.grad, pa.grad, rtol=0, atol=0, msg=name)
-
-
 class _OpCalls(TorchDispatchMode):
     """Appends the shapes of every call of one operator."""
 
@@ -555,49 +484,6 @@ class _OpCalls(TorchDispatchMode):
         if func is self.op:
             self.calls.append(tuple(args[0].shape))
         return func(*args, **(kwargs or {}))
-
-
-def test_split_skip_keeps_the_concatenation_where_groups_straddle_the_parts():
-    """The paper's model: a 128+64-channel block has groups of 6 channels, which straddle its parts."""
-    spec = ModelSpec(size=32, mask_channels=3, channel_mult=(1, 1, 2, 3, 4))  # the paper's 128^3 widths
-    model = UNet3D(spec, split_skip=True)
-    norms = [b.res.in_layers[0] for b in model.up]
-    assert [n.num_channels for n in norms] == [512, 448, 448, 320, 320, 192, 192, 128, 128, 128]
-    assert norms[0].splits([256, 256]) and norms[-1].splits([64, 64]) and not norms[5].splits([128, 64])
-    with _CatShapes() as cats:
-        model(torch.randn(1, 4, 32, 32, 32), torch.tensor([5]))
-    assert sorted(cats.channels) == [192, 192, 320, 320, 448, 448]  # 512 and the three of 128 went
-    with pytest.raises(AssertionError, match="whole groups of 6"):
-        norms[5].forward_parts([torch.randn(1, 128, 2, 2, 2), torch.randn(1, 64, 2, 2, 2)])
-
-
-def _eager_peak_bytes(spec: ModelSpec, **flags) -> int:
-    """Peak bytes of one bf16 forward and backward, tracked on fake tensors (nothing is allocated)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    with FakeTensorMode():
-        model = UNet3D(spec, attention="sdpa", recompute_attention=False, group_norm="chunked", **flags)
-        x, t = torch.randn(1, spec.in_channels, *spec.shape), torch.tensor([5])
-        tracker = MemTracker()
-        tracker.track_external(model)
-        with tracker:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(x, t).float().square().mean()
-            loss.backward()
-    return sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
-
-
-def test_split_skip_lowers_the_checkpointed_peak_at_128():
-    """The lever's premise at full size (eager, fake tensors): in a checkpointed step the largest
-    recomputation is a top-level decoder block, and without its 128-channel concatenation (0.5 GiB in
-    bf16) and that tensor's gradient the peak drops by about 1 GiB (7.12 -> 6.12 GiB here). Compiled, the
-    H200 measured the opposite: the partitioner keeps a float32 skip (tests/test_partition.py), and with
-    that skip gone (aot_cse=false) the backward's own buffers still peak higher (NOTES.md, session 11)."""
-    spec = ModelSpec(size=128, mask_channels=3)
-    cat = _eager_peak_bytes(spec, checkpointing=True)
-    split = _eager_peak_bytes(spec, checkpointing=True, split_skip=True)
-    assert 0.9 * 2**30 < cat - split < 1.1 * 2**30, f"{cat / 2**30:.2f} -> {split / 2**30:.2f} GiB"
 
 
 @pytest.mark.parametrize("kind", UPSAMPLE_KINDS)
@@ -620,6 +506,7 @@ def test_upsample_kinds_are_trilinear_interpolation(kind, layout):
     assert y.shape == (2, 6, 10, 8, 6)
 
 
+@pytest.mark.slow
 def test_separable_ndhwc_keeps_every_compiled_buffer_channels_last(fresh_inductor):
     """The premise of `separable_ndhwc`: compiled on a channels-last input, `separable` lays some per-axis
     results out with W fastest (strided reads and writes of channels-last memory); on the NDHWC view every

@@ -111,6 +111,29 @@ def test_columns_added_for_memory_read_from_older_tables(tmp_path):
     assert (back["gpu_total_bytes"] == -1).all() and (back["gpu_other_bytes"] == -1).all()
 
 
+def test_a_row_with_a_retired_column_still_reads_and_none_is_written_again(tmp_path):
+    """Committed runs recorded switches that have since left the product (`schema.RETIRED`): such a row reads
+    without them, a new row does not have them, and writing one back refuses them like any unknown column."""
+    from medddpm.configs import get_config
+    from medddpm.measure import run_row
+
+    env = dict(gpu_count=0, driver="", cuda="", cudnn="", torch="2", python="3", cpu="x", host_threads=2,
+               git_commit="abc", container="")
+    row = run_row(get_config("best"), "smoke", env=env, gpu_name="cpu", status="ok", message="")
+    assert not set(schema.RETIRED["run"]) & set(row) and not set(schema.RETIRED["run"]) & set(schema.TABLES["run"])
+    retired = dict(split_skip=False, store_norm_grad=False, cudnn_try_all=False, memory_budget=1.0, aot_cse=True,
+                   recompute_reads=False, nd_tiling=False, coordinate_descent=False, combo_kernels=False)
+    assert set(retired) == set(schema.RETIRED["run"])
+    typed = pa.schema(list(schema.arrow_schema("run")) + [pa.field(k, pa.float64() if k == "memory_budget" else pa.bool_())
+                                                          for k in retired])
+    pq.write_table(pa.Table.from_pandas(pd.DataFrame([row | retired]), schema=typed, preserve_index=False),
+                   tmp_path / "run.parquet")
+    back = schema.read_table(tmp_path / "run.parquet")
+    assert list(back.columns) == list(schema.TABLES["run"]) and back.loc[0, "config"] == "best"
+    with pytest.raises(schema.SchemaError, match="unexpected columns"):
+        schema.write_table(back.assign(**retired), tmp_path / "again.parquet", "run")
+
+
 @pytest.mark.parametrize("config, preset, batch, folder", [
     ("best", "paper", 1, "best"), ("baseline", "smoke", 1, "baseline"), ("best", "brats", 1, "best@brats"),
     ("best-ckpt", "brats", 2, "best-ckpt@brats-b2"), ("opt1", "paper", 2, "opt1@paper-b2"),

@@ -93,7 +93,8 @@ def test_package_sources_name_the_models_functions():
 @pytest.mark.parametrize("config,commit,name", [
     ("best-ckpt+store_skip_grad=true+cuda_graphs=false", "e3af6ad3a88de7763088d1adf47b9a1d52622fed",
      "memory-best-ckpt_store_skip_grad_true_cuda_graphs_false-e3af6ad.pickle"),
-    ("best+memory_budget=0", "0123456789abcdef-dirty", "memory-best_memory_budget_0-0123456.pickle"),
+    ("best-ckpt+narrow_checkpoints=false", "0123456789abcdef-dirty",
+     "memory-best-ckpt_narrow_checkpoints_false-0123456.pickle"),
     ("best", "unknown", "memory-best-unknown.pickle")])
 def test_snapshot_names_round_trip(config, commit, name):
     assert snapshot.snapshot_name(config, commit) == name
