@@ -19,4 +19,5 @@ PYTHON=${PYTHON:-python3}
   $(grep -E '^(numpy|scipy|pandas|pyarrow|tqdm|psutil|nibabel|nilearn|pytest|pytest-xdist|execnet)==' requirements.txt)
 "$venv/bin/python" -c "import torch; print('torch', torch.__version__)"
 [ $# -gt 0 ] || set -- tests/test_model.py tests/test_engine.py -k "fused or checkpoint or best_levers or tap or store_skip or store_norm"
-PYTHONPATH=$PWD exec "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@"
+# Slow tests too (pyproject.toml leaves them out by default): most of these compile a step.
+PYTHONPATH=$PWD exec "$venv/bin/python" -m pytest -q -p no:cacheprovider -m "slow or not slow" "$@"

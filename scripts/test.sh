@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Set up, then run the test suite (CPU, small sizes). The book's browser test needs Debian chromium:
-# installed here with apt-get when /usr/bin/chromium is missing (driven by the playwright package).
+# Set up, then run the test suite (CPU, small sizes): the unit tests and the slow ones (marked `slow`:
+# sweeps, the book, compiled steps, training CLI runs, notebooks, distributed launches). Extra arguments
+# go to pytest after the script's own, so a later -m wins: `bash scripts/test.sh -m "not slow"` is the
+# fast loop (what a plain `pytest` runs, pyproject.toml's addopts). The book's browser test needs Debian
+# chromium: installed here with apt-get when /usr/bin/chromium is missing (driven by the playwright package).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -18,4 +21,6 @@ workers=${PYTEST_WORKERS:-$(( cores > 4 ? 4 : cores ))}
 if [ "$workers" -gt 1 ]; then
   export OMP_NUM_THREADS=$(( cores / workers > 1 ? cores / workers : 1 ))
 fi
-exec .venv/bin/python -m pytest -q -n "$workers" --dist worksteal "$@"
+# worksteal: the slow tests take from seconds to minutes, and an idle worker takes the other's pending ones.
+# The book is built once a run whichever worker asks first (tests/conftest.py's built_book).
+exec .venv/bin/python -m pytest -q -n "$workers" --dist worksteal -m "slow or not slow" "$@"

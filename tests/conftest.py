@@ -1,4 +1,13 @@
+import fcntl
+import json
 import os
+import re
+import resource
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
 # Inductor's CPU kernels without SIMD code: the tests compare compiled steps with eager ones and read the
 # graphs' buffers, not the kernels' vector code, and a cold compile of the compiled step took 31 s instead of
@@ -7,12 +16,19 @@ os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import yaml  # noqa: E402
 
-from medddpm.model import ModelSpec
+from medddpm.model.unet import ModelSpec
 
 
 # With pytest-xdist's workers (scripts/test.sh) the cores are shared out among them.
 THREADS = int(os.environ.get("OMP_NUM_THREADS") or 2)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow tests first (in their order), the unit tests after them: pytest-xdist's workers then start
+    the long ones early and end on short ones, instead of one worker running a sweep alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # a stable sort
 
 
 @pytest.fixture(autouse=True)
@@ -59,3 +75,125 @@ def fresh_inductor():
 
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         yield
+
+
+# --- the book: built once a test run -------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+# The build's own cost: CPU seconds of scripts/book.sh and every process under it (the page kernels): 197 s
+# for 14 pages on a 2-core development machine. Not its wall time: the suite's other
+# worker shares the cores, and on the CI machine builds beside compiling tests took 286-326 s of wall time.
+BUILD_CPU_LIMIT_S = 480
+FAKE_SLUG, FAKE_NAME = "fake-gpu-x", "Fake GPU X"
+
+
+def toc_pages() -> list[str]:
+    """Document names from _toc.yml (jb-book: root, chapters or parts of chapters, nested sections)."""
+    toc = yaml.safe_load((REPO / "_toc.yml").read_text())
+    names = [toc["root"]]
+
+    def walk(entries):
+        for e in entries or []:
+            if "file" in e:
+                names.append(e["file"])
+            walk(e.get("sections"))
+
+    walk(toc.get("chapters"))
+    for part in toc.get("parts", []):
+        walk(part.get("chapters"))
+    return [re.sub(r"\.(md|ipynb)$", "", n) for n in names]
+
+
+def _children_cpu_s() -> float:
+    """User + system seconds of this process's finished children (and theirs, once reaped)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_book_sh(out: Path, data: Path | None = None) -> tuple[subprocess.CompletedProcess, str, float, float]:
+    """scripts/book.sh (set-up skipped: the test run has done it) into `out`; also its wall and CPU seconds."""
+    env = dict(os.environ, BOOK_SKIP_SETUP="1", BOOK_OUT=str(out), MEDDDPM_DATA=str(data or REPO / "data"))
+    t0, cpu0 = time.monotonic(), _children_cpu_s()
+    proc = subprocess.run(["bash", str(REPO / "scripts/book.sh")], cwd=REPO, env=env, capture_output=True, text=True)
+    return proc, proc.stdout + proc.stderr, time.monotonic() - t0, _children_cpu_s() - cpu0
+
+
+def build_book(out: Path, data: Path | None = None) -> Path:
+    """A build that must succeed within its CPU budget; returns the html folder."""
+    proc, log, took, cpu = run_book_sh(out, data)
+    if proc.returncode != 0:
+        # The cause (the failing page and its cell error) first, then the end of the log.
+        at = min((i for i in (log.find("CellExecutionError"), log.find(": WARNING:"), log.find(": ERROR:"),
+                                  log.find("Sphinx parallel build error")) if i >= 0),
+                 default=len(log))
+        raise AssertionError(f"book build failed (rc {proc.returncode}):\n{log[max(0, at - 800):at + 4000]}\n"
+                             f"[...]\n{log[-1500:]}")
+    print(f"book built in {took:.1f} s, {cpu:.0f} CPU seconds ({out})")
+    assert 0 < cpu < BUILD_CPU_LIMIT_S, f"book build took {cpu:.0f} CPU seconds (limit {BUILD_CPU_LIMIT_S} s)"
+    html = out / "_build" / "html"
+    for page in toc_pages():
+        assert (html / f"{page}.html").is_file(), f"{page}.html missing from the build"
+    return html
+
+
+def add_fake_gpu(data: Path) -> str:
+    """Copy the first GPU folder with parquet files to `fake-gpu-x`, renamed in every table; returns the
+    copied folder's name. The CPU's folder only where no GPU has one: its kernel and step times are no GPU's
+    (the pages check a GPU's, e.g. the share of the step its kernels keep it busy)."""
+    from medddpm.measure.scaling import SCALING_DIR
+    from medddpm.store.schema import read_table, write_table
+
+    sources = sorted((p for p in data.iterdir() if p.is_dir() and not p.name.startswith(".") and any(p.glob("*/run.parquet"))),
+                     key=lambda p: (p.name == "cpu", p.name))
+    assert sources, f"no <gpu>/<config>/run.parquet under {data}"
+    src = sources[0]
+    dst = data / FAKE_SLUG
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".*"))
+    for path in dst.rglob("*.parquet"):  # runs, scaling tables, and runs kept in tuning/ or reference/
+        table = "scaling" if path.parent.name == SCALING_DIR else path.stem  # scaling/<config>.parquet
+        df = read_table(path, table)
+        if "run_id" in df:
+            df["run_id"] = df["run_id"].str.replace(f"{src.name}/", f"{FAKE_SLUG}/", n=1, regex=False)
+        if "gpu_slug" in df:
+            df["gpu_slug"] = FAKE_SLUG
+        if "gpu_name" in df:
+            df["gpu_name"] = FAKE_NAME
+        write_table(df, path, table)
+    return src.name
+
+
+@dataclass(frozen=True)
+class BuiltBook:
+    html: Path  # the build's _build/html
+    data: Path  # the data root it read: a copy of data/ with FAKE_SLUG added
+    src: str  # the GPU folder FAKE_SLUG copies
+
+
+@pytest.fixture(scope="session")
+def built_book(tmp_path_factory) -> BuiltBook:
+    """scripts/book.sh run once for the whole test run, on a copy of data/ with a second copy of its first
+    GPU folder (FAKE_SLUG) added: the browser test opens every page of it, the second-GPU test reads its
+    charts. pytest-xdist's workers share it: the first to ask builds it under a lock into the run's
+    temporary folder, the others take what it left there (the HTML, or the build's error)."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the run's folder, shared by its workers (each has its own folder below it)
+    root = base / "book"
+    root.mkdir(exist_ok=True)
+    outcome = root / "outcome.json"
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not outcome.exists():
+            try:
+                data = root / "data"
+                shutil.copytree(REPO / "data", data, ignore=shutil.ignore_patterns(".*"))
+                src = add_fake_gpu(data)
+                html = build_book(root / "out", data)
+            except BaseException as e:
+                outcome.write_text(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+                raise
+            outcome.write_text(json.dumps({"html": str(html), "data": str(data), "src": src}))
+    done = json.loads(outcome.read_text())
+    if "error" in done:
+        raise AssertionError(f"the book's build failed in another worker: {done['error']}")
+    return BuiltBook(Path(done["html"]), Path(done["data"]), done["src"])

@@ -1,5 +1,7 @@
 """The book: a strict offline build, every page opened in headless Chromium with no network, and a
-second GPU's data folder showing up in the comparison charts with no page edited.
+second GPU's data folder showing up in the comparison charts with no page edited. One build serves both
+(conftest.py's `built_book`, on a copy of data/ with a second GPU folder added); a build that must fail is
+the only other run of scripts/book.sh.
 
 Needs Debian `chromium` (/usr/bin/chromium; scripts/test.sh installs it) and the `playwright` Python
 package (never `playwright install`). Skipped only when both are missing.
@@ -12,26 +14,18 @@ import http.server
 import json
 import os
 import re
-import resource
 import shutil
-import subprocess
 import threading
 import time
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import FAKE_NAME, FAKE_SLUG, REPO, run_book_sh, toc_pages
+
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
-# The build's own cost: CPU seconds of scripts/book.sh and every process under it (the page kernels): 197 s
-# for 14 pages on a 2-core development machine (NOTES.md, session 22). Not its wall time: the suite's other
-# worker shares the cores, and on the CI machine builds beside compiling tests took 286-326 s of wall time.
-BUILD_CPU_LIMIT_S = 480
-FAKE_SLUG, FAKE_NAME = "fake-gpu-x", "Fake GPU X"
 
 try:
     import playwright.sync_api  # noqa: F401
@@ -40,65 +34,11 @@ except ImportError:
     HAVE_PLAYWRIGHT = False
 HAVE_CHROMIUM = os.access(CHROMIUM, os.X_OK)
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not HAVE_PLAYWRIGHT and not HAVE_CHROMIUM,
     reason="book test needs Debian chromium (/usr/bin/chromium) and the playwright package: neither is installed "
            "(scripts/test.sh installs both)",
-)
-
-
-def toc_pages() -> list[str]:
-    """Document names from _toc.yml (jb-book: root, chapters or parts of chapters, nested sections)."""
-    toc = yaml.safe_load((REPO / "_toc.yml").read_text())
-    names = [toc["root"]]
-
-    def walk(entries):
-        for e in entries or []:
-            if "file" in e:
-                names.append(e["file"])
-            walk(e.get("sections"))
-
-    walk(toc.get("chapters"))
-    for part in toc.get("parts", []):
-        walk(part.get("chapters"))
-    return [re.sub(r"\.(md|ipynb)$", "", n) for n in names]
-
-
-def _children_cpu_s() -> float:
-    """User + system seconds of this process's finished children (and theirs, once reaped)."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
-def run_book_sh(out: Path, data: Path | None = None) -> tuple[subprocess.CompletedProcess, str, float, float]:
-    """scripts/book.sh (set-up skipped: the test run has done it) into `out`; also its wall and CPU seconds."""
-    env = dict(os.environ, BOOK_SKIP_SETUP="1", BOOK_OUT=str(out), MEDDDPM_DATA=str(data or REPO / "data"))
-    t0, cpu0 = time.monotonic(), _children_cpu_s()
-    proc = subprocess.run(["bash", str(REPO / "scripts/book.sh")], cwd=REPO, env=env, capture_output=True, text=True)
-    return proc, proc.stdout + proc.stderr, time.monotonic() - t0, _children_cpu_s() - cpu0
-
-
-def build_book(out: Path, data: Path | None = None) -> Path:
-    """A build that must succeed within its CPU budget; returns the html folder."""
-    proc, log, took, cpu = run_book_sh(out, data)
-    if proc.returncode != 0:
-        # The cause (the failing page and its cell error) first, then the end of the log.
-        at = min((i for i in (log.find("CellExecutionError"), log.find(": WARNING:"), log.find(": ERROR:"),
-                                  log.find("Sphinx parallel build error")) if i >= 0),
-                 default=len(log))
-        raise AssertionError(f"book build failed (rc {proc.returncode}):\n{log[max(0, at - 800):at + 4000]}\n"
-                             f"[...]\n{log[-1500:]}")
-    print(f"book built in {took:.1f} s, {cpu:.0f} CPU seconds ({out})")
-    assert 0 < cpu < BUILD_CPU_LIMIT_S, f"book build took {cpu:.0f} CPU seconds (limit {BUILD_CPU_LIMIT_S} s)"
-    html = out / "_build" / "html"
-    for page in toc_pages():
-        assert (html / f"{page}.html").is_file(), f"{page}.html missing from the build"
-    return html
-
-
-@pytest.fixture(scope="session")
-def built_book(tmp_path_factory) -> Path:
-    return build_book(tmp_path_factory.mktemp("book"))
+)]
 
 
 class _Quiet(http.server.SimpleHTTPRequestHandler):
@@ -108,7 +48,7 @@ class _Quiet(http.server.SimpleHTTPRequestHandler):
 
 @pytest.fixture(scope="session")
 def book_url(built_book):
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(built_book)))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(built_book.html)))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
@@ -153,13 +93,15 @@ def _wait_changed(page, chart_id: str, before: str, what: str) -> None:
     raise AssertionError(f"{page.url}: {what} on chart #{chart_id} did not change what is drawn")
 
 
-def _exercise_chart(page, chart_id: str, kinds: dict[str, int]) -> None:
-    """Change every bound dropdown/radio, and click one legend entry; each must change the drawing."""
+def _exercise_chart(page, chart_id: str, kinds: dict[str, int], twins: dict[str, str]) -> None:
+    """Change every bound dropdown/radio, and click one legend entry; each must change the drawing. `twins`:
+    a GPU folder and its copy under another name (FAKE_SLUG) hold the same numbers, so a GPU dropdown is
+    switched to a GPU other than the current one's twin (with no other, it is left alone, as with one GPU)."""
     root = page.locator(f"#{chart_id}")
     for i, select in enumerate(root.locator(".vega-bind select").all()):
         options = select.locator("option").evaluate_all("os => os.map(o => o.value)")
         current = select.input_value()
-        others = [o for o in options if o != current]
+        others = [o for o in options if o != current and o != twins.get(current)]
         if not others:
             continue
         before = page.evaluate(SNAPSHOT, chart_id)
@@ -214,7 +156,7 @@ def _check_solutions(page) -> int:
     return solutions.count()
 
 
-def test_book_in_browser(book_url):
+def test_book_in_browser(book_url, built_book):
     assert HAVE_PLAYWRIGHT, "the playwright Python package is missing (pip install -r requirements.txt)"
     assert HAVE_CHROMIUM, f"{CHROMIUM} is missing (apt-get install chromium; scripts/test.sh does it)"
     from playwright.sync_api import sync_playwright
@@ -225,6 +167,7 @@ def test_book_in_browser(book_url):
     kinds = {"dropdown": 0, "radio": 0, "legend": 0}
     charts_total = 0
     solutions = 0
+    twins = {FAKE_SLUG: built_book.src, built_book.src: FAKE_SLUG}
 
     def route(r):
         u = urlsplit(r.request.url)
@@ -255,17 +198,20 @@ def test_book_in_browser(book_url):
                     for c in page.evaluate(CHARTS_STATE):
                         if c["error"] or not c["drawn"]:
                             problems.append(f"{name}: chart #{c['id']} not drawn ({c['kind']}): {c['error']}")
-                    for c in page.evaluate(CHARTS_STATE):
-                        if c["drawn"]:
-                            try:
-                                _exercise_chart(page, c["id"], kinds)
-                            except AssertionError as e:
-                                problems.append(f"{name}: {e}")
-                charts_total += n_charts
+                # The folded solutions first: opened, the charts inside them are exercised like the others
+                # (their controls cannot be used while folded).
                 try:
                     solutions += _check_solutions(page)
                 except AssertionError as e:
                     problems.append(f"{name}: {e}")
+                if n_charts:
+                    for c in page.evaluate(CHARTS_STATE):
+                        if c["drawn"]:
+                            try:
+                                _exercise_chart(page, c["id"], kinds, twins)
+                            except AssertionError as e:
+                                problems.append(f"{name}: {e}")
+                charts_total += n_charts
                 page.wait_for_timeout(200)
                 page.close()
         finally:
@@ -282,29 +228,6 @@ def test_book_in_browser(book_url):
 
 # --- a second GPU appears with no page edited ------------------------------------------------------
 
-def _add_fake_gpu(data: Path) -> str:
-    """Copy the first GPU folder with parquet files to `fake-gpu-x`, renamed in every table."""
-    from medddpm.scaling import SCALING_DIR
-    from medddpm.schema import read_table, write_table
-
-    sources = sorted(p for p in data.iterdir() if p.is_dir() and not p.name.startswith(".") and any(p.glob("*/run.parquet")))
-    assert sources, f"no <gpu>/<config>/run.parquet under {data}"
-    src = sources[0]
-    dst = data / FAKE_SLUG
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".*"))
-    for path in dst.rglob("*.parquet"):  # runs, scaling tables, and runs kept in tuning/ or reference/
-        table = "scaling" if path.parent.name == SCALING_DIR else path.stem  # scaling/<config>.parquet
-        df = read_table(path, table)
-        if "run_id" in df:
-            df["run_id"] = df["run_id"].str.replace(f"{src.name}/", f"{FAKE_SLUG}/", n=1, regex=False)
-        if "gpu_slug" in df:
-            df["gpu_slug"] = FAKE_SLUG
-        if "gpu_name" in df:
-            df["gpu_name"] = FAKE_NAME
-        write_table(df, path, table)
-    return src.name
-
-
 def _chart_specs(html: str) -> list[dict]:
     """The Vega-Lite specs embedded by Altair's HTML output on a page: `})({spec}, {embed options});`."""
     decoder, specs = json.JSONDecoder(), []
@@ -317,11 +240,8 @@ def _chart_specs(html: str) -> list[dict]:
     return specs
 
 
-def test_second_gpu_appears_without_edits(tmp_path):
-    data = tmp_path / "data"
-    shutil.copytree(REPO / "data", data, ignore=shutil.ignore_patterns(".*"))
-    src = _add_fake_gpu(data)
-    html = build_book(tmp_path / "book", data=data)
+def test_second_gpu_appears_without_edits(built_book):
+    html, src = built_book.html, built_book.src
     with_src, with_both = [], []
     for name in toc_pages():
         text = "\n".join(json.dumps(spec) for spec in _chart_specs((html / f"{name}.html").read_text(encoding="utf-8")))

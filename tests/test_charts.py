@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 
 from medddpm import report as bd
-from medddpm import schema
+from medddpm.store import schema
 from medddpm.report import charts, claims
 from medddpm.configs import CONFIGS
 
@@ -33,7 +33,7 @@ def real() -> bd.Data:
 
 def _ncu_rows(run_id: str, names: list[str], config: str) -> pd.DataFrame:
     """Hand-made ncu rows: one launch per kernel, the headline metrics by raw name, one global rule."""
-    from medddpm import ncu
+    from medddpm.measure import ncu
 
     tc = {"baseline": 0.0, "opt1": 30.0, "opt2": 0.5, "opt12": 12.0}.get(config, 20.0)
     rows = []
@@ -370,7 +370,7 @@ def test_ncu_coverage_says_what_the_counters_stand_for(real):
     ncu_df = real.ncu[real.ncu["run_id"] == run_id]
     one = ncu_df[ncu_df["kernel"] == ncu_df["kernel"].iloc[0]]
     k = real.kernels[real.kernels["run_id"] == run_id]
-    from medddpm import ncu
+    from medddpm.measure import ncu
 
     share = ncu.covered(k, ncu.match_kernel(one["kernel"].iloc[0], k["kernel"].unique().tolist()))
     less = bd.ncu_coverage(bd.Data(run=real.run, steps=real.steps, kernels=real.kernels, ncu=one, quality=real.quality))

@@ -10,9 +10,11 @@ import pandas as pd
 import pytest
 
 from medddpm import report as bd
-from medddpm import layers, ncu, schema
+from medddpm.measure import layers
+from medddpm.measure import ncu
+from medddpm.store import schema
 from medddpm.report import claims
-from medddpm.__main__ import main
+from medddpm.cli.main import main
 
 GPU = "nvidia-test-gpu"
 TENSOR = ncu.TENSOR_PIPE_METRICS[-1]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from medddpm.__main__ import main
+from medddpm.cli.main import main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,8 +40,8 @@ def test_info_shows_the_brats_model():
 
 
 def test_preset_names_match_the_presets():
-    from medddpm.__main__ import PRESET_NAMES
-    from medddpm.measure import PRESETS
+    from medddpm.cli.main import PRESET_NAMES
+    from medddpm.measure.run import PRESETS
 
     assert PRESET_NAMES == tuple(PRESETS)
 

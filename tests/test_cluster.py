@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from medddpm.cluster import SlurmOptions, submit_slurm
+from medddpm.measure.cluster import SlurmOptions, submit_slurm
 from medddpm.configs import parse_config_list
-from medddpm.schema import read_table
+from medddpm.store.schema import read_table
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_the_slurm_backend_runs_each_configuration_as_a_job_through_submitit(tmp_path, monkeypatch):
     """The SLURM submission code, unchanged, on submitit's local executor (sbatch-only options ignored)."""
     monkeypatch.setenv("MEDDDPM_CACHE", str(tmp_path / "cache"))
@@ -48,7 +49,7 @@ def test_slurm_dry_run_prints_one_sbatch_script_per_configuration(tmp_path):
         assert "#SBATCH --time=90" in lines and "#SBATCH --partition=gpu-long" in lines
         assert f"#SBATCH --job-name=medddpm-h100-{name}" in lines
         assert f"# medddpm: python -m medddpm sweep --configs {name} --preset paper --out {tmp_path / 'data'}" \
-               f" --phases sample,torch,quality" in lines
+               f" --phases torch" in lines
         assert any(line.startswith("export PYTHONPATH=") and str(ROOT) in line for line in lines)
         assert re.search(r"^srun .* -m submitit\.core\._submit ", script, re.M), "the job runs the pickled sweep"
     # Without a GPU type: any GPU.

@@ -3,8 +3,8 @@ import torch
 
 from medddpm.configs import (CONFIGS, PAPER, Config, ConfigError, get_config, parse_config_list, resolve,
                              set_precision_flags)
-from medddpm.engine import Engine
-from medddpm.schema import RETIRED
+from medddpm.train.engine import Engine
+from medddpm.store.schema import RETIRED
 
 from conftest import random_batch
 
@@ -21,8 +21,8 @@ def test_paper_configurations_have_the_papers_switches():
 
 
 def test_checkpointed_configurations_are_their_twins_plus_checkpointing():
-    # best-ckpt keeps the chunked GroupNorm: the fused one raised its peak (data/nvidia-h200/NOTES.md, session 13);
-    # its other switches lower its peak: on the H200 4.64 -> 4.23 GiB, 68.1 -> 70.8 ms (session 23)
+    # best-ckpt keeps the chunked GroupNorm: the fused one raised its peak (on the H200 4.64 -> 5.74 GiB);
+    # its other switches lower its peak: on the H200 4.64 -> 4.23 GiB, 68.1 -> 70.8 ms
     ckpt_only = {"group_norm": "chunked", "store_skip_grad": True, "narrow_checkpoints": True, "cuda_graphs": False}
     for name, twin, also in (("opt1-ckpt", "opt1", {}), ("best-ckpt", "best", ckpt_only)):
         assert CONFIGS[name].checkpointing and not CONFIGS[twin].checkpointing
@@ -118,7 +118,7 @@ def test_config_choices_are_the_model_s():
     from typing import get_args
 
     from medddpm.configs import AttentionKind, GroupNormKind, UpsampleKind
-    from medddpm.model import ATTENTION_KINDS, GROUP_NORM_KINDS, UPSAMPLE_KINDS
+    from medddpm.model.unet import ATTENTION_KINDS, GROUP_NORM_KINDS, UPSAMPLE_KINDS
 
     assert get_args(UpsampleKind) == UPSAMPLE_KINDS and get_args(GroupNormKind) == GROUP_NORM_KINDS
     assert get_args(AttentionKind) == ATTENTION_KINDS

@@ -10,9 +10,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from medddpm import ncu, schema
-from medddpm.__main__ import main
-from medddpm.counters import CountersError, add_counters, check_run
+from medddpm.measure import ncu
+
+from medddpm.store import schema
+from medddpm.cli.main import main
+from medddpm.measure.counters import CountersError, add_counters, check_run
 
 FIX = Path(__file__).parent / "fixtures"
 DETAILS = FIX / "h200/ncu-opt1-size32-details.csv.gz"
@@ -50,7 +52,7 @@ def fake_ncu(bin_dir: Path, details: Path) -> None:
 def stand_in(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:/usr/bin:/bin")
     monkeypatch.setattr(ncu, "_cuda_available", lambda: True)
-    monkeypatch.setattr("medddpm.counters.NCU_REPORTS", tmp_path / "reports")
+    monkeypatch.setattr("medddpm.measure.counters.NCU_REPORTS", tmp_path / "reports")
     monkeypatch.setenv("MEDDDPM_GIT_COMMIT", "c0ffee")
     return lambda details: fake_ncu(tmp_path / "bin", details)
 
@@ -110,7 +112,7 @@ def test_counters_merge_adds_a_pass_to_the_run_s(run_dir, stand_in, tmp_path):
 
 def test_a_merge_profiles_only_what_the_run_s_counters_lack(run_dir, stand_in, tmp_path, monkeypatch):
     # Each merge's own pass leaves out the kernels already covered, and its library pass skips the launches
-    # the library passes before it profiled (session 16's passes, which predate `first_launch`, from the first).
+    # the library passes before it profiled (library passes that predate `first_launch` started at launch 0).
     calls = []
     real = ncu._profile
     monkeypatch.setattr(ncu, "_profile", lambda cmd, *a, **k: (calls.append(cmd), real(cmd, *a, **k))[1])
@@ -126,7 +128,7 @@ def test_a_merge_profiles_only_what_the_run_s_counters_lack(run_dir, stand_in, t
 
     row = schema.read_table(run_dir / "run.parquet", "run")
     recorded = json.loads(row.loc[0, "profilers"])
-    recorded["ncu"]["merged"]["passes"] = {"library": {"launches": 97}}  # as session 16 recorded one
+    recorded["ncu"]["merged"]["passes"] = {"library": {"launches": 97}}  # a library pass without `first_launch`
     row.loc[0, "profilers"] = json.dumps(recorded)
     schema.write_table(row, run_dir / "run.parquet", "run")
     assert ncu.library_launches_done(recorded["ncu"]) == 97
@@ -200,7 +202,9 @@ def test_capture_names_every_convolution_forward_and_backward(monkeypatch, from_
     balanced on each thread; with --from-backward the step's range starts at the named layer's backward."""
     import torch
 
-    from medddpm import capture, engine
+    from medddpm.measure import capture
+
+    from medddpm.train import engine
 
     nvtx = Nvtx()
     monkeypatch.setattr(torch.cuda, "nvtx", nvtx)

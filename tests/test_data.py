@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from medddpm import data
-from medddpm.data import DataError, MNIPairs, NiftiPairs, make_mni_pair, one_hot_condition, open_dataset
+from medddpm.train import data
+from medddpm.train.data import DataError, MNIPairs, NiftiPairs, make_mni_pair, one_hot_condition, open_dataset
 
 
 # make_mni_pair
@@ -312,9 +312,9 @@ def test_data_error_is_one_line():
     assert issubclass(DataError, ValueError)
 
 
-# ------------------------------------------------------------------------ BraTS (issue 8)
+# ------------------------------------------------------------------------ BraTS
 
-from medddpm.data import BRATS_LABELS, BratsCases, MNIBratsCases, make_brats_case  # noqa: E402
+from medddpm.train.data import BRATS_LABELS, BratsCases, MNIBratsCases, make_brats_case  # noqa: E402
 
 BRATS_SMALL = (40, 40, 32)
 

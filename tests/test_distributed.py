@@ -4,12 +4,13 @@ import json
 import os
 import socket
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
-from medddpm.engine import Engine
-from medddpm.model import ModelSpec
-from medddpm.train import read_loss_log, train
+from medddpm.train.engine import Engine
+from medddpm.model.unet import ModelSpec
+from medddpm.train.loop import read_loss_log, train
 
 from conftest import Pairs, random_batch
 
@@ -40,7 +41,7 @@ def _worker(rank, port, out):
     os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                    "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank)}
     torch.set_num_threads(1)
-    from medddpm import distributed
+    from medddpm.measure import distributed
 
     r, world, _, device = distributed.init_from_env()
     assert (r, world, device.type) == (rank, WORLD, "cpu") and distributed.is_main() == (rank == 0)
@@ -70,6 +71,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_match_one_process(tiny_spec, tmp_path):
     assert tiny_spec == ModelSpec(**SPEC)
     mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
@@ -125,6 +127,7 @@ def test_two_gloo_ranks_match_one_process(tiny_spec, tmp_path):
     assert not list(run.glob("*.tmp"))
 
 
+@pytest.mark.slow
 def test_torchrun_entry_point_and_world_size_on_resume(tmp_path):
     import subprocess
     import sys
@@ -132,12 +135,12 @@ def test_torchrun_entry_point_and_world_size_on_resume(tmp_path):
 
     import pytest
 
-    from medddpm.data import open_dataset
+    from medddpm.train.data import open_dataset
 
     torchrun = Path(sys.executable).with_name("torchrun")
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     cmd = [str(torchrun), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-           "-m", "medddpm.distributed", "--steps", "2", "--log-every", "1", "--out", str(tmp_path),
+           "-m", "medddpm.measure.distributed", "--steps", "2", "--log-every", "1", "--out", str(tmp_path),
            "--size", "16", "--base-channels", "32", "--pairs", "2"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from medddpm.configs import CONFIGS
-from medddpm.engine import EMA, Engine
+from medddpm.train.engine import EMA, Engine
 
 from conftest import random_batch
 
@@ -123,7 +123,7 @@ def test_checkpointed_training_follows_the_same_trajectory(name, tiny_spec):
 @pytest.mark.slow
 def test_checkpointing_composes_with_torch_compile():
     """torch.compile traces the checkpointed blocks (Dynamo's checkpoint operator): same gradients as eager."""
-    from medddpm.model import ModelSpec
+    from medddpm.model.unet import ModelSpec
 
     torch._dynamo.reset()  # independent of what other tests compiled in this process
     spec = ModelSpec(size=8, mask_channels=3, base_channels=32, channel_mult=(1, 2), attention_ds=(2,))
@@ -138,10 +138,10 @@ def test_checkpointing_composes_with_torch_compile():
 
 @pytest.mark.slow
 def test_pin_layout_pins_every_convolution_input_and_keeps_the_values(monkeypatch, fresh_inductor):
-    """The post-grad pass (medddpm.layout) leaves no 5-D convolution input of the forward or backward
+    """The post-grad pass (medddpm.model.layout) leaves no 5-D convolution input of the forward or backward
     graph without channels-last strides, and the step computes the same loss and gradients."""
-    from medddpm import layout
-    from medddpm.model import ModelSpec
+    from medddpm.model import layout
+    from medddpm.model.unet import ModelSpec
 
     torch._dynamo.reset()
     seen = []
@@ -178,7 +178,7 @@ def test_pin_layout_holds_in_the_compiled_denoising_step(fresh_inductor):
 
     from torch._inductor.utils import run_and_get_code
 
-    from medddpm.model import ModelSpec
+    from medddpm.model.unet import ModelSpec
 
     torch._dynamo.reset()
     spec = ModelSpec(size=8, mask_channels=3, base_channels=32, channel_mult=(1, 2), attention_ds=(2,))
@@ -215,7 +215,7 @@ def test_best_levers_compile_to_the_same_step(flags):
     tap GEMM), compiled with the layout pass, and the stem and upsampling inside the checkpoints after them
     (narrow_checkpoints): the same loss and gradients as the plain step run eagerly (fp32, so the
     comparison is tight). The fp32 fused GroupNorm is what torch 2.11's Dynamo got wrong (test_model.py)."""
-    from medddpm.model import ModelSpec
+    from medddpm.model.unet import ModelSpec
 
     torch._dynamo.reset()
     spec = ModelSpec(size=8, mask_channels=3, base_channels=32, channel_mult=(1, 2), attention_ds=(2,))
@@ -228,16 +228,18 @@ def test_best_levers_compile_to_the_same_step(flags):
     assert float((grad - ref_grad).norm() / ref_grad.norm()) < 1e-5, flags
 
 
-@pytest.mark.slow
-def test_narrow_checkpoints_write_out_the_recomputed_upsampling(monkeypatch, fresh_inductor):
-    """With narrow_checkpoints the backward graph recomputes each upsampling and hands the view it ends in to
-    convolution_backward, which on the H200 (torch 2.11) got it with stride 0 at the batch dimension and
-    returned a weight gradient in the wrong layout (medddpm.layout): the pass writes the view out, and the
-    compiled step (best-ckpt's switches, fp32) still gives the eager loss and gradients."""
-    from medddpm import layout
-    from medddpm.model import ModelSpec
+@pytest.fixture(scope="module")
+def best_ckpt_fp32_step():
+    """best-ckpt's switches (narrow_checkpoints and store_skip_grad among them) in fp32 at 8^3, compiled for real
+    once for the two tests below (Inductor's caches off, as `fresh_inductor`): the eager and the compiled loss
+    and gradients, the compiled graphs' code, and how many views the layout pass wrote out in each graph."""
+    import torch._functorch.config
+    import torch._inductor.config
+    from torch._inductor.utils import run_and_get_code
 
-    torch._dynamo.reset()
+    from medddpm.model import layout
+    from medddpm.model.unet import ModelSpec
+
     written = []
 
     class Counted(layout.ConvolutionInputs):
@@ -245,40 +247,51 @@ def test_narrow_checkpoints_write_out_the_recomputed_upsampling(monkeypatch, fre
             super().__call__(graph)
             written.append(self.written)
 
-    monkeypatch.setattr(layout, "ConvolutionInputs", Counted)
+    torch._dynamo.reset()
     spec = ModelSpec(size=8, mask_channels=3, base_channels=32, channel_mult=(1, 2), attention_ds=(2,))
     config = CONFIGS["best-ckpt"].with_flags(precision="fp32", store_skip_grad=True, narrow_checkpoints=True)
-    ref_loss, ref_grad = _loss_and_grads(_randomized(spec, config.with_flags(compile=False)), spec)
-    loss, grad = _loss_and_grads(_randomized(spec, config), spec)
+    with pytest.MonkeyPatch.context() as m, torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        m.setattr(layout, "ConvolutionInputs", Counted)
+        ref = _loss_and_grads(_randomized(spec, config.with_flags(compile=False)), spec)
+        compiled, code = run_and_get_code(_loss_and_grads, _randomized(spec, config), spec)
+    return {"ref": ref, "compiled": compiled, "code": code, "written": written}
+
+
+@pytest.mark.slow
+def test_narrow_checkpoints_write_out_the_recomputed_upsampling(best_ckpt_fp32_step):
+    """With narrow_checkpoints the backward graph recomputes each upsampling and hands the view it ends in to
+    convolution_backward, which on the H200 (torch 2.11) got it with stride 0 at the batch dimension and
+    returned a weight gradient in the wrong layout (medddpm.model.layout): the pass writes the view out, and the
+    compiled step (best-ckpt's switches, fp32) still gives the eager loss and gradients."""
+    written = best_ckpt_fp32_step["written"]
+    (ref_loss, ref_grad), (loss, grad) = best_ckpt_fp32_step["ref"], best_ckpt_fp32_step["compiled"]
     assert len(written) == 2 and written[0] == 0 and written[1] >= 1, f"views written out per graph: {written}"
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     assert float((grad - ref_grad).norm() / ref_grad.norm()) < 1e-5
 
 
 @pytest.mark.slow
-def test_checkpointed_graphs_save_attention_instead_of_recomputing_it(fresh_inductor):
+def test_checkpointed_graphs_save_attention_instead_of_recomputing_it(best_ckpt_fp32_step):
     """A recomputed SDPA (a seeded operator) made AOTAutograd wrap it in an RNG-state operator, which on CUDA
-    kept torch 2.11's FX graph cache off every graph of a checkpointed configuration (medddpm.recompute). With
+    kept torch 2.11's FX graph cache off every graph of a checkpointed configuration (medddpm.model.recompute). With
     `SaveRandomOps` the compiled step (best-ckpt's switches, fp32) holds no RNG-state operator, its backward runs
     no attention forward, and it gives the eager loss and gradients."""
     import re
 
-    from torch._inductor.utils import run_and_get_code
-
     from medddpm.configs import resolve
-    from medddpm.engine import inductor_options
-    from medddpm.model import ModelSpec
-    from medddpm.recompute import SaveRandomOps
+    from medddpm.train.engine import inductor_options
+    from medddpm.model.recompute import SaveRandomOps
 
     ckpt, plain = (resolve(CONFIGS[name], "cpu") for name in ("best-ckpt", "best"))
     assert isinstance(inductor_options(ckpt).get("joint_custom_pre_pass"), SaveRandomOps)
     assert "joint_custom_pre_pass" not in inductor_options(plain)  # nothing is recomputed there
     assert "joint_custom_pre_pass" not in inductor_options(ckpt, training=False)  # sampling: no backward
-    torch._dynamo.reset()
-    spec = ModelSpec(size=8, mask_channels=3, base_channels=32, channel_mult=(1, 2), attention_ds=(2,))
-    config = CONFIGS["best-ckpt"].with_flags(precision="fp32")
-    ref_loss, ref_grad = _loss_and_grads(_randomized(spec, config.with_flags(compile=False)), spec)
-    (loss, grad), code = run_and_get_code(_loss_and_grads, _randomized(spec, config), spec)
+    # best-ckpt in fp32 (the fixture's step: best-ckpt has narrow_checkpoints and store_skip_grad on)
+    assert CONFIGS["best-ckpt"].with_flags(precision="fp32", store_skip_grad=True, narrow_checkpoints=True) == \
+        CONFIGS["best-ckpt"].with_flags(precision="fp32")
+    (ref_loss, ref_grad), (loss, grad) = best_ckpt_fp32_step["ref"], best_ckpt_fp32_step["compiled"]
+    code = best_ckpt_fp32_step["code"]
     backward = next(c for c in code if "tangents_1" in c)
     assert not any("rng_state" in c for c in code), "a random operator is still recomputed under a checkpoint"
     assert "_scaled_dot_product_flash_attention_for_cpu_backward" in backward
@@ -305,7 +318,7 @@ def test_engine_sample_is_the_diffusion_sampler(tiny_spec):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_denoise_graph_replays_the_eager_step(tiny_spec):
     """A captured denoising step gives what the eager step gives, for new inputs at every replay."""
-    from medddpm.measure import randomize_
+    from medddpm.measure.run import randomize_
 
     engine = Engine(tiny_spec, "graphs", device="cuda", ema=False, seed=0)
     randomize_(engine.model, seed=1)  # the zero-initialised output layer would hide the model
@@ -348,12 +361,12 @@ def test_recompute_pointwise_stores_no_float32_activation_in_backward(gpu_realiz
     `recompute_pointwise`: without, Inductor stores a float32 copy of a GroupNorm-SiLU chain's voxels that
     two kernels read; with, it writes no 5-D float32 buffer and computes the same loss and gradients. (The
     fused GroupNorm has its own backward: in this CPU trace it stores one decoder block's float32 input
-    gradient, data/nvidia-h200/NOTES.md, session 13.)"""
+    gradient, which under checkpointing on the H200 raised best-ckpt's peak from 4.64 to 5.74 GiB.)"""
     import re
 
     from torch._inductor.utils import run_and_get_code
 
-    from medddpm.model import ModelSpec
+    from medddpm.model.unet import ModelSpec
 
     spec = ModelSpec(size=8, mask_channels=3, base_channels=32, channel_mult=(1, 2), attention_ds=(2,))
     results = {}
@@ -379,13 +392,12 @@ def test_store_skip_grad_frees_the_float32_input_gradient_of_the_top_decoder_blo
     decoder block's GroupNorm input gradient, whose skip slice the encoder's first block reads at the end)
     through most of the backward; with it, every top-level float32 buffer is freed soon after it is written.
     Both compute the same loss and gradients. (On the H200 at 128^3: 1 GiB of best-ckpt's 4.64 GiB peak, and
-    with store_skip_grad a 1 GiB float32 buffer live at its 4.39 GiB peak: data/nvidia-h200/NOTES.md, sessions
-    13, 16 and 17.)"""
+    with store_skip_grad a 1 GiB float32 buffer, now short-lived, still live at its 4.39 GiB peak.)"""
     import re
 
     from torch._inductor.utils import run_and_get_code
 
-    from medddpm.model import ModelSpec
+    from medddpm.model.unet import ModelSpec
 
     spec = ModelSpec(size=8, mask_channels=3, base_channels=32, channel_mult=(1, 2), attention_ds=(2,))
     n = spec.size
@@ -422,7 +434,7 @@ def test_recompute_pointwise_leaves_the_denoising_step_alone(gpu_realize_rule):
 
     from torch._inductor.utils import run_and_get_code
 
-    from medddpm.model import ModelSpec
+    from medddpm.model.unet import ModelSpec
 
     spec = ModelSpec(size=8, mask_channels=3, base_channels=32, channel_mult=(1, 2), attention_ds=(2,))
     g = torch.Generator().manual_seed(4)
@@ -446,7 +458,7 @@ def test_inductor_options_carry_each_switch_and_inductor_accepts_them():
     import dataclasses
 
     from medddpm.configs import get_config, resolve
-    from medddpm.engine import RECOMPUTE_POINTWISE, inductor_options
+    from medddpm.train.engine import RECOMPUTE_POINTWISE, inductor_options
 
     run = resolve(get_config("best"), "cuda")  # nothing runs
     options = inductor_options(run)
@@ -455,7 +467,7 @@ def test_inductor_options_carry_each_switch_and_inductor_accepts_them():
     sampling = inductor_options(run, training=False)  # the denoising step's graph keeps Inductor's thresholds
     assert not RECOMPUTE_POINTWISE.keys() & sampling.keys()
     plain = inductor_options(dataclasses.replace(run, pin_layout=False, recompute_pointwise=False))
-    # every compiled graph carries the convolution-input pass (medddpm.layout); channels-last only with pin_layout
+    # every compiled graph carries the convolution-input pass (medddpm.model.layout); channels-last only with pin_layout
     assert plain.keys() == {"post_grad_custom_post_pass"} and not plain["post_grad_custom_post_pass"].channels_last
     torch._dynamo.reset()
     x = torch.randn(4, 8)
@@ -473,7 +485,7 @@ def test_save_random_ops_marks_only_the_tensors_a_random_operator_returns():
 
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from medddpm.recompute import SaveRandomOps
+    from medddpm.model.recompute import SaveRandomOps
 
     sdpa = torch.ops.aten._scaled_dot_product_cudnn_attention.default
     assert torch.Tag.nondeterministic_seeded in sdpa.tags

@@ -14,9 +14,9 @@ from PIL import Image
 
 from medddpm import report as bd
 from medddpm.report import charts
-from medddpm.data import one_hot_condition
+from medddpm.train.data import one_hot_condition
 from medddpm.report.explore import AXES, LABEL_COLORS, DataExplorer, SliceViewer, labels_from_condition
-from medddpm.sampling import write_nifti
+from medddpm.train.sampling import write_nifti
 
 REPO = Path(__file__).resolve().parents[1]
 D, H, W = 6, 8, 10  # distinct sizes: a view showing the wrong axis has the wrong shape
@@ -154,7 +154,7 @@ def test_training_pairs_and_generated_samples(tiny_spec, tmp_path):
 def data_root(tmp_path_factory) -> Path:
     """Two CPU runs of the committed data, and a GPU run (a third CPU run renamed) carrying the
     committed Nsight Compute counters of a real GPU."""
-    from medddpm.schema import read_table, write_table
+    from medddpm.store.schema import read_table, write_table
 
     root = tmp_path_factory.mktemp("data")
     configs = sorted(p.parent.name for p in (REPO / "data" / "cpu").glob("*/run.parquet"))
@@ -176,8 +176,8 @@ def data_root(tmp_path_factory) -> Path:
 
 def committed_stall_counters():
     """The first committed ncu.parquet that holds warp-stall counters (a real GPU's)."""
-    from medddpm import ncu
-    from medddpm.schema import read_table
+    from medddpm.measure import ncu
+    from medddpm.store.schema import read_table
 
     stall = ncu._stall_metric(ncu.STALL_REASONS[0])
     for path in sorted(REPO.glob("data/*/*/ncu.parquet")):
@@ -266,6 +266,7 @@ def test_charts_render_offline_widgets_in_a_live_notebook(monkeypatch):
     assert alt.renderers.active == "default"
 
 
+@pytest.mark.slow
 def test_lab_sh_opens_pages_as_notebooks(tmp_path):
     """scripts/lab.sh (what the explorers page tells readers to run): pages become valid notebooks, the
     live-widget cells keep their tag, an edited notebook is kept, and the JupyterLab it starts is there."""

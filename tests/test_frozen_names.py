@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from medddpm import schema
-from medddpm.__main__ import main
+from medddpm.store import schema
+from medddpm.cli.main import main
 from medddpm.configs import ConfigError, ablation, get_config, mismatch
 
 DATA = Path(__file__).resolve().parent.parent / "data"

@@ -7,8 +7,8 @@ import pandas as pd
 import pytest
 import torch
 
-from medddpm.engine import Engine
-from medddpm.kernels import (CATEGORIES, COLUMNS, MAX_LABEL, categorize, kernel_rows_from_trace, op_rows_from_trace,
+from medddpm.train.engine import Engine
+from medddpm.measure.kernels import (CATEGORIES, COLUMNS, MAX_LABEL, categorize, kernel_rows_from_trace, op_rows_from_trace,
                              profile_kernels, short_name, uses_tensor_cores)
 
 from conftest import random_batch
@@ -342,6 +342,7 @@ def _h200_trace(config):
         return json.load(f)
 
 
+@pytest.mark.slow
 def test_real_trace_of_a_compiled_step():
     """Triton kernels are launched through the driver API (cuLaunchKernel), and about half the
     launches come from autograd's own thread: all of them must still land in a pass."""
@@ -357,6 +358,7 @@ def test_real_trace_of_a_compiled_step():
     assert not (df.category == "other").any()
 
 
+@pytest.mark.slow
 def test_real_trace_of_a_graph_replay():
     df = kernel_rows_from_trace(_h200_trace("graphs"), steps=1)
     _check_table(df, "cuda")

@@ -1,4 +1,4 @@
-"""The compiled graphs' convolution-input pass (medddpm.layout.ConvolutionInputs) on small traced graphs."""
+"""The compiled graphs' convolution-input pass (medddpm.model.layout.ConvolutionInputs) on small traced graphs."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from medddpm import layout
+from medddpm.model import layout
 
 aten = torch.ops.aten
 

@@ -1,4 +1,4 @@
-"""The memory page's data layer and charts (issue 8), on synthetic GPU runs built from a real CPU row:
+"""The memory page's data layer and charts, on synthetic GPU runs built from a real CPU row:
 measured peaks, the batch line, what fits on which card, what a memory-saving switch costs, the targets."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from medddpm import report as bd
-from medddpm import schema
+from medddpm.store import schema
 from medddpm.report import charts
 from medddpm.configs import CONFIGS
 
@@ -118,7 +118,8 @@ def test_switch_costs_pair_runs_that_differ_in_one_switch(run):
     assert "group_norm" in differ and len(differ) > 1
     assert pairs == {(h, 1, "opt1", "opt1-ckpt", "checkpointing"), (h, 1, "opt1", "bf16", "precision"),
                      (h, 1, "baseline", "bf16", "precision")}
-    # runs of the two that differ in checkpointing alone (as the BraTS ones of session 3) pair, at each batch
+    # runs of the two that differ in checkpointing alone (as best's and best-ckpt's BraTS-size runs, made when
+    # best-ckpt was best plus checkpointing) pair, at each batch
     same = run.copy()
     for k in differ - {"checkpointing"}:
         same.loc[same["config"] == "best-ckpt", k] = CONFIGS["best"].flags[k]

@@ -3,9 +3,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from medddpm.diffusion import GaussianDiffusion, cosine_betas
-from medddpm.flops import count
-from medddpm.model import (UPSAMPLE_KINDS, Attention, GroupNorm32, ModelSpec, UNet3D, Upsample, _GroupNormSiLU,
+from medddpm.model.diffusion import GaussianDiffusion, cosine_betas
+from medddpm.model.flops import count
+from medddpm.model.unet import (UPSAMPLE_KINDS, Attention, GroupNorm32, ModelSpec, UNet3D, Upsample, _GroupNormSiLU,
                            count_parameters, format_size, group_norm_chunked, parse_size)
 
 
@@ -107,7 +107,7 @@ def test_parameter_count_helper(tiny_spec):
     assert count_parameters(UNet3D(tiny_spec)) == count(tiny_spec)["parameters"]
 
 
-# ------------------------------------------------------------------------ the BraTS setting (issue 8)
+# ------------------------------------------------------------------------ the BraTS setting
 
 BRATS = dict(size=(192, 192, 144), mask_channels=4, image_channels=4, num_res_blocks=2, channel_mult=(1, 1, 2, 3, 4),
              attention_ds=())
@@ -120,7 +120,7 @@ def test_brats_parameter_count_and_flops():
     assert info["parameters"] == 57_562_564
     assert abs(info["forward_flops"] / 21.26e12 - 1) < 1e-3, info["forward_flops"]
     assert info["output_shape"] == [1, 4, 192, 192, 144]
-    from medddpm.measure import PRESETS
+    from medddpm.measure.run import PRESETS
 
     assert PRESETS["brats"].spec() == ModelSpec(**BRATS)
 
@@ -230,10 +230,11 @@ def test_checkpointing_keeps_far_fewer_activations(tiny_spec):
 
 
 def test_saved_activations_match_the_known_figures():
-    """FP32 activations kept for backward: about 17.0 GiB for the whole-head model (DESIGN.md), about
-    65 GiB for the BraTS one (the reference's users' OOM reports); checkpointing keeps a fraction."""
-    from medddpm.flops import saved_activation_bytes
-    from medddpm.measure import PRESETS
+    """FP32 activations kept for backward: about 17.0 GiB for the whole-head model (strict FP32 peaks at
+    18.45 GiB on the H200, training state included), about 65 GiB for the BraTS one (the reference's users'
+    OOM reports); checkpointing keeps a fraction."""
+    from medddpm.model.flops import saved_activation_bytes
+    from medddpm.measure.run import PRESETS
 
     head = saved_activation_bytes(ModelSpec(size=128, mask_channels=2)) / 2**30
     brats = saved_activation_bytes(PRESETS["brats"].spec()) / 2**30
@@ -537,7 +538,7 @@ def test_tap_convolution_is_the_convolution(layout, c_in, c_out):
     """TapConv3d (a GEMM, then shifted tap sums): nn.Conv3d's output and gradients, with the same
     parameters, in either layout, for 1 and 4 output channels (the whole-head and BraTS outputs) and
     for a wide output."""
-    from medddpm.model import TapConv3d
+    from medddpm.model.unet import TapConv3d
 
     torch.manual_seed(0)
     plain = torch.nn.Conv3d(c_in, c_out, 3, padding=1).double()
@@ -554,7 +555,7 @@ def test_tap_convolution_is_the_convolution(layout, c_in, c_out):
 
 
 def test_tap_convolution_refuses_other_shapes():
-    from medddpm.model import TapConv3d
+    from medddpm.model.unet import TapConv3d
 
     with pytest.raises(AssertionError, match="3x3x3 convolutions with padding 1 only"):
         TapConv3d(4, 16, 3, stride=2, padding=1)

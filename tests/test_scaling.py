@@ -8,12 +8,13 @@ import pandas as pd
 import pytest
 
 from medddpm import report as bd
-from medddpm import schema
+from medddpm.store import schema
 from medddpm.report import charts
-from medddpm.__main__ import main
-from medddpm.scaling import merge_rows, parse_world_sizes, scale
+from medddpm.cli.main import main
+from medddpm.measure.scaling import merge_rows, parse_world_sizes, scale
 
 
+@pytest.mark.slow
 def test_two_cpu_ranks_write_every_ranks_steps_and_a_rerun_keeps_other_world_sizes(tmp_path):
     path = scale("sdpa", "1,2", preset="smoke", out=str(tmp_path), device="cpu", steps=2, warmup=1)
     assert path == tmp_path / "cpu" / "scaling" / "sdpa.parquet"

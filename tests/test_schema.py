@@ -3,7 +3,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from medddpm import schema
+from medddpm.store import schema
 
 
 def _steps(**over):
@@ -69,7 +69,7 @@ def test_every_configuration_switch_is_a_run_column():
 
 def test_a_table_written_before_a_column_was_added_reads_with_its_default(tmp_path):
     from medddpm.configs import get_config
-    from medddpm.measure import run_row
+    from medddpm.measure.run import run_row
 
     env = dict(gpu_count=0, driver="", cuda="", cudnn="", torch="2", python="3", cpu="x", host_threads=2,
                git_commit="abc", container="")
@@ -90,10 +90,10 @@ def test_a_table_written_before_a_column_was_added_reads_with_its_default(tmp_pa
 
 
 def test_columns_added_for_memory_read_from_older_tables(tmp_path):
-    """Tables written before issue 8 read with what they imply: cubic shape from size, one image
-    channel, one residual block a level, no checkpointing, device memory unrecorded."""
+    """Tables written before the memory columns existed read with what they imply: cubic shape from
+    size, one image channel, one residual block a level, no checkpointing, device memory unrecorded."""
     from medddpm.configs import get_config
-    from medddpm.measure import run_row
+    from medddpm.measure.run import run_row
 
     env = dict(gpu_count=0, driver="", cuda="", cudnn="", torch="2", python="3", cpu="x", host_threads=2,
                git_commit="abc", container="")
@@ -115,7 +115,7 @@ def test_a_row_with_a_retired_column_still_reads_and_none_is_written_again(tmp_p
     """Committed runs recorded switches that have since left the product (`schema.RETIRED`): such a row reads
     without them, a new row does not have them, and writing one back refuses them like any unknown column."""
     from medddpm.configs import get_config
-    from medddpm.measure import run_row
+    from medddpm.measure.run import run_row
 
     env = dict(gpu_count=0, driver="", cuda="", cudnn="", torch="2", python="3", cpu="x", host_threads=2,
                git_commit="abc", container="")

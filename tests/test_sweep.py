@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from medddpm.report import TABLES  # the per-run tables
-from medddpm.schema import read_table
+from medddpm.store.schema import read_table
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -19,6 +19,7 @@ def sweep(*args, **kw):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, **kw)
 
 
+@pytest.mark.slow
 def test_smoke_sweep_writes_every_table_for_the_paper_configurations(tmp_path):
     p = sweep("--preset", "smoke", "--configs", "paper", "--out", str(tmp_path / "data"), "--device", "cpu",
               cache=tmp_path / "cache")
@@ -43,6 +44,7 @@ def test_smoke_sweep_writes_every_table_for_the_paper_configurations(tmp_path):
     assert "precision" in opt1.loc[0, "not_applicable"] and opt1.loc[0, "precision_used"] == "fp32"
 
 
+@pytest.mark.slow
 def test_a_killed_sweep_resumes_without_duplicated_or_lost_rows(tmp_path):
     args = ("--preset", "smoke", "--configs", "baseline,opt2", "--out", str(tmp_path / "data"), "--device", "cpu",
             "--profilers", "", "--steps", "2", "--sample-steps", "3")
@@ -97,6 +99,7 @@ def test_a_wrong_data_path_fails_before_any_configuration_runs(tmp_path):
     assert not (tmp_path / "data" / "cpu" / "baseline").exists()
 
 
+@pytest.mark.slow
 def test_a_failing_configuration_is_recorded_and_the_sweep_goes_on(tmp_path):
     # A real compile error: Inductor finds no C++ compiler for the CPU kernels of `compile`.
     env = os.environ | {"CXX": "/nonexistent/g++", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
@@ -109,6 +112,7 @@ def test_a_failing_configuration_is_recorded_and_the_sweep_goes_on(tmp_path):
     assert read_table(tmp_path / "data" / "cpu" / "baseline" / "run.parquet").loc[0, "status"] == "ok"
 
 
+@pytest.mark.slow
 def test_brats_preset_and_batch_reach_the_producer_notebook(tmp_path):
     """--preset brats --batch 2 (at a CPU-sized input): the run lands in <config>@brats-b2 with the BraTS
     model's shape, channels and parameters, read back by the book's loader as a variant run."""
@@ -134,7 +138,7 @@ def test_nsight_compute_gets_what_the_time_limit_leaves(tmp_path):
     --ncu-timeout, and is skipped (with why) when too little is left to start it."""
     import pandas as pd
 
-    from medddpm import measure
+    from medddpm.measure import run as measure
 
     def make(**kw):
         return measure.Measurement("baseline", "smoke", device="cpu", out=str(tmp_path / "data"),
@@ -159,6 +163,7 @@ def test_nsight_compute_gets_what_the_time_limit_leaves(tmp_path):
         make(time_limit=0)
 
 
+@pytest.mark.slow
 def test_a_run_records_what_the_compile_caches_did(tmp_path, monkeypatch):
     """run.parquet says whether the training phase compiled or found its graphs in the on-disk caches, so a
     slow first step says whether it compiled anew; the counts are the phase's, not the process's."""
@@ -166,7 +171,7 @@ def test_a_run_records_what_the_compile_caches_did(tmp_path, monkeypatch):
 
     import torch
 
-    from medddpm import measure
+    from medddpm.measure import run as measure
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # empty: the first run compiles
     caches = []

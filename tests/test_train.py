@@ -3,9 +3,9 @@ import json
 import pytest
 import torch
 
-from medddpm import train as train_mod
-from medddpm.sampling import generate, load_checkpoint, write_nifti
-from medddpm.train import read_loss_log, train
+from medddpm.train import loop as train_mod
+from medddpm.train.sampling import generate, load_checkpoint, write_nifti
+from medddpm.train.loop import read_loss_log, train
 
 from conftest import Pairs
 
@@ -14,6 +14,7 @@ def _weights(engine):
     return [p.detach().clone() for p in engine.model.parameters()]
 
 
+@pytest.mark.slow
 def test_interrupted_run_resumes_from_its_checkpoint(tiny_spec, tmp_path, monkeypatch):
     data = Pairs(tiny_spec)
     kw = dict(steps=6, grad_accum=2, lr=1e-3, save_every=2, log_every=1, progress=False)
@@ -73,15 +74,16 @@ def test_sample_from_checkpoint_writes_nifti(tiny_spec, tmp_path):
     assert json.loads((tmp_path / "loss.jsonl").read_text().splitlines()[0])["step"] == 1
 
 
+@pytest.mark.slow
 def test_compiled_sampling_keeps_the_trained_switches(tiny_spec, tmp_path):
     """`compiled=True` keeps torch.compile (and CUDA graphs where they apply) and samples what the
     eager rebuild samples (in FP32, so that the comparison is tight)."""
     import numpy as np
 
     from medddpm.configs import CONFIGS
-    from medddpm.engine import Engine
-    from medddpm.measure import randomize_
-    from medddpm.train import save_checkpoint
+    from medddpm.train.engine import Engine
+    from medddpm.measure.run import randomize_
+    from medddpm.train.loop import save_checkpoint
 
     trained = Engine(tiny_spec, CONFIGS["compile"].with_flags(precision="fp32"), ema=False)
     randomize_(trained.model, seed=1)  # the zero-initialised output layer would hide the model

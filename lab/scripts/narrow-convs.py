@@ -18,8 +18,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from medddpm import model  # noqa: E402
-from medddpm.bench import time_steps  # noqa: E402
-from medddpm.env import environment  # noqa: E402
+from medddpm.measure.bench import time_steps  # noqa: E402
+from medddpm.measure.env import environment  # noqa: E402
 
 
 def main():

@@ -6,7 +6,9 @@ import json
 import sys
 from pathlib import Path
 
-from medddpm import ncu, schema
+from medddpm.measure import ncu
+
+from medddpm.store import schema
 
 write = "--write" in sys.argv
 root = Path(next((a for a in sys.argv[1:] if not a.startswith("--")), "data"))

@@ -7,13 +7,13 @@ the hands-on pages. Pages call ``report.<summary>(...)`` and the ``check_*`` fun
 their numbers are sane. The figure and widget modules (Altair, ipywidgets) load only when imported.
 """
 
-from ..configs import CONFIGS, PAPER  # noqa: F401 - for the pages
-from .beyond import *  # noqa: F401,F403
-from .counters import *  # noqa: F401,F403
-from .kernels import *  # noqa: F401,F403
-from .loading import *  # noqa: F401,F403
-from .loading import _sort  # noqa: F401 - the workshop's tables sort as the pages' do
-from .memory import *  # noqa: F401,F403
-from .quality import *  # noqa: F401,F403
-from .scaling import *  # noqa: F401,F403
-from .step_time import *  # noqa: F401,F403
+from medddpm.configs import CONFIGS, PAPER  # noqa: F401 - for the pages
+from medddpm.report.beyond import *  # noqa: F401,F403
+from medddpm.report.counters import *  # noqa: F401,F403
+from medddpm.report.kernels import *  # noqa: F401,F403
+from medddpm.report.loading import *  # noqa: F401,F403
+from medddpm.report.loading import _sort  # noqa: F401 - the workshop's tables sort as the pages' do
+from medddpm.report.memory import *  # noqa: F401,F403
+from medddpm.report.quality import *  # noqa: F401,F403
+from medddpm.report.scaling import *  # noqa: F401,F403
+from medddpm.report.step_time import *  # noqa: F401,F403

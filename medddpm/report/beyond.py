@@ -6,8 +6,8 @@ import math
 
 import pandas as pd
 
-from .loading import Data, _sort
-from .step_time import device_label
+from medddpm.report.loading import Data, _sort
+from medddpm.report.step_time import device_label
 
 ABLATION_VERDICTS = ("buys", "not told apart", "costs", "failed")
 

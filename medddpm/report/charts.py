@@ -27,9 +27,9 @@ import altair as alt
 import numpy as np
 import pandas as pd
 
-from .loading import FAILS, HOLDS, NA, config_order
-from .memory import FIT_VERDICTS, GPU_MEMORY_GB
-from .step_time import PEAKS
+from medddpm.report.loading import FAILS, HOLDS, NA, config_order
+from medddpm.report.memory import FIT_VERDICTS, GPU_MEMORY_GB
+from medddpm.report.step_time import PEAKS
 
 # Tableau 10, then 10 more for configurations named in the data but not in CONFIGS.
 PALETTE = ["#4c78a8", "#f58518", "#e45756", "#72b7b2", "#54a24b", "#eeca3b", "#b279a2", "#ff9da6", "#9d755d",

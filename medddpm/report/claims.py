@@ -5,7 +5,7 @@ A rule reads the measurements of one GPU and returns a `Verdict`: holds, does no
 thresholds are the constants below. The claims are about GPU kernels, so a CPU's rows never judge one: on a
 CPU every claim is "not measurable", and the headline counts GPUs only.
 
-Counter claims use two comparisons that hold the work fixed (`medddpm.layers`): the TF32 claims compare the
+Counter claims use two comparisons that hold the work fixed (`medddpm.measure.layers`): the TF32 claims compare the
 *same convolution layer and direction* in baseline and opt1, kernel against kernel, and judge the matched layer
 that carries the most of baseline's step time; the channels-last claims compare each configuration's counters
 *weighted by each kernel's share of the step* (torch.profiler), not by the launches that happened to be profiled.
@@ -23,9 +23,11 @@ from functools import cached_property
 
 import pandas as pd
 
-from .. import layers, ncu
-from .loading import FAILS, HOLDS, NA, Data
-from .quality import QUALITY_LOSS, QUALITY_REL_ERR
+from medddpm.measure import layers
+
+from medddpm.measure import ncu
+from medddpm.report.loading import FAILS, HOLDS, NA, Data
+from medddpm.report.quality import QUALITY_LOSS, QUALITY_REL_ERR
 
 SPEEDUP_MIN = 1.10  # a change "cuts" a time, cycle or instruction count when the ratio reaches 1.10
 CONV_DOMINANT = 0.50  # "dominated by convolution": more than half of the baseline's kernel time

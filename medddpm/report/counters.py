@@ -7,7 +7,7 @@ import math
 
 import pandas as pd
 
-from .loading import Data, _sort
+from medddpm.report.loading import Data, _sort
 
 _WEIGHTED = ("tensor_pipe_pct", "sm_throughput_pct", "memory_throughput_pct", "dram_throughput_pct", "l1_hit_pct",
              "l2_hit_pct", "achieved_occupancy_pct")
@@ -15,7 +15,7 @@ _WEIGHTED = ("tensor_pipe_pct", "sm_throughput_pct", "memory_throughput_pct", "d
 
 def ncu_kernels(ncu_df: pd.DataFrame) -> pd.DataFrame:
     """`medddpm.ncu.kernel_summary` for every run, with gpu_slug and config."""
-    from .. import ncu
+    from medddpm.measure import ncu
 
     if ncu_df.empty:
         return pd.DataFrame(columns=["gpu_slug", "config", "kernel_id", "kernel", "duration_ns", *_WEIGHTED])
@@ -31,7 +31,8 @@ def ncu_by_run(ncu_df: pd.DataFrame, kernels: pd.DataFrame) -> pd.DataFrame:
     stalls of each kernel weighted by the kernel's share of the step (torch.profiler), not by the launches
     that happened to be profiled; executed thread instructions by class per step (each kernel's count per
     launch times its launches a step); `covered`, the share of the step whose kernels have counters."""
-    from .. import layers, ncu
+    from medddpm.measure import layers
+    from medddpm.measure import ncu
 
     stalls = [f"stall_{r}" for r in ncu.STALL_REASONS]
     insts = [f"inst_{c}" for c in ncu.INST_CLASSES]
@@ -54,7 +55,7 @@ def ncu_coverage(data: Data) -> pd.DataFrame:
     autotuner can pick other algorithms there): the counters stand for the second share only. The
     chosen share is the one the run recorded: a run aims at `ncu.COVERAGE` unless told another share (some
     aimed at 80%)."""
-    from .. import ncu
+    from medddpm.measure import ncu
 
     aimed = {r["run_id"]: json.loads(r["profilers"] or "{}").get("ncu", {}).get("coverage", math.nan)
              for r in data.run[["run_id", "profilers"]].to_dict("records")}
@@ -107,7 +108,7 @@ def roofline_points(ncu_df: pd.DataFrame) -> pd.DataFrame:
 
 def ncu_priorities(data: Data, n: int = 10) -> pd.DataFrame:
     """`medddpm.ncu.priorities` per run (share of step x a rule's estimated global speedup), top n each."""
-    from .. import ncu
+    from medddpm.measure import ncu
 
     if data.ncu.empty:
         return pd.DataFrame(columns=["gpu_slug", "config", "kernel", "rule", "section", "share", "speedup_pct",

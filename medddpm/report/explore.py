@@ -28,7 +28,7 @@ import ipywidgets as widgets
 import numpy as np
 import pandas as pd
 
-from .. import report as bd
+from medddpm import report as bd
 
 AXES = {"sagittal": 0, "coronal": 1, "axial": 2}
 # label -> RGB, the book's category palette order (Tableau 10); labels past its end cycle through it.
@@ -392,7 +392,7 @@ VIEWS = {
 
 
 def _category_of(names: pd.Series) -> pd.Series:
-    from ..kernels import categorize
+    from medddpm.measure.kernels import categorize
 
     return names.map({n: categorize(n) for n in names.unique()})
 
@@ -406,7 +406,7 @@ class DataExplorer:
     def __init__(self, data: bd.Data | None = None, *, root: str | os.PathLike | None = None, gpu: str | None = None,
                  config: str | None = None, category: str = ALL, view: str = "kernels", top: int = 15,
                  width: int | str = "container", offline: bool = True):
-        from .charts import _default_gpu
+        from medddpm.report.charts import _default_gpu
 
         if data is not None and root is not None:
             raise ValueError("give data or root, not both")
@@ -452,7 +452,7 @@ class DataExplorer:
 
     def categories(self, gpu: str | None = None, config: str | None = None) -> list[str]:
         """'all', then the kernel categories profiled in one run."""
-        from .charts import CATEGORIES
+        from medddpm.report.charts import CATEGORIES
 
         gpu, config = gpu or self._gpu, config or self._config
         k = self.kernels[(self.kernels["gpu_slug"] == gpu) & (self.kernels["config"] == config)]
@@ -553,7 +553,7 @@ class DataExplorer:
 
     def chart(self) -> alt.TopLevelMixin:
         """The current view as an Altair chart (says why when there is nothing to draw)."""
-        from . import charts
+        from medddpm.report import charts
 
         df, gpu, config, cat, view = self.frame(), self.gpu, self.config, self.category, self.view
         where = f"{gpu} / {config}" + ("" if cat == ALL else f" / {cat}")

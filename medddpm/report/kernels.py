@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from .loading import _sort
+from medddpm.report.loading import _sort
 
 def _shares_by(kernels: pd.DataFrame, field: str) -> pd.DataFrame:
     """Share of profiled kernel time per (GPU, configuration, `field`); sums to 1 per run."""

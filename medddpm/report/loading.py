@@ -24,11 +24,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from .. import schema
-from ..configs import CONFIGS
-from ..scaling import SCALING_DIR
+from medddpm import REPO
+from medddpm.store import schema
+from medddpm.configs import CONFIGS
+from medddpm.measure.scaling import SCALING_DIR
 
-REPO = Path(__file__).resolve().parents[2]
 ABLATION_DIR = "ablation"  # data/<gpu>/ablation/<run>/: `python -m medddpm ablation`
 TABLES = ("run", "steps", "kernels", "ncu", "quality")  # one file each in every run folder
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .. import schema
-from ..configs import CONFIGS, get_config
-from .loading import FAILS, HOLDS, NOT_MEASURED, NOT_YET, DataError, _GIB, _read, _sort, data_root
+from medddpm.store import schema
+from medddpm.configs import CONFIGS, get_config
+from medddpm.report.loading import FAILS, HOLDS, NOT_MEASURED, NOT_YET, DataError, _GIB, _read, _sort, data_root
 
 GPU_MEMORY_GB = (16, 24, 40, 48, 80, 141)  # the card sizes the memory page answers for
 # Kept free on every card: what a driver reports is a few percent under the size a card is sold with
@@ -118,7 +118,7 @@ def fits(model: pd.DataFrame, sizes_gb=GPU_MEMORY_GB, *, headroom: float = HEADR
 
 
 def _flag_columns() -> list[str]:
-    from ..configs import Config
+    from medddpm.configs import Config
 
     return [f for f in Config.__dataclass_fields__ if f not in ("name", "description")]
 
@@ -237,9 +237,9 @@ def counted_models(presets=("paper", "brats")) -> pd.DataFrame:
     """The models of the measurement presets, counted on the meta device (no GPU, nothing measured):
     parameters, forward FLOPs, training state, and FP32 activations kept for backward without and with
     activation checkpointing."""
-    from ..flops import count, saved_activation_bytes
-    from ..measure import get_preset
-    from ..model import format_size
+    from medddpm.model.flops import count, saved_activation_bytes
+    from medddpm.measure.run import get_preset
+    from medddpm.model.unet import format_size
 
     rows = []
     for name in presets:
@@ -265,7 +265,7 @@ def compiled_saved(preset: str = "paper", configs=COMPILED_SAVED, root: str | os
     partition traced at full size on the CPU and stored in ``data/partition.parquet`` (`partition.record`;
     counted, not measured), one row per configuration and tracing torch version: the activations in GiB,
     how much of it is float32, the largest shapes, and `current` (traced under today's definition)."""
-    from ..partition import TABLE_FILE
+    from medddpm.measure.partition import TABLE_FILE
 
     path = (Path(root) if root is not None else data_root()) / TABLE_FILE
     if not path.is_file():

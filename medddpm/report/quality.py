@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from .loading import Data, _sort
+from medddpm.report.loading import Data, _sort
 
 # Quality against strict FP32, for the quality page and the claims' "TF32 keeps quality" (`medddpm.report.claims`).
 QUALITY_REL_ERR = 1e-2  # forward-pass relative L2 error tolerated against strict FP32

@@ -6,7 +6,7 @@ import math
 
 import pandas as pd
 
-from .loading import _sort
+from medddpm.report.loading import _sort
 
 def scaling_summary(df: pd.DataFrame) -> pd.DataFrame:
     """Per GPU, configuration and world size: the step time (each step as long as its slowest rank,

@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pandas as pd
 
-from ..configs import CONFIGS
-from .loading import Data, _sort
-from ..diffusion import TIMESTEPS
+from medddpm.configs import CONFIGS
+from medddpm.report.loading import Data, _sort
+from medddpm.model.diffusion import TIMESTEPS
 
 REFERENCE_STEPS, REFERENCE_ACCUM = 100_000, 2  # the reference's optimizer steps, micro-steps per step
 

@@ -22,8 +22,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .. import report as bd
-from ..configs import Config, set_precision_flags
+from medddpm import report as bd
+from medddpm.configs import Config, set_precision_flags
 
 # Unit roundoff 2^-p of each format (p = stored mantissa bits + 1): inputs rounded to the format are
 # off by at most this, relatively. TF32 keeps FP32's exponent and 10 mantissa bits; bf16 keeps 7.
@@ -179,7 +179,7 @@ def profile_conv_layouts(*, channels: int | None = None, size: int | None = None
                          steps: int = 2) -> pd.DataFrame:
     """torch.profiler rows of one Conv3d forward + backward, once with NCDHW tensors and once with
     channels-last (NDHWC) ones; `memory_format` says which. Kernels on a GPU, aten operators on a CPU."""
-    from ..kernels import profile_kernels
+    from medddpm.measure.kernels import profile_kernels
 
     device = _device(device)
     cuda = device.type == "cuda"
@@ -248,7 +248,7 @@ def reading(dominant: str, dram_pct: float, occupancy_pct: float) -> str:
 def stall_table(ncu_df: pd.DataFrame, *, top: int = 8) -> pd.DataFrame:
     """Per run and kernel (by short name, launches weighted by duration), the `top` kernels by profiled
     time: stall cycles per issued instruction by reason, their sum, the dominant reason and a reading."""
-    from ..kernels import categorize, short_name
+    from medddpm.measure.kernels import categorize, short_name
 
     k = bd.ncu_kernels(ncu_df)
     stalls = [c for c in k.columns if c.startswith("stall_")]
@@ -316,8 +316,8 @@ def efficiencies(data: bd.Data) -> pd.DataFrame:
                 if len(same):
                     flops = float(same["flops_per_step"].iloc[0])
                 else:
-                    from ..flops import count
-                    from ..model import ModelSpec
+                    from medddpm.model.flops import count
+                    from medddpm.model.unet import ModelSpec
 
                     flops = count(ModelSpec(size=size, mask_channels=int(b["mask_channels"].iloc[0]),
                                             base_channels=int(b["base_channels"].iloc[0])))["train_flops"]

@@ -12,13 +12,13 @@ from typing import Callable
 import torch
 from tqdm import tqdm  # text bars: tqdm.auto draws ipywidgets bars, a message per update under papermill
 
-from .configs import Config, get_config
-from .data import make_brats_case, make_mni_pair, one_hot_condition
-from .diffusion import TIMESTEPS
-from .engine import Engine
-from .model import ModelSpec
-from .snapshot import SOURCES, package_source, sources
-from .storage import atomic_write
+from medddpm.configs import Config, get_config
+from medddpm.train.data import make_brats_case, make_mni_pair, one_hot_condition
+from medddpm.model.diffusion import TIMESTEPS
+from medddpm.train.engine import Engine
+from medddpm.model.unet import ModelSpec
+from medddpm.measure.snapshot import SOURCES, package_source, sources
+from medddpm.store.storage import atomic_write
 
 
 def time_steps(fn: Callable[[], object], *, device: torch.device, warmup: int, steps: int,
@@ -85,7 +85,7 @@ def real_batch(spec: ModelSpec, *, seed: int = 0, batch: int = 1) -> tuple[torch
 def kernel_summary(step: Callable[[], object], *, device: torch.device, top: int, steps: int = 2) -> dict:
     """Device time per step by kernel category and the `top` kernels, from `steps` more steps under
     torch.profiler (after the timing: profiling is kept apart from it). Microseconds per step."""
-    from .kernels import profile_kernels
+    from medddpm.measure.kernels import profile_kernels
 
     k = profile_kernels(step, device=device, steps=steps, warmup=0)
     per_kernel = (k.groupby(["short_name", "category"], as_index=False)[["calls", "total_us"]].sum()
@@ -111,7 +111,7 @@ def memory_snapshot(step: Callable[[], object], *, device: torch.device, path: s
         snap = torch.cuda.memory._snapshot()  # what _dump_snapshot pickles
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    # the frames name functions and lines only: keep what they were at this commit (medddpm.snapshot reads it)
+    # the frames name functions and lines only: keep what they were at this commit (medddpm.measure.snapshot reads it)
     snap[SOURCES] = sources(snap, package_source)
     atomic_write(path, lambda f: pickle.dump(snap, f))
 

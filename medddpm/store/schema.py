@@ -16,7 +16,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .storage import atomic_write
+from medddpm.store.storage import atomic_write
 
 S, I, F, B = pa.string(), pa.int64(), pa.float64(), pa.bool_()
 
@@ -191,25 +191,25 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
 # A value may be a function of the old table (arrow), returning one value per row.
 ADDED: dict[str, dict[str, object]] = {
     "run": {
-        "upsample": "interpolate",  # the switch came with commit 48f2ec4; before it, always interpolate
-        # issue 8 (memory): before it every run was whole-head, cubic, one residual block a level,
-        # never checkpointed, and the device's memory size was not recorded
+        "upsample": "interpolate",  # rows written before the switch existed always upsampled with F.interpolate
+        # rows written before the memory columns existed were all whole-head, cubic, one residual block a level,
+        # never checkpointed, and without the device's memory size
         "checkpointing": False,
         "shape": lambda t: [f"{s}x{s}x{s}" for s in t.column("size").to_pylist()],
         "image_channels": 1,
         "num_res_blocks": 1,
         "gpu_total_bytes": -1,
         "gpu_other_bytes": -1,
-        "pin_layout": False,  # the switch came with session 3's layout pass
-        "group_norm": "aten",  # the switch came in session 4; before it, always F.group_norm
-        "pad_channels": False,  # the switches came in session 4
-        "recompute_pointwise": False,  # the switch came in session 6
-        "compile_cache": "",  # recorded since session 7
-        "tap_gemm": False,  # the switch came in session 12
-        "store_skip_grad": False,  # the switch came in session 16
-        "narrow_checkpoints": False,  # the switch came in session 21
+        "pin_layout": False,  # rows written before the switch existed ran without the pinning pass
+        "group_norm": "aten",  # rows written before the switch existed always used F.group_norm
+        "pad_channels": False,  # rows written before the switch existed ran the narrow convolutions unpadded
+        "recompute_pointwise": False,  # rows written before the switch existed ran without it
+        "compile_cache": "",  # rows written before it was recorded: unknown
+        "tap_gemm": False,  # rows written before the switch existed ran the output convolution on cuDNN
+        "store_skip_grad": False,  # rows written before the switch existed ran without it
+        "narrow_checkpoints": False,  # rows written before the switch existed ran without it
     },
-    "kernels": {"op": ""},  # which operator launched a kernel: recorded since session 3 (not known before)
+    "kernels": {"op": ""},  # which operator launched a kernel: unknown in tables written before it was recorded
 }
 
 # Columns that committed tables carry and the schema no longer has: switches removed from the product

@@ -18,11 +18,11 @@ import os
 import pandas as pd
 import torch
 
-from . import schema
-from .configs import Config, get_config
-from .engine import Engine, inductor_options
-from .env import git_commit
-from .model import ModelSpec
+from medddpm.store import schema
+from medddpm.configs import Config, get_config
+from medddpm.train.engine import Engine, inductor_options
+from medddpm.measure.env import git_commit
+from medddpm.model.unet import ModelSpec
 
 _GIB = 2**30
 TABLE_FILE = "partition.parquet"  # in the data root, beside the device folders

@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import Callable
 
 import pandas as pd
+from medddpm import PACKAGE
 
 HELD = "held before the step"  # the origin of blocks allocated before the history began
 NO_FRAME = "inside torch"  # the origin of blocks allocated with no frame of this package
-PACKAGE_FRAME = re.compile(r"[/\\]medddpm[/\\](\w+\.py)$")
+PACKAGE_FRAME = re.compile(r"[/\\]medddpm[/\\]((?:\w+[/\\])?\w+\.py)$")
 SOURCES = "medddpm_sources"  # the key the bench adds: {"model.py:382": {"qualname": ..., "code": ...}}
 COLUMNS = ["address", "bytes", "origin", "code", "callers", "phase", "alloc_event", "free_event"]
 
@@ -154,7 +155,7 @@ def _functions(tree: ast.AST, prefix: str = "") -> list[tuple[str, int, int]]:
 
 def package_source(file: str) -> str | None:
     """This package's module `file` as it is now (what `sources` reads when the bench writes a snapshot)."""
-    path = Path(__file__).with_name(file)
+    path = PACKAGE / file
     return path.read_text() if path.is_file() else None
 
 

@@ -23,16 +23,17 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .configs import Config
+from medddpm import REPO
+from medddpm.configs import Config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 
 
 def run_configs(configs: list[str], *, preset: str, out: str, device: str | None = None,
                 gpu_label: str | None = None, force: bool = False, params: dict | None = None) -> list[dict]:
     """The body of one job: the producer notebook for each configuration (`medddpm.sweep.sweep`)."""
-    from .configs import parse_config_list
-    from .sweep import sweep
+    from medddpm.configs import parse_config_list
+    from medddpm.measure.sweep import sweep
 
     return sweep(parse_config_list(",".join(configs)), preset=preset, out=out, device=device,
                  gpu_label=gpu_label, force=force, params=params)

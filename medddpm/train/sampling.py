@@ -11,11 +11,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .data import DataError, make_brats_case, make_mni_pair, one_hot_condition
-from .configs import Config
-from .engine import Engine
-from .model import ModelSpec
-from .storage import atomic_write
+from medddpm.train.data import DataError, make_brats_case, make_mni_pair, one_hot_condition
+from medddpm.configs import Config
+from medddpm.train.engine import Engine
+from medddpm.model.unet import ModelSpec
+from medddpm.store.storage import atomic_write
 
 
 def load_checkpoint(path: str | os.PathLike, *, device: torch.device | str = "cpu", use_ema: bool = True,

@@ -230,8 +230,8 @@ def count_parameters(module) -> int:
 def bench_reference(ref_root: str, spec, *, precision: str, device: torch.device, warmup: int = 5,
                     steps: int = 30, seed: int = 0, progress: bool = True) -> dict:
     """Time the reference's micro-step (forward + backward + Adam step) like `bench.bench_train`."""
-    from .bench import real_batch, time_steps
-    from .configs import set_precision_flags
+    from medddpm.measure.bench import real_batch, time_steps
+    from medddpm.configs import set_precision_flags
 
     if precision not in ("fp32", "tf32"):
         raise ValueError(f"the reference runs in fp32 or tf32 only, not {precision!r}")

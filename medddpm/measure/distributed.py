@@ -3,7 +3,7 @@
 Launch one process per GPU with torchrun; every rank reads its own shard of the micro-batches,
 DistributedDataParallel averages the gradients, and rank 0 alone writes the checkpoint and logs:
 
-    torchrun --nproc-per-node 4 -m medddpm.distributed --steps 10 --out runs/ddp --size 64
+    torchrun --nproc-per-node 4 -m medddpm.measure.distributed --steps 10 --out runs/ddp --size 64
 
 Backend: NCCL when CUDA is available (one GPU per local rank), else gloo on the CPU. The global
 batch is world size x --grad-accum micro-batches of one volume. Besides `loss.jsonl` (averaged over
@@ -65,29 +65,29 @@ def cleanup() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .__main__ import _add_config_args, _add_model_args, _config_from, _open_data, _positive, _spec
-    from .train import train
+    from medddpm.cli.args import add_config_args, add_model_args, config_from, open_data, positive, spec_from
+    from medddpm.train.loop import train
 
-    p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m medddpm.distributed",
+    p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m medddpm.measure.distributed",
                                 description="data-parallel Med-DDPM training (resumes from OUT/checkpoint.pt)")
-    _add_model_args(p, mask_default=None)
-    _add_config_args(p)
+    add_model_args(p, mask_default=None)
+    add_config_args(p)
     p.add_argument("--data", help="'mni' (embedded templates; the default), 'mni-brats', or a folder with mask/ and "
                                   "image/ (or seg/, t1/, t1ce/, t2/, flair/)")
-    p.add_argument("--pairs", type=_positive, default=8, help="number of embedded training pairs (with --data mni)")
-    p.add_argument("--steps", type=_positive, default=100, help="optimizer steps")
-    p.add_argument("--grad-accum", type=_positive, default=1, help="micro-batches per rank and step")
+    p.add_argument("--pairs", type=positive, default=8, help="number of embedded training pairs (with --data mni)")
+    p.add_argument("--steps", type=positive, default=100, help="optimizer steps")
+    p.add_argument("--grad-accum", type=positive, default=1, help="micro-batches per rank and step")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--save-every", type=_positive, default=500)
-    p.add_argument("--log-every", type=_positive, default=10)
+    p.add_argument("--save-every", type=positive, default=500)
+    p.add_argument("--log-every", type=positive, default=10)
     p.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl with CUDA, else gloo")
     p.add_argument("--out", required=True, help="folder for checkpoint.pt, loss.jsonl and ranks.jsonl")
     args = p.parse_args(argv)
 
-    config = _config_from(args)  # bad arguments fail here, before the rendezvous
-    data = _open_data(args)
-    spec = _spec(args, data.mask_channels, getattr(data, "image_channels", 1))
+    config = config_from(args)  # bad arguments fail here, before the rendezvous
+    data = open_data(args)
+    spec = spec_from(args, data.mask_channels, getattr(data, "image_channels", 1))
     rank, world, _, device = init_from_env(args.backend)
     engine = None
     try:

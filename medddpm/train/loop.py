@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm  # text bars: tqdm.auto draws ipywidgets bars, a message per update under papermill
 
-from .configs import Config
-from .engine import Engine
-from .model import ModelSpec
-from .storage import atomic_write
+from medddpm.configs import Config
+from medddpm.train.engine import Engine
+from medddpm.model.unet import ModelSpec
+from medddpm.store.storage import atomic_write
 
 CHECKPOINT = "checkpoint.pt"
 LOSS_LOG = "loss.jsonl"
@@ -40,7 +40,7 @@ def train(spec: ModelSpec, config: Config | str, dataset, *, out_dir: str | os.P
     If `out_dir` holds a checkpoint, training resumes from it. The loss of every step goes to
     `loss.jsonl`; losses are fetched from the device every `log_every` steps, not every step.
 
-    `ddp=True` (inside an initialised process group, see `medddpm.distributed`): data parallelism.
+    `ddp=True` (inside an initialised process group, see `medddpm.measure.distributed`): data parallelism.
     Each rank takes its own `grad_accum` micro-batches (global batch = world size x grad_accum,
     the same items a single process with world size x grad_accum micro-batches reads), gradients
     are averaged over the ranks, and only rank 0 writes the checkpoint, `loss.jsonl` (loss averaged

@@ -22,8 +22,9 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from . import schema
-from .configs import Config, get_config
+from medddpm import REPO
+from medddpm.store import schema
+from medddpm.configs import Config, get_config
 
 SCALING_DIR = "scaling"  # data/<gpu-slug>/scaling/<config>.parquet: not a run folder
 
@@ -74,8 +75,8 @@ def scale(config: str | Config, world_sizes: str | list[int], *, preset: str = "
           device: str | None = None, steps: int | None = None, warmup: int | None = None,
           timeout_s: int = 3600) -> Path:
     """Launch one torchrun per world size; returns the table's path."""
-    from .env import device_name, gpu_slug
-    from .measure import get_preset
+    from medddpm.measure.env import device_name, gpu_slug
+    from medddpm.measure.run import get_preset
 
     config = get_config(config)
     sizes = parse_world_sizes(world_sizes)
@@ -89,7 +90,7 @@ def scale(config: str | Config, world_sizes: str | list[int], *, preset: str = "
     env = dict(os.environ)
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # the ranks must not find a GPU (init_from_env picks CUDA if it can)
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(REPO)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     for n in sizes:
         if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
@@ -97,7 +98,7 @@ def scale(config: str | Config, world_sizes: str | list[int], *, preset: str = "
             # a single rank all of them): each world size then uses the whole machine
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-               "-m", "medddpm.scaling", "--config", config.name, "--preset", preset, "--out", str(out)]
+               "-m", "medddpm.measure.scaling", "--config", config.name, "--preset", preset, "--out", str(out)]
         cmd += [a for k, v in (("--steps", steps), ("--warmup", warmup)) if v is not None for a in (k, str(v))]
         print(f"scale: {config.name} on {n} rank(s) ({device})", file=sys.stderr)
         done = subprocess.run(cmd, env=env, timeout=timeout_s)
@@ -110,14 +111,14 @@ def _worker(argv: list[str] | None = None) -> int:
     """One rank (started by torchrun): time this rank's DDP micro-steps; rank 0 writes the table."""
     import torch.distributed as dist
 
-    from .bench import time_steps
-    from .data import open_dataset
-    from .distributed import cleanup, init_from_env
-    from .engine import Engine
-    from .env import environment, gpu_slug
-    from .measure import get_preset
+    from medddpm.measure.bench import time_steps
+    from medddpm.train.data import open_dataset
+    from medddpm.measure.distributed import cleanup, init_from_env
+    from medddpm.train.engine import Engine
+    from medddpm.measure.env import environment, gpu_slug
+    from medddpm.measure.run import get_preset
 
-    p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m medddpm.scaling")
+    p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m medddpm.measure.scaling")
     p.add_argument("--config", required=True)
     p.add_argument("--preset", default="smoke")
     p.add_argument("--out", default="data")

@@ -2,11 +2,11 @@
 
 A sweep profiles with ncu last, in what is left of its time, so a slow configuration can end with
 counters for only part of its step (or none). Counting again needs no new timing: ncu runs its own
-process (`medddpm.capture`) anyway, and the kernels to profile come from the run's `kernels.parquet`.
+process (`medddpm.measure.capture`) anyway, and the kernels to profile come from the run's `kernels.parquet`.
 The new `ncu.parquet` replaces the old one only when it covers at least as much of the step (or
 with `force`), and the run row's `profilers` entry for ncu records the commit and time of the pass.
 With `merge`, the new launches are added to the run's counters instead (e.g. a library pass over a
-run whose counters came from one pass that missed cuDNN's launches: see `medddpm.ncu.PASSES`); the
+run whose counters came from one pass that missed cuDNN's launches: see `medddpm.measure.ncu.PASSES`); the
 entry then keeps the one before it under "merged". A merge profiles only what the run's counters lack:
 the kernels they do not cover, and the library launches after those their library passes reached, so
 that counters too slow for one lease add up over several.
@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
-from . import schema
-from .configs import mismatch
-from .env import device_name, git_commit, gpu_slug
-from .measure import NCU_REPORTS
-from .model import format_size, parse_size
-from .ncu import COVERAGE, PASSES, join_launches, library_launches_done, profiled_coverage, run_ncu
+from medddpm.store import schema
+from medddpm.configs import mismatch
+from medddpm.measure.env import device_name, git_commit, gpu_slug
+from medddpm.measure.run import NCU_REPORTS
+from medddpm.model.unet import format_size, parse_size
+from medddpm.measure.ncu import COVERAGE, PASSES, join_launches, library_launches_done, profiled_coverage, run_ncu
 
 
 class CountersError(ValueError):

@@ -11,6 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from medddpm import REPO
 
 
 def pick_device(name: str | None = None) -> torch.device:
@@ -36,7 +37,7 @@ def git_commit() -> str:
     """HEAD of this checkout (with -dirty), or $MEDDDPM_GIT_COMMIT where the tree travels without .git."""
     if os.environ.get("MEDDDPM_GIT_COMMIT"):
         return os.environ["MEDDDPM_GIT_COMMIT"]
-    root = Path(__file__).resolve().parent.parent
+    root = REPO
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,

@@ -1,6 +1,6 @@
 """Run training steps of one configuration for an outside profiler (Nsight Compute).
 
-`python -m medddpm.capture --config opt1 --preset paper` runs warm-up steps, then one step inside the
+`python -m medddpm.measure.capture --config opt1 --preset paper` runs warm-up steps, then one step inside the
 NVTX range `medddpm_step`, so that `ncu --nvtx --nvtx-include "medddpm_step/"` profiles exactly
 one training step and none of the warm-up (compilation, cuDNN autotuning).
 """
@@ -16,14 +16,14 @@ import time
 
 import torch
 
-from .bench import real_batch
-from .engine import Engine
-from .measure import get_preset
-from .model import parse_size
+from medddpm.measure.bench import real_batch
+from medddpm.train.engine import Engine
+from medddpm.measure.run import get_preset
+from medddpm.model.unet import parse_size
 
 NVTX_RANGE = "medddpm_step"
 STOPPED = "medddpm.capture: stopped"  # medddpm.ncu.STOPPED
-LAYER_PREFIX = "conv3d "  # medddpm.ncu.LAYER_PREFIX
+LAYER_PREFIX = "conv3d "  # medddpm.measure.ncu.LAYER_PREFIX
 
 
 def layer_name(conv: torch.nn.Conv3d, x: torch.Tensor) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from .model import ModelSpec, UNet3D, count_parameters
+from medddpm.model.unet import ModelSpec, UNet3D, count_parameters
 
 
 def count(spec: ModelSpec, *, batch: int = 1, backward: bool = True) -> dict:

@@ -1,7 +1,7 @@
 """Nsight Compute (ncu) hardware counters for the kernels that make up most of a training step.
 
 The torch.profiler table picks the kernels (`select_kernels`); `ncu_command` profiles only those,
-only inside the NVTX range of `medddpm.capture`'s one step, with the clocks left alone; the report is
+only inside the NVTX range of `medddpm.measure.capture`'s one step, with the clocks left alone; the report is
 exported with ``ncu -i REPORT --csv --page details --print-units base --print-rule-details`` and read
 into one long table (`parse_details_csv`), from which `kernel_summary` (one row per kernel) and
 `priorities` (rules weighted by the kernel's share of the step) are derived. `run_ncu` never raises
@@ -49,6 +49,7 @@ from typing import IO
 
 import pandas as pd
 import psutil
+from medddpm import REPO
 
 NVTX_RANGE = "medddpm_step"  # medddpm.capture.NVTX_RANGE (not imported: capture imports torch)
 
@@ -138,7 +139,7 @@ STOPPED = "medddpm.capture: stopped"  # what capture prints when --stop-after en
 # timeout that then killed ncu took its report and log with it.
 KILL_MARGIN_S = 20
 KILLED = "medddpm.ncu: the profiled program was killed"  # what the log says then
-NON_KERNEL_CATEGORIES = ("memcpy",)  # copies and fills (medddpm.kernels files memsets here too): not kernels
+NON_KERNEL_CATEGORIES = ("memcpy",)  # copies and fills (medddpm.measure.kernels files memsets here too): not kernels
 # Step time the selection aims at: 80% is what the counters must cover, and matching ncu's names back to
 # the profiler's loses a few points (cuDNN's dgrad launches, 2-3% of sdpa's and graphs' H200 steps)
 COVERAGE = 0.85
@@ -339,7 +340,7 @@ def ncu_command(*, name_regex: str, config: str, preset: str, report: Path, metr
                 size: int | str | None = None, batch: int = 1, launches_per_config: int | None = 1,
                 launch_skip: int = 0, stop_after_s: float | None = None, from_backward: str | None = None,
                 python: str = sys.executable) -> list[str]:
-    """ncu over `medddpm.capture`: one step (NVTX range), the launches whose name matches, clocks untouched.
+    """ncu over `medddpm.measure.capture`: one step (NVTX range), the launches whose name matches, clocks untouched.
 
     `launches_per_config`: profile only the first N launches of each launch configuration (kernel,
     grid, block, shared memory); a layer repeated with the same shape is measured once, which keeps
@@ -349,7 +350,7 @@ def ncu_command(*, name_regex: str, config: str, preset: str, report: Path, metr
     a library pass goes on where an earlier one stopped.
     `stop_after_s`: the profiled program exits after that long, and ncu writes the launches done so far.
     `from_backward`: the step's range starts at the first layer's backward ('') or at the backward of the layer
-    range so named (eager configurations; `medddpm.capture`), so that a pass spends its time on what a pass
+    range so named (eager configurations; `medddpm.measure.capture`), so that a pass spends its time on what a pass
     before it did not reach.
     """
     sections = [a for s in SECTIONS for a in ("--section", s)]
@@ -360,7 +361,7 @@ def ncu_command(*, name_regex: str, config: str, preset: str, report: Path, metr
     nvtx = ["--nvtx", "--nvtx-include", f"{NVTX_RANGE}/", "--nvtx-include", NVTX_RANGE]
     per_config = (["--filter-mode", "per-launch-config", "--launch-count", str(launches_per_config)]
                   if launches_per_config else [])
-    target = [python, "-m", "medddpm.capture", "--config", config, "--preset", preset]
+    target = [python, "-m", "medddpm.measure.capture", "--config", config, "--preset", preset]
     skip = ["--launch-skip", str(launch_skip)] if launch_skip else []
     # application-only: ncu's default (all) also injects itself into every process the program starts, which
     # for a compiled configuration are Inductor's compile workers; the step runs in the program's own process.
@@ -522,8 +523,8 @@ def run_ncu(*, kernels_df: pd.DataFrame, config: str, preset: str, out_dir: Path
                     else f"no selected kernel left to profile in the {' and '.join(passes)} pass")
     metrics, status["dropped_metrics"] = split_available(EXTRA_METRICS, available_metrics(ncu))
     out_dir.mkdir(parents=True, exist_ok=True)
-    # capture runs as `python -m medddpm.capture`: the package's parent must be importable
-    root = str(Path(__file__).resolve().parents[1])
+    # capture runs as `python -m medddpm.measure.capture`: the package's parent must be importable
+    root = str(REPO)
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     start, tables = time.monotonic(), []
     for i, name in enumerate(todo):
@@ -600,11 +601,11 @@ def parse_details_csv(path_or_buffer: str | os.PathLike | IO) -> pd.DataFrame:
 
 # ------------------------------------------------------------------------------------------- layers
 
-# `medddpm.capture` names each convolution of an eager step with an NVTX push/pop range (`LAYER_PREFIX`, then
+# `medddpm.measure.capture` names each convolution of an eager step with an NVTX push/pop range (`LAYER_PREFIX`, then
 # the layer's channels, kernel, stride and input size), around its forward and around its backward. ncu
 # records the ranges open at each launch; they are kept in the long table as one text row per launch
 # (section `LAYER_SECTION`), so that the same layer can be compared kernel against kernel across
-# configurations (`medddpm.layers`).
+# configurations (`medddpm.measure.layers`).
 LAYER_PREFIX = "conv3d "  # medddpm.capture.LAYER_PREFIX (not imported: capture imports torch)
 LAYER_SECTION, LAYER_METRIC = "NVTX", "layer"
 

@@ -23,19 +23,20 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from . import schema
-from .schema import PHASES
-from .bench import summarize, time_steps
-from .configs import Config, get_config
-from .data import EMBEDDED, open_dataset
-from .engine import Engine
-from .env import compile_cache_counts, environment, gpu_slug, pick_device
-from .flops import count
-from .model import ModelSpec, format_size, parse_size
-from .storage import atomic_write
+from medddpm import REPO
+from medddpm.store import schema
+from medddpm.store.schema import PHASES
+from medddpm.measure.bench import summarize, time_steps
+from medddpm.configs import Config, get_config
+from medddpm.train.data import EMBEDDED, open_dataset
+from medddpm.train.engine import Engine
+from medddpm.measure.env import compile_cache_counts, environment, gpu_slug, pick_device
+from medddpm.model.flops import count
+from medddpm.model.unet import ModelSpec, format_size, parse_size
+from medddpm.store.storage import atomic_write
 
-NCU_REPORTS = Path(__file__).resolve().parent.parent / "runs" / "ncu"
-QUALITY_CACHE = Path(__file__).resolve().parent.parent / "runs" / "quality"
+NCU_REPORTS = REPO / "runs" / "ncu"
+QUALITY_CACHE = REPO / "runs" / "quality"
 REFERENCE_STEPS = 100_000  # optimizer steps of the reference's training run
 REFERENCE_ACCUM = 2  # micro-steps per optimizer step
 
@@ -335,7 +336,7 @@ class Measurement:
 
     def kernels(self) -> pd.DataFrame | None:
         """torch.profiler over a few steps (separate from the timed steps)."""
-        from .kernels import profile_kernels
+        from medddpm.measure.kernels import profile_kernels
 
         with self.phase("torch", critical=False) as go:
             if not go:
@@ -358,7 +359,7 @@ class Measurement:
 
     def counters(self) -> pd.DataFrame | None:
         """Nsight Compute on the kernels that make up most of a step (GPU only); the last phase."""
-        from .ncu import run_ncu
+        from medddpm.measure.ncu import run_ncu
 
         with self.phase("ncu", critical=False) as go:
             if not go:

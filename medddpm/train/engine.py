@@ -14,11 +14,11 @@ from typing import Callable
 import torch
 from torch.profiler import record_function
 
-from .configs import Config, Resolved, get_config, resolve, set_precision_flags
-from .diffusion import TIMESTEPS, GaussianDiffusion
-from .layout import compile_options
-from .model import ModelSpec, UNet3D
-from .recompute import SaveRandomOps
+from medddpm.configs import Config, Resolved, get_config, resolve, set_precision_flags
+from medddpm.model.diffusion import TIMESTEPS, GaussianDiffusion
+from medddpm.model.layout import compile_options
+from medddpm.model.unet import ModelSpec, UNet3D
+from medddpm.model.recompute import SaveRandomOps
 
 
 class EMA:

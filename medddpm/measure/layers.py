@@ -4,7 +4,7 @@ Nsight Compute profiles launches, and two configurations' profiled launch sets d
 are mostly cuDNN convolutions, TF32's also GroupNorm and element-wise kernels. An average over "whatever was
 profiled" then compares different work. Two comparisons do not:
 
-- **Matched layers** (`matched_layers`): `medddpm.capture` names each convolution of an eager step with an
+- **Matched layers** (`matched_layers`): `medddpm.measure.capture` names each convolution of an eager step with an
   NVTX range (`conv3d 64>64 k3 s1 @128x128x128`: channels, kernel, stride, input size), which ncu keeps per
   launch (`medddpm.ncu.with_layers`). A layer's forward (`fprop`), input gradient (`dgrad`) and weight
   gradient (`wgrad`) each run one main kernel; the same layer and direction in two configurations is the same
@@ -23,7 +23,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from . import ncu
+from medddpm.measure import ncu
 
 # Per-launch counters compared across configurations: (column of `ncu.kernel_summary`, what it is)
 LAYER_METRICS = {
@@ -61,8 +61,8 @@ def layer_kernels(ncu_df: pd.DataFrame) -> pd.DataFrame:
 def _counts(spec) -> dict[str, int]:
     import torch
 
-    from .capture import layer_name
-    from .model import UNet3D
+    from medddpm.measure.capture import layer_name
+    from medddpm.model.unet import UNet3D
 
     seen: dict[str, int] = {}
 
@@ -82,8 +82,8 @@ def _counts(spec) -> dict[str, int]:
 def layer_counts(run: pd.Series) -> pd.Series:
     """Instances of each convolution layer in one step of the run's model (layer range name -> count), from a
     forward pass on the meta device."""
-    from .measure import get_preset
-    from .model import ModelSpec, parse_size
+    from medddpm.measure.run import get_preset
+    from medddpm.model.unet import ModelSpec, parse_size
 
     try:
         preset = get_preset(run["preset"])

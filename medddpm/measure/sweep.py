@@ -21,14 +21,15 @@ from pathlib import Path
 
 from tqdm import tqdm  # text bars: tqdm.auto draws ipywidgets bars, a message per update under papermill
 
-from .configs import Config, parse_config_list
-from .env import device_name, gpu_slug, pick_device
-from .data import open_dataset
-from .measure import get_preset, write_failed_run
-from .model import parse_size
-from .schema import read_table, run_folder
+from medddpm import REPO
+from medddpm.configs import Config, parse_config_list
+from medddpm.measure.env import device_name, gpu_slug, pick_device
+from medddpm.train.data import open_dataset
+from medddpm.measure.run import get_preset, write_failed_run
+from medddpm.model.unet import parse_size
+from medddpm.store.schema import read_table, run_folder
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 NOTEBOOK = ROOT / "notebooks" / "produce.ipynb"
 
 

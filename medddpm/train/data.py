@@ -34,7 +34,7 @@ from scipy.spatial.transform import Rotation
 from torch.utils.data import Dataset
 from tqdm import tqdm  # text bars: tqdm.auto draws ipywidgets bars, a message per update under papermill
 
-from .storage import atomic_write
+from medddpm.store.storage import atomic_write
 
 LABELS = {0: "background", 1: "CSF", 2: "GM", 3: "WM"}
 

@@ -1,0 +1,1 @@
+"""`python -m medddpm`: the subcommands (`main`) and the arguments they share (`args`)."""

@@ -1,0 +1,136 @@
+"""The command line's shared arguments and their parsers: used by `medddpm.cli.main` and by the
+data-parallel worker (`medddpm.measure.distributed`), which takes the same model and configuration switches."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import get_args
+
+from medddpm.configs import (CONFIGS, AttentionKind, GroupNormKind, Precision, UpsampleKind, get_config)
+from medddpm.model.unet import ModelSpec, parse_size
+from medddpm.store.schema import PHASES
+
+PRESET_NAMES = ("smoke", "paper", "brats")  # measure.PRESETS, without importing the measurement stack
+
+
+def phases_arg(text: str) -> str:
+    unknown = {p.strip() for p in text.split(",") if p.strip()} - set(PHASES)
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown phase(s) {', '.join(sorted(unknown))}; known: {', '.join(PHASES)}")
+    return ",".join(p.strip() for p in text.split(",") if p.strip())
+
+
+def positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def size_arg(text: str) -> int | tuple[int, int, int]:
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or DxHxW in voxels (e.g. 128 or 192x192x144), got {text!r}") from None
+
+
+def bool_arg(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {value:g}")
+    return value
+
+
+def add_model_args(p: argparse.ArgumentParser, *, mask_default: int | None = 3) -> None:
+    p.add_argument("--preset", choices=PRESET_NAMES, help="the model of a measurement preset (brats: the BraTS "
+                                                          "setting); --size and --base-channels override it")
+    p.add_argument("--size", type=size_arg, help="input size in voxels: N for a cube or DxHxW (default 128)")
+    p.add_argument("--mask-channels", type=positive, default=None,
+                   help="label classes without background" + (f" (default {mask_default})" if mask_default else ""))
+    p.add_argument("--base-channels", type=positive)
+    p.set_defaults(mask_default=mask_default)
+
+
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="baseline", help=f"named configuration: {', '.join(CONFIGS)}")
+    g = p.add_argument_group("override single switches of the configuration")
+    g.add_argument("--precision", choices=get_args(Precision))
+    for flag in ("channels-last", "compile", "cuda-graphs", "fused-adam", "recompute-attention"):
+        g.add_argument(f"--{flag}", type=bool_arg, metavar="BOOL")
+    g.add_argument("--attention", choices=get_args(AttentionKind))
+    g.add_argument("--upsample", choices=get_args(UpsampleKind))
+    g.add_argument("--group-norm", choices=get_args(GroupNormKind), help="chunked: statistics per channel over voxel "
+                   "chunks, then per group (fast for compiled channels-last 3D); fused: those, with the SiLU after "
+                   "it and a hand-written backward")
+    g.add_argument("--pad-channels", type=bool_arg, metavar="BOOL",
+                   help="stem and output convolutions zero-padded to 8 channels (the same numbers)")
+    g.add_argument("--tap-gemm", type=bool_arg, metavar="BOOL",
+                   help="the output convolution as a GEMM and a sum of its 27 shifted taps, not cuDNN (the same numbers)")
+    g.add_argument("--recompute-pointwise", type=bool_arg, metavar="BOOL",
+                   help="compiled graphs: a reused pointwise result is recomputed in each kernel that reads it, "
+                        "not stored in float32")
+    g.add_argument("--checkpointing", type=bool_arg, metavar="BOOL", help="activation checkpointing per U-Net block")
+    g.add_argument("--store-skip-grad", type=bool_arg, metavar="BOOL",
+                   help="each skip connection's gradient written out as soon as its decoder block computed it")
+    g.add_argument("--narrow-checkpoints", type=bool_arg, metavar="BOOL",
+                   help="with checkpointing: the stem and each decoder upsampling recomputed in the checkpoints after "
+                        "them, which keep their narrow inputs")
+    g.add_argument("--pin-layout", type=bool_arg, metavar="BOOL",
+                   help="compiled graphs: channels-last 3D pinned at every convolution input")
+
+
+OVERRIDES = ("precision", "channels_last", "compile", "cuda_graphs", "fused_adam", "recompute_attention", "attention",
+              "upsample", "checkpointing", "pin_layout", "group_norm", "pad_channels", "recompute_pointwise",
+              "tap_gemm", "store_skip_grad", "narrow_checkpoints")
+
+
+def config_from(args):
+    base = get_config(args.config)
+    return base.with_flags(**{k: getattr(args, k) for k in OVERRIDES if getattr(args, k) is not None})
+
+
+def preset_from(args):
+    """The preset named by --preset, with --size / --base-channels applied; None without --preset."""
+    if not args.preset:
+        return None
+    from medddpm.measure.run import get_preset
+
+    preset = get_preset(args.preset)
+    changes = {k: getattr(args, k) for k in ("size", "base_channels") if getattr(args, k) is not None}
+    return dataclasses.replace(preset, **changes)
+
+
+def spec_from(args, mask_channels: int | None = None, image_channels: int | None = None) -> ModelSpec:
+    """The model from --preset or the model flags; `mask_channels` / `image_channels` from the data."""
+    mask = args.mask_channels or mask_channels
+    preset = preset_from(args)
+    if preset is not None:
+        return preset.spec(mask_channels=mask, image_channels=image_channels)
+    return ModelSpec(size=args.size or 128, mask_channels=mask or args.mask_default, image_channels=image_channels or 1,
+                     base_channels=args.base_channels or 64)
+
+
+def open_data(args):
+    """--data, else the preset's embedded data, at the preset's (or --size's) input size."""
+    from medddpm.train.data import open_dataset
+
+    preset = preset_from(args)
+    source = args.data or (preset.data if preset else "mni")
+    return open_dataset(source, size=preset.size if preset else args.size or 128, n=args.pairs, seed=args.seed)
+
+
