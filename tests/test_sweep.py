@@ -47,7 +47,7 @@ def test_smoke_sweep_writes_every_table_for_the_paper_configurations(tmp_path):
 @pytest.mark.slow
 def test_a_killed_sweep_resumes_without_duplicated_or_lost_rows(tmp_path):
     args = ("--preset", "smoke", "--configs", "baseline,opt2", "--out", str(tmp_path / "data"), "--device", "cpu",
-            "--profilers", "", "--steps", "2", "--sample-steps", "3")
+            "--phases", "sample,quality", "--steps", "2", "--sample-steps", "3")
     first = tmp_path / "data" / "cpu" / "baseline" / "run.parquet"
     p = sweep(*args, cache=tmp_path / "cache")
     deadline = time.time() + 600
@@ -104,7 +104,7 @@ def test_a_failing_configuration_is_recorded_and_the_sweep_goes_on(tmp_path):
     # A real compile error: Inductor finds no C++ compiler for the CPU kernels of `compile`.
     env = os.environ | {"CXX": "/nonexistent/g++", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     p = sweep("--preset", "smoke", "--configs", "compile,baseline", "--out", str(tmp_path / "data"), "--device",
-              "cpu", "--profilers", "", "--steps", "1", "--sample-steps", "2", cache=tmp_path / "cache", env=env)
+              "cpu", "--phases", "sample,quality", "--steps", "1", "--sample-steps", "2", cache=tmp_path / "cache", env=env)
     out, _ = p.communicate(timeout=600)
     assert p.returncode == 0, out[-3000:]
     failed = read_table(tmp_path / "data" / "cpu" / "compile" / "run.parquet")
@@ -119,7 +119,7 @@ def test_brats_preset_and_batch_reach_the_producer_notebook(tmp_path):
     from medddpm import report
 
     p = sweep("--preset", "brats", "--size", "32x32x16", "--configs", "opt1-ckpt", "--batch", "2", "--steps", "1",
-              "--warmup", "1", "--profilers", "", "--out", str(tmp_path / "data"), "--device", "cpu",
+              "--warmup", "1", "--phases", "sample,quality", "--out", str(tmp_path / "data"), "--device", "cpu",
               cache=tmp_path / "cache")
     out, _ = p.communicate(timeout=900)
     assert p.returncode == 0, out[-3000:]
