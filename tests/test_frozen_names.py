@@ -2,6 +2,7 @@
 switches its name defines today (`python -m medddpm configs --json`), and a row that was not is caught."""
 
 import contextlib
+import functools
 import io
 import json
 from pathlib import Path
@@ -16,7 +17,9 @@ DATA = Path(__file__).resolve().parent.parent / "data"
 RUNS = sorted(DATA.glob("**/run.parquet"))
 
 
+@functools.cache
 def configs_json() -> dict:
+    """`python -m medddpm configs --json`, once for every row."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(["configs", "--json"]) in (0, None)
