@@ -92,7 +92,7 @@ def with_gpu(data: bd.Data, slug: str = GPU, tf32_speedup: float = 4.0) -> bd.Da
         qual.append(q)
         s = data.steps[data.steps["run_id"] == base_id].copy()
         s["run_id"], s["gpu_slug"], s["config"] = rid, slug, name
-        s.loc[s["phase"] == "train", "time_ms"] *= factor
+        s.loc[s["phase"] == "train", "step_ms"] *= factor
         steps.append(s)
         top = k.sort_values("total_us", ascending=False)["kernel"].drop_duplicates().head(5).tolist()
         ncu_.append(_ncu_rows(rid, top, name).assign(gpu_slug=slug, config=name))
@@ -170,7 +170,7 @@ def test_charts_validate_and_hold_every_gpu(two):
         assert spec["$schema"].startswith("https://vega.github.io/schema/vega-lite/v6"), name
         rows = _datasets(spec)
         if name == "bench":
-            continue  # bench JSON exists for the H200 only, by construction
+            continue  # bench timings exist for the H200 only, by construction
         # a CPU has no hardware counters; committed GPU data (data/nvidia-h200) comes along
         have = set(two.ncu["gpu_slug"]) if name in NCU_CHARTS else set(two.run["gpu_slug"])
         if name == "speedup":  # a speedup needs the device's baseline run
@@ -282,29 +282,62 @@ def test_roofline_points_take_a_kernel_s_launches_together(monkeypatch):
     assert p.loc["add", "intensity"] == pytest.approx(1e6 / 2e8)
 
 
-def test_bench_json_is_read_from_non_run_folders(real, tmp_path):
+def _bench_doc(phase: str | None = "train", **run) -> dict:
+    """What `python -m medddpm bench --json` records, for two runs: ours and the reference's in strict FP32."""
+    runs = [{"config": "opt1", "step_ms": [2.0, 1.9, 2.1, 2.0, 2.0], "peak_mem_bytes": 2**30,
+             "backend_flags": {"cudnn_conv_fp32_precision": "tf32"}} | run,
+            {"config": "reference-fp32", "step_ms": [3.0] * 4, "peak_mem_bytes": None}]
+    return {"environment": {"gpu_name": "cpu", "torch": "x", "git_commit": "abc", "time_utc": "t"},
+            "spec": {"size": 128, "mask_channels": 3, "base_channels": 64}, "runs": runs} | (
+        {"phase": phase} if phase else {})
+
+
+def test_bench_tables_are_read_from_non_run_folders(real, tmp_path):
+    from medddpm.measure.bench import write_bench
+
     root = _tree(tmp_path)
-    good = {"environment": {"torch": "x"}, "spec": {"size": 128, "mask_channels": 3, "base_channels": 64},
-            "runs": [{"config": "opt1", "median_ms": 2.0, "p10_ms": 1.9, "p90_ms": 2.1, "step_ms": [2.0] * 5,
-                      "peak_mem_bytes": 2**30}]}
-    (root / "cpu" / "notes" / "bench.json").write_text(json.dumps(good))
-    (root / "cpu" / "notes" / "package.json").write_text(json.dumps({"name": "not a bench file"}))
-    sampled = {**good, "runs": [{**good["runs"][0], "config": "best", "sample_s": 0.5}]}  # before "phase" was kept
-    (root / "cpu" / "notes" / "bench-sample.json").write_text(json.dumps(sampled))
-    (root / "cpu" / "notes" / "bench-sample-2.json").write_text(json.dumps({**sampled, "phase": "sample"}))
+    notes = root / "cpu" / "notes"
+    write_bench(notes, _bench_doc(), source="run 1")
+    write_bench(notes, _bench_doc("sample", config="best"), source="denoising")
+    assert [p.name for p in bd.scan(root).not_runs] == ["notes"]  # bench.parquet alone: not a run
     b = bd.bench_runs(root)
-    assert b[["gpu_slug", "phase", "config", "median_ms"]].values.tolist() == [["cpu", "train", "opt1", 2.0]]
-    assert sorted(bd.bench_runs(root, phase="sample")["source"]) == ["cpu/notes/bench-sample-2.json",
-                                                                      "cpu/notes/bench-sample.json"]
-    assert len(bd.bench_runs(root, phase=None)) == 3
+    cols = ["gpu_slug", "phase", "config", "implementation", "train_median_ms", "train_p10_ms", "steps"]
+    assert b[cols].values.tolist() == [
+        ["cpu", "train", "baseline", "reference (mobaidoctor/med-ddpm)", 3.0, 3.0, 4],  # in configuration order
+        ["cpu", "train", "opt1", "ours", 2.0, pytest.approx(1.94), 5]]
+    assert list(b["peak_mem_bytes"]) == [-1, 2**30] and list(b["fp32_math"]) == ["", "tf32"]
+    assert b["sample_step_median_ms"].isna().all() and set(b["source"]) == {"run 1"}
+    s = bd.bench_runs(root, phase="sample")
+    assert list(s["source"]) == ["denoising"] * 2 and s["train_median_ms"].isna().all()
+    assert list(s["sample_step_median_ms"]) == [3.0, 2.0]
+    assert len(bd.bench_runs(root, phase=None)) == 4
     with pytest.raises(AssertionError, match="not a micro-step"):
         charts.bench(bd.bench_runs(root, phase=None))
     with pytest.raises(ValueError, match="phase must be one of"):
         bd.bench_runs(root, phase="training")
-    del good["runs"][0]["median_ms"]
-    (root / "cpu" / "notes" / "bench.json").write_text(json.dumps(good))
-    with pytest.raises(bd.DataError, match=r"bench.json: a bench run lacks \['median_ms'\]"):
+    write_bench(root / "gpu-x" / "reference", _bench_doc(), source="run 1")  # rows of "cpu" under gpu-x
+    with pytest.raises(bd.DataError, match="bench.parquet: rows of another GPU than its path says"):
         bd.bench_runs(root)
+
+
+def test_the_bench_writes_its_table_beside_the_json(tmp_path):
+    """`bench --out DIR`: DIR/bench.parquet, validated; a second invocation replaces the rows of its own source and
+    keeps the others'; the summaries are those of the recorded steps under the run table's names."""
+    from medddpm.measure.bench import bench_rows, write_bench
+
+    doc = _bench_doc()
+    path = write_bench(tmp_path, doc, source="a")
+    assert path == tmp_path / "bench.parquet" and not list(tmp_path.glob(".*tmp"))
+    write_bench(tmp_path, doc, source="b")
+    write_bench(tmp_path, _bench_doc(config="opt12"), source="a")
+    back = schema.read_table(path, "bench")
+    assert list(back.columns) == list(schema.TABLES["bench"])
+    assert sorted(zip(back["source"], back["config"])) == [("a", "baseline"), ("a", "opt12"), ("b", "baseline"),
+                                                           ("b", "opt1")]
+    rows = bench_rows(doc, source="a")
+    assert rows.loc[0, "train_median_ms"] == 2.0 and rows.loc[0, "train_p90_ms"] == pytest.approx(2.06)
+    with pytest.raises(ValueError, match="train or sample"):
+        bench_rows(doc | {"phase": "both"}, source="a")
 
 
 def _ablated(root: Path, config: str, ms: float, spread: float = 0.02, **row) -> None:

@@ -218,7 +218,7 @@ def test_a_claim_without_its_run_names_the_sweep_that_gives_it():
 def test_timing_claims_fall_back_to_bench_timings_where_no_sweep():
     data = gpu_data(True)
     bench = pd.DataFrame({"gpu_slug": GPU, "implementation": "ours", "config": ["sdpa", "sdpa", "compile"],
-                          "median_ms": [300.0, 310.0, 100.0], "fp32_math": "tf32"})
+                          "train_median_ms": [300.0, 310.0, 100.0], "fp32_math": "tf32"})
     unswept = bd.Data(**{**data.__dict__, "bench": bench,
                          "run": data.run[~data.run["config"].isin(["sdpa", "compile"])]})
     row = claims.verdicts(unswept).query("claim_id == 'fusion-needed'").iloc[0]

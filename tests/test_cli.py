@@ -1,5 +1,6 @@
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from medddpm.cli.main import main
+from medddpm.store import schema
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -73,13 +75,17 @@ def test_train_then_sample_on_embedded_data(tmp_path, monkeypatch, capsys):
 def test_bench_times_denoising_steps_with_a_kernel_breakdown(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["bench", "--phase", "sample", "--configs", "sdpa", "--size", "16", "--base-channels", "32",
-                 "--device", "cpu", "--warmup", "1", "--steps", "2", "--kernels", "3", "--json", str(out)]) == 0
+                 "--device", "cpu", "--warmup", "1", "--steps", "2", "--kernels", "3", "--json", str(out),
+                 "--out", str(tmp_path / "table"), "--source", "smoke sample"]) == 0
     (run_,) = json.loads(out.read_text())["runs"]
     assert run_["config"] == "sdpa" and len(run_["step_ms"]) == 2
-    assert run_["sample_s"] == pytest.approx(run_["median_ms"] * 250 / 1e3)
+    assert run_["sample_s"] == pytest.approx(run_["sample_step_median_ms"] * 250 / 1e3)
     assert len(run_["top_kernels"]) == 3 and "convolution" in run_["category_us"]
     assert sum(run_["category_us"].values()) == pytest.approx(run_["kernel_us"])
     assert "sample steps" in capsys.readouterr().out
+    (row,) = schema.read_table(tmp_path / "table" / "bench.parquet", "bench").itertuples()
+    assert (row.gpu_slug, row.source, row.phase, row.config, row.steps) == ("cpu", "smoke sample", "sample", "sdpa", 2)
+    assert row.sample_step_median_ms == run_["sample_step_median_ms"] and math.isnan(row.train_median_ms)
 
 
 @pytest.mark.parametrize("args, message", [

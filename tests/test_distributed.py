@@ -123,7 +123,7 @@ def test_two_gloo_ranks_match_one_process(tiny_spec, tmp_path):
     assert [r["step"] for r in read_loss_log(run)] == [1, 2]
     rows = [json.loads(line) for line in (run / "ranks.jsonl").read_text().splitlines()]
     assert [(r["step"], r["rank"], r["world_size"]) for r in rows] == [(1, 0, 2), (1, 1, 2), (2, 0, 2), (2, 1, 2)]
-    assert all(r["time_ms"] > 0 for r in rows)
+    assert all(r["step_ms"] > 0 for r in rows)
     assert not list(run.glob("*.tmp"))
 
 

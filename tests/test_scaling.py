@@ -20,7 +20,7 @@ def test_two_cpu_ranks_write_every_ranks_steps_and_a_rerun_keeps_other_world_siz
     assert path == tmp_path / "cpu" / "scaling" / "sdpa.parquet"
     df = schema.read_table(path, "scaling")
     assert df.groupby(["world_size", "rank"]).size().to_dict() == {(1, 0): 3, (2, 0): 3, (2, 1): 3}
-    assert (df.groupby(["world_size", "rank"])["timed"].sum() == 2).all() and (df["time_ms"] > 0).all()
+    assert (df.groupby(["world_size", "rank"])["timed"].sum() == 2).all() and (df["step_ms"] > 0).all()
     assert set(df["backend"]) == {"gloo"} and df["run_id"].nunique() == 2
     first = df[df["world_size"] == 1]
     scale("sdpa", [2], preset="smoke", out=str(tmp_path), device="cpu", steps=2, warmup=0)
@@ -56,7 +56,7 @@ def test_cli_errors_in_one_line(capsys):
 def _rows(world: int, times: dict[int, list[float]], slug: str = "gpu-x", config: str = "sdpa") -> pd.DataFrame:
     return pd.DataFrame([{"run_id": f"{slug}/{config}/scaling-{world}/t", "gpu_name": slug, "gpu_slug": slug,
                           "config": config, "preset": "paper", "backend": "nccl", "world_size": world, "rank": r,
-                          "step": i, "timed": True, "time_ms": t, "batch": 1, "size": 128, "threads_per_rank": 4,
+                          "step": i, "timed": True, "step_ms": t, "batch": 1, "size": 128, "threads_per_rank": 4,
                           "torch": "2", "git_commit": "abc", "start_time": "t"}
                          for r, ts in times.items() for i, t in enumerate(ts)])
 
@@ -64,7 +64,7 @@ def _rows(world: int, times: dict[int, list[float]], slug: str = "gpu-x", config
 def test_summary_takes_the_slowest_rank_of_each_step():
     df = pd.concat([_rows(1, {0: [100, 100, 100]}), _rows(2, {0: [100, 130, 100], 1: [120, 100, 110]})])
     s = bd.scaling_summary(df).set_index("world_size")
-    assert s.loc[2, "step_ms"] == 120  # steps last 120, 130, 110 (slowest rank each): median 120
+    assert s.loc[2, "step_median_ms"] == 120  # steps last 120, 130, 110 (slowest rank each): median 120
     assert s.loc[2, "samples_per_s"] == pytest.approx(2 / 0.120)
     assert s.loc[2, "efficiency"] == pytest.approx((2 / 0.120) / (2 / 0.100))
     assert (s.loc[2, "rank_min_ms"], s.loc[2, "rank_max_ms"]) == (100, 110)
@@ -76,7 +76,7 @@ def test_merge_replaces_only_its_world_size(tmp_path):
     path = tmp_path / "x.parquet"
     schema.write_table(pd.concat([_rows(1, {0: [1.0]}), _rows(2, {0: [2.0], 1: [2.0]})]), path, "scaling")
     merged = merge_rows(path, _rows(2, {0: [3.0], 1: [3.0]}))
-    assert merged.groupby("world_size")["time_ms"].max().to_dict() == {1: 1.0, 2: 3.0}
+    assert merged.groupby("world_size")["step_ms"].max().to_dict() == {1: 1.0, 2: 3.0}
 
 
 def test_scaling_tables_are_found_validated_and_charted(tmp_path):

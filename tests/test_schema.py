@@ -7,7 +7,7 @@ from medddpm.store import schema
 
 
 def _steps(**over):
-    row = dict(run_id="cpu/baseline/x", phase="train", step=0, timed=True, time_ms=1.5, dispatch_ms=0.1, loss=0.8,
+    row = dict(run_id="cpu/baseline/x", phase="train", step=0, timed=True, step_ms=1.5, dispatch_ms=0.1, loss=0.8,
                peak_mem_bytes=-1) | over
     return pd.DataFrame([row])
 
@@ -47,7 +47,7 @@ def test_every_table_has_documented_columns_and_the_issue_minimum():
         "run": {"run_id", "status", "message", "gpu_name", "gpu_count", "driver", "cuda", "cudnn", "torch", "python",
                 "git_commit", "container", "size", "batch", "parameters", "flops_per_step", "start_time",
                 "precision", "channels_last", "compile", "cuda_graphs", "fused_adam", "attention"},
-        "steps": {"phase", "step", "timed", "time_ms", "loss", "peak_mem_bytes"},
+        "steps": {"phase", "step", "timed", "step_ms", "loss", "peak_mem_bytes"},
         "kernels": {"kernel", "category", "pass", "calls", "total_us"},
         "ncu": {"kernel", "metric", "value", "unit"},
         "quality": {"step", "loss", "baseline_loss", "rel_err"},
@@ -55,7 +55,7 @@ def test_every_table_has_documented_columns_and_the_issue_minimum():
     for table, cols in minimum.items():
         assert cols <= set(schema.TABLES[table]), table
         assert all(desc for _, desc in schema.TABLES[table].values())
-    assert "| `time_ms` |" in schema.markdown()
+    assert "| `step_ms` |" in schema.markdown() and "**bench.parquet**" in schema.markdown()
     empty = schema.empty("quality")
     assert empty.empty and list(empty.columns) == list(schema.TABLES["quality"])
 
@@ -132,6 +132,49 @@ def test_a_row_with_a_retired_column_still_reads_and_none_is_written_again(tmp_p
     assert list(back.columns) == list(schema.TABLES["run"]) and back.loc[0, "config"] == "best"
     with pytest.raises(schema.SchemaError, match="unexpected columns"):
         schema.write_table(back.assign(**retired), tmp_path / "again.parquet", "run")
+
+
+@pytest.mark.parametrize("table", ["steps", "scaling"])
+def test_a_table_written_with_time_ms_reads_as_step_ms(tmp_path, table):
+    """Tables written before one step's time was named step_ms (`schema.RENAMED`) read under the new name, the
+    values as written; writing takes the new name only."""
+    assert schema.RENAMED[table] == {"time_ms": "step_ms"}
+    want = schema.arrow_schema(table)
+    if table == "steps":
+        new = pd.concat([_steps(), _steps(step=1, step_ms=2.5)], ignore_index=True)
+    else:
+        new = pd.DataFrame([{n: {"string": "x", "int64": 1, "double": 3.5, "bool": True}[str(f.type)]
+                             for n, f in zip(want.names, want)}])
+    old = new.rename(columns={"step_ms": "time_ms"})
+    typed = pa.schema([pa.field("time_ms" if f.name == "step_ms" else f.name, f.type) for f in want])
+    path = tmp_path / f"{table}.parquet"
+    pq.write_table(pa.Table.from_pandas(old, schema=typed, preserve_index=False), path)
+    back = schema.read_table(path, table)
+    assert list(back.columns) == list(schema.TABLES[table]) and "time_ms" not in back
+    pd.testing.assert_frame_equal(back, new[list(schema.TABLES[table])])
+    with pytest.raises(schema.SchemaError, match=r"unexpected columns \['time_ms'\]"):
+        schema.write_table(old, tmp_path / "again.parquet", table)
+
+
+def test_bench_table_round_trip(tmp_path):
+    """A bench invocation's rows (`measure.bench.bench_rows`) write and read back through the schema unchanged."""
+    from medddpm.measure.bench import bench_rows
+
+    doc = {"environment": {"gpu_name": "NVIDIA H200", "torch": "2.11", "cudnn": "91900", "git_commit": "abc",
+                           "time_utc": "2026-11-29T16:57:12+00:00"},
+           "spec": {"size": [160, 192, 144], "mask_channels": 4, "base_channels": 64}, "phase": "train",
+           "runs": [{"config": "best", "step_ms": [10.0, 12.0, 11.0], "peak_mem_bytes": 5 * 2**30,
+                     "backend_flags": {"cudnn_conv_fp32_precision": "tf32"}},
+                    {"config": "reference-tf32", "step_ms": [20.0], "peak_mem_bytes": 6 * 2**30}]}
+    rows = bench_rows(doc, source="compare run 1")
+    path = schema.write_table(rows, tmp_path / schema.BENCH_FILE, "bench")
+    back = schema.read_table(path)
+    pd.testing.assert_frame_equal(back, rows)
+    assert list(back["gpu_slug"]) == ["nvidia-h200"] * 2 and list(back["config"]) == ["best", "opt1"]
+    assert list(back["train_median_ms"]) == [11.0, 20.0] and list(back["size"]) == [192, 192]
+    assert back["sample_step_median_ms"].isna().all() and list(back["steps"]) == [3, 1]
+    with pytest.raises(schema.SchemaError, match="bench table"):
+        schema.write_table(rows.assign(steps="three"), tmp_path / "bad.parquet", "bench")
 
 
 @pytest.mark.parametrize("config, preset, batch, folder", [

@@ -17,7 +17,7 @@ def test_conv_precision_errors_follow_the_formats():
     assert list(out.index) == ["fp32", "bf16"]  # no TF32 without an NVIDIA GPU
     assert out.loc["fp32", "rel_err"] < 1e-5 < 1e-4 < out.loc["bf16", "rel_err"] < 3e-2
     assert out.loc["bf16", "output dtype"] == "bfloat16"
-    assert (out["median_ms"] > 0).all() and math.isclose(out.attrs["flops"], 2 * 27 * 8 * 8 * 8 ** 3)
+    assert (out["conv_median_ms"] > 0).all() and math.isclose(out.attrs["flops"], 2 * 27 * 8 * 8 * 8 ** 3)
     with pytest.raises(ValueError, match="need channels >= 1, size >= 3"):
         ws.conv_precision(channels=8, size=2, device="cpu")
 

@@ -1,7 +1,7 @@
 """The U-Net's two narrow convolutions alone on the GPU: cuDNN, cuDNN zero-padded, and (the output) tap GEMMs.
 
 Times forward + backward of the stem (C_in 4 -> 64) and the output layer (64 -> 1) at 128^3 in bf16
-autocast, channels-last, each way, eager and compiled (`bench.time_steps`: warm-up, then CUDA events with
+autocast, channels-last, each way, eager and compiled (`timing.time_steps`: warm-up, then CUDA events with
 no host sync between steps), and names the kernels each spends its time in (torch.profiler). What `tap_gemm` is for: data/nvidia-h200/NOTES.md, session 12. The backward starts from
 the mean square of the output, whose own kernels are part of each time (the same for every way).
 `--pad-widths 8,16` also pads to 16 channels ("padded16"): whether cuDNN then leaves its sm80 kernels.
@@ -18,7 +18,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from medddpm import model  # noqa: E402
-from medddpm.measure.bench import time_steps  # noqa: E402
+from medddpm.train.timing import summarize, time_steps  # noqa: E402
 from medddpm.measure.env import environment  # noqa: E402
 
 
@@ -58,17 +58,18 @@ def main():
                     y.float().square().mean().backward()
 
                 timing = time_steps(step, device=torch.device("cuda"), warmup=3, steps=args.steps, progress=False)
+                s = summarize(timing["step_ms"])
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                     step()
                     torch.cuda.synchronize()
                 kernels = sorted(((e.key, e.device_time_total / 1e3) for e in prof.key_averages()
                                   if e.device_time_total > 0), key=lambda kv: -kv[1])
                 row = {"layer": layer, "kind": kind, "compiled": compiled,
-                       **{k: timing[k] for k in ("median_ms", "p10_ms", "p90_ms")},
+                       "step_median_ms": s["median"], "step_p10_ms": s["p10"], "step_p90_ms": s["p90"],
                        "kernels": [[name[:110], round(ms, 4)] for name, ms in kernels[:6]]}
                 rows.append(row)
-                print(f"{layer:6s} {kind:6s} compiled={compiled!s:5s} {row['median_ms']:.3f} ms "
-                      f"({row['p10_ms']:.3f}-{row['p90_ms']:.3f})", flush=True)
+                print(f"{layer:6s} {kind:6s} compiled={compiled!s:5s} {s['median']:.3f} ms "
+                      f"({s['p10']:.3f}-{s['p90']:.3f})", flush=True)
                 for name, ms in row["kernels"]:
                     print(f"    {ms:8.4f} ms  {name}")
     if args.json:

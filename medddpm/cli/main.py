@@ -145,7 +145,7 @@ def cmd_sample(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from medddpm.measure.bench import bench_sample, bench_train
+    from medddpm.measure.bench import bench_sample, bench_train, write_bench
     from medddpm.measure.env import environment, pick_device
     from medddpm.measure.snapshot import snapshot_name
 
@@ -183,16 +183,25 @@ def cmd_bench(args) -> None:
         jobs += [lambda p=p: bench_reference(args.reference, spec, precision=p, device=device, warmup=args.warmup,
                                              steps=args.steps, seed=args.seed)
                  for p in args.reference_precisions.split(",")]
+    source = args.source or f"bench {results['environment']['time_utc']}"
     for job in jobs:
         results["runs"].append(job())
-        if args.json:  # after every run, atomically: a later failure keeps what was measured
+        # after every run, atomically: a later failure keeps what was measured
+        if args.json:
             atomic_write(args.json, lambda f: f.write(json.dumps(results, indent=1).encode()))
+        if args.out:
+            write_bench(args.out, results, source=source)
+    stats = (("train_median_ms", "train_p10_ms", "train_p90_ms") if args.phase == "train" else
+             ("sample_step_median_ms", "sample_step_p10_ms", "sample_step_p90_ms"))
     print(f"{args.phase} steps")
     print(f"{'run':<40}{'median ms':>10}{'p10':>9}{'p90':>9}{'peak GiB':>10}{'first warm-up s':>17}")
     for r in results["runs"]:
         mem = r["peak_mem_bytes"] / 2**30 if r["peak_mem_bytes"] else float("nan")
-        print(f"{r['config']:<40}{r['median_ms']:>10.1f}{r['p10_ms']:>9.1f}{r['p90_ms']:>9.1f}{mem:>10.2f}"
+        median, p10, p90 = (r[k] for k in stats)
+        print(f"{r['config']:<40}{median:>10.1f}{p10:>9.1f}{p90:>9.1f}{mem:>10.2f}"
               f"{(r['warmup_ms'] or [float('nan')])[0] / 1e3:>17.1f}")
+    if args.out:
+        print(f"wrote {Path(args.out) / 'bench.parquet'} (source {source!r})")
     for r in results["runs"]:
         if "category_us" in r:
             cats = ", ".join(f"{k} {v / 1e3:.2f}" for k, v in r["category_us"].items())
@@ -346,7 +355,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="after the timing, one more step with the allocator's history on, saved as "
                         "DIR/memory-<config>.pickle (read it at pytorch.org/memory_viz); configurations without "
                         "CUDA graphs only")
-    p.add_argument("--json", help="write all timings to this JSON file")
+    p.add_argument("--json", help="write all timings to this JSON file, every step's included")
+    p.add_argument("--out", metavar="DIR",
+                   help="write the summary of each run to DIR/bench.parquet (table bench), in place of rows of the "
+                        "same --source; the book reads data/<gpu>/reference/bench.parquet")
+    p.add_argument("--source", help="what these runs are, for a reader of the table (default: 'bench <UTC start>')")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("saved", help="what a compiled configuration's training step saves for its backward "

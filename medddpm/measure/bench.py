@@ -1,71 +1,44 @@
-"""Timing of training micro-steps: warm-up first (compilation, cuDNN autotuning), then each timed
-step between device events, no profiler attached (nanoGPT's bench.py habit)."""
+"""Timing of training micro-steps and denoising steps per configuration (`python -m medddpm bench`), through
+the one timing loop (`medddpm.train.timing`: warm-up first, then each timed step between device events, no
+profiler attached), and the `bench` table those timings make, one row a timed configuration."""
 
 from __future__ import annotations
 
+import math
 import pickle
-import statistics
-import time
 from pathlib import Path
 from typing import Callable
 
+import pandas as pd
 import torch
-from tqdm import tqdm  # text bars: tqdm.auto draws ipywidgets bars, a message per update under papermill
 
 from medddpm.configs import Config, get_config
 from medddpm.train.data import make_brats_case, make_mni_pair, one_hot_condition
 from medddpm.model.diffusion import TIMESTEPS
 from medddpm.train.engine import Engine
 from medddpm.model.unet import ModelSpec
+from medddpm.measure.env import gpu_slug
 from medddpm.measure.snapshot import SOURCES, package_source, sources
+from medddpm.store import schema
 from medddpm.store.storage import atomic_write
+from medddpm.train.timing import summarize, time_steps
+
+REFERENCE = "reference (mobaidoctor/med-ddpm)"  # the bench table's implementation of the reference's runs
+# the reference's runs match our configurations' math: strict FP32 is baseline's, TF32 opt1's
+REFERENCE_CONFIGS = {"reference-fp32": "baseline", "reference-tf32": "opt1"}
 
 
-def time_steps(fn: Callable[[], object], *, device: torch.device, warmup: int, steps: int,
-               desc: str = "steps", progress: bool = True, on_timed_start: Callable[[], object] | None = None) -> dict:
-    """Run `fn` `warmup` times (each timed with a host sync: compilation shows there), then `steps`
-    times back to back, each between CUDA events (host clock on a CPU). Milliseconds."""
-    cuda = device.type == "cuda"
-    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
-    warm_ms = []
-    for _ in tqdm(range(warmup), desc=f"{desc} warm-up", disable=not progress):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        warm_ms.append((time.perf_counter() - t0) * 1e3)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
-    times, dispatch = [], []
-    sync()
-    if on_timed_start is not None:
-        on_timed_start()
-    wall0 = time.perf_counter()
-    for i in tqdm(range(steps), desc=f"{desc} timed", disable=not progress):
-        t0 = time.perf_counter()
-        if cuda:
-            events[i][0].record()
-        fn()
-        if cuda:
-            events[i][1].record()
-        else:
-            times.append((time.perf_counter() - t0) * 1e3)
-        dispatch.append((time.perf_counter() - t0) * 1e3)  # host time to issue the step
-    sync()
-    wall_ms = (time.perf_counter() - wall0) * 1e3
-    if cuda:
-        times = [a.elapsed_time(b) for a, b in events]
-    return {"warmup_ms": warm_ms, "step_ms": times, "dispatch_ms": dispatch, "wall_ms": wall_ms,
-            "peak_mem_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
-            **summarize(times)}
+def train_summary(step_ms: list[float]) -> dict[str, float]:
+    """The training micro-step's summary under the run table's names (train_median_ms, ...)."""
+    s = summarize(step_ms)
+    return {"train_median_ms": s["median"], "train_p10_ms": s["p10"], "train_p90_ms": s["p90"],
+            "train_mean_ms": s["mean"], "train_std_ms": s["std"]}
 
 
-def summarize(times: list[float]) -> dict:
-    if not times:
-        return {"median_ms": float("nan"), "p10_ms": float("nan"), "p90_ms": float("nan")}
-    q = statistics.quantiles(times, n=10, method="inclusive") if len(times) > 1 else [times[0]] * 9
-    return {"median_ms": statistics.median(times), "p10_ms": q[0], "p90_ms": q[-1]}
+def sample_step_summary(step_ms: list[float]) -> dict[str, float]:
+    """A denoising step's summary (sample_step_median_ms, as the run table names its median, ...)."""
+    s = summarize(step_ms)
+    return {"sample_step_median_ms": s["median"], "sample_step_p10_ms": s["p10"], "sample_step_p90_ms": s["p90"]}
 
 
 def real_batch(spec: ModelSpec, *, seed: int = 0, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,6 +108,7 @@ def bench_train(spec: ModelSpec, config: Config | str, *, device: torch.device, 
     losses = []
     result = time_steps(lambda: losses.append(engine.step((x0, c))), device=device, warmup=warmup, steps=steps,
                         desc=config.name, progress=progress)
+    result |= train_summary(result["step_ms"])
     result["loss"] = torch.stack(losses).float().cpu().tolist()
     if kernels:
         result |= kernel_summary(lambda: engine.step((x0, c)), device=engine.device, top=kernels)
@@ -161,6 +135,49 @@ def bench_sample(spec: ModelSpec, config: Config | str, *, device: torch.device,
     step = lambda: engine.denoise_step(x, c, t, noise)  # noqa: E731
     result = time_steps(step, device=engine.device, warmup=warmup, steps=steps, desc=f"{config.name} sample",
                         progress=progress)
+    result |= sample_step_summary(result["step_ms"])
     if kernels:
         result |= kernel_summary(step, device=engine.device, top=kernels)
-    return _result(engine, result | {"sample_s": result["median_ms"] * timesteps / 1e3})
+    return _result(engine, result | {"sample_s": result["sample_step_median_ms"] * timesteps / 1e3})
+
+
+def bench_rows(doc: dict, *, source: str) -> pd.DataFrame:
+    """The `bench` table of one bench invocation's results (`{"environment", "spec", "phase", "runs"}`, what
+    `python -m medddpm bench --json` writes): a row per timed run, its summary under the phase's names (the
+    other phase's columns NaN), its reference runs under the configuration whose math they match."""
+    env, spec = doc.get("environment", {}), doc.get("spec", {})
+    phase = doc.get("phase", "train")
+    if phase not in ("train", "sample"):
+        raise ValueError(f"a bench's phase is train or sample, not {phase!r}")
+    size = spec.get("size", -1)
+    rows = []
+    for r in doc["runs"]:
+        name = r["config"]
+        summary = train_summary(r["step_ms"]) if phase == "train" else sample_step_summary(r["step_ms"])
+        peak = r.get("peak_mem_bytes")
+        rows.append({
+            "gpu_slug": gpu_slug(env.get("gpu_name", "")), "source": source, "phase": phase,
+            "config": REFERENCE_CONFIGS.get(name, name),
+            "implementation": REFERENCE if name.startswith("reference-") else "ours",
+            **{k: summary.get(k, math.nan) for k in ("train_median_ms", "train_p10_ms", "train_p90_ms",
+                                                     "sample_step_median_ms", "sample_step_p10_ms",
+                                                     "sample_step_p90_ms")},
+            "steps": len(r["step_ms"]), "peak_mem_bytes": -1 if peak is None else int(peak),
+            "fp32_math": (r.get("backend_flags") or {}).get("cudnn_conv_fp32_precision", ""),
+            "git_commit": env.get("git_commit", ""), "torch": env.get("torch", ""), "cudnn": str(env.get("cudnn", "")),
+            "time_utc": env.get("time_utc", ""), "size": max(size) if isinstance(size, (list, tuple)) else int(size),
+            "mask_channels": int(spec.get("mask_channels", -1)), "base_channels": int(spec.get("base_channels", -1)),
+        })
+    return pd.DataFrame(rows, columns=list(schema.TABLES["bench"]))
+
+
+def write_bench(out_dir: str | Path, doc: dict, *, source: str) -> Path:
+    """Write `doc`'s rows (`bench_rows`) to OUT_DIR/bench.parquet, atomically and checked against the schema,
+    in place of the rows of the same source; the file's other sources are kept."""
+    path = Path(out_dir) / schema.BENCH_FILE
+    rows = bench_rows(doc, source=source)
+    if path.is_file():
+        kept = schema.read_table(path, "bench")
+        kept = kept[kept["source"] != source]
+        rows = pd.concat([kept, rows], ignore_index=True) if len(kept) else rows
+    return schema.write_table(rows, path, "bench")

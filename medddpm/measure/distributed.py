@@ -7,7 +7,7 @@ DistributedDataParallel averages the gradients, and rank 0 alone writes the chec
 
 Backend: NCCL when CUDA is available (one GPU per local rank), else gloo on the CPU. The global
 batch is world size x --grad-accum micro-batches of one volume. Besides `loss.jsonl` (averaged over
-ranks), OUT/ranks.jsonl holds every rank's step times: {"step", "rank", "world_size", "time_ms"}.
+ranks), OUT/ranks.jsonl holds every rank's step times: {"step", "rank", "world_size", "step_ms"}.
 """
 
 from __future__ import annotations

@@ -230,7 +230,8 @@ def count_parameters(module) -> int:
 def bench_reference(ref_root: str, spec, *, precision: str, device: torch.device, warmup: int = 5,
                     steps: int = 30, seed: int = 0, progress: bool = True) -> dict:
     """Time the reference's micro-step (forward + backward + Adam step) like `bench.bench_train`."""
-    from medddpm.measure.bench import real_batch, time_steps
+    from medddpm.measure.bench import real_batch, train_summary
+    from medddpm.train.timing import time_steps
     from medddpm.configs import set_precision_flags
 
     if precision not in ("fp32", "tf32"):
@@ -245,5 +246,5 @@ def bench_reference(ref_root: str, spec, *, precision: str, device: torch.device
     losses = []
     result = time_steps(lambda: losses.append(reference_micro_step(model, diffusion, opt, image, cond)),
                         device=device, warmup=warmup, steps=steps, desc=f"reference {precision}", progress=progress)
-    return result | {"config": f"reference-{precision}", "loss": torch.stack(losses).cpu().tolist(),
+    return result | train_summary(result["step_ms"]) | {"config": f"reference-{precision}", "loss": torch.stack(losses).cpu().tolist(),
                      "not_applicable": {}, "backend_flags": flags, "parameters": count_parameters(model)}

@@ -14,7 +14,6 @@ import datetime as dt
 import json
 import math
 import re
-import statistics
 import time
 import traceback
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ import torch
 from medddpm import REPO
 from medddpm.store import schema
 from medddpm.store.schema import PHASES
-from medddpm.measure.bench import summarize, time_steps
+from medddpm.measure.bench import sample_step_summary, train_summary
 from medddpm.configs import Config, get_config
 from medddpm.train.data import EMBEDDED, open_dataset
 from medddpm.train.engine import Engine
@@ -34,6 +33,7 @@ from medddpm.measure.env import compile_cache_counts, environment, gpu_slug, pic
 from medddpm.model.flops import count
 from medddpm.model.unet import ModelSpec, format_size, parse_size
 from medddpm.store.storage import atomic_write
+from medddpm.train.timing import StepTimer, summarize, time_steps
 
 NCU_REPORTS = REPO / "runs" / "ncu"
 QUALITY_CACHE = REPO / "runs" / "quality"
@@ -264,18 +264,17 @@ class Measurement:
             rows = pd.DataFrame({
                 "phase": "train", "step": range(n_warm + len(timing["step_ms"])),
                 "timed": [False] * n_warm + [True] * len(timing["step_ms"]),
-                "time_ms": timing["warmup_ms"] + timing["step_ms"],
+                "step_ms": timing["warmup_ms"] + timing["step_ms"],
                 "dispatch_ms": [math.nan] * n_warm + timing["dispatch_ms"],
                 "loss": loss, "peak_mem_bytes": peak,
             })
-            median_s = timing["median_ms"] / 1e3
+            train = train_summary(timing["step_ms"])
+            median_s = train["train_median_ms"] / 1e3
             voxels = self.batch * self.spec.voxels
             self.summary |= {
                 "warmup_s": sum(timing["warmup_ms"]) / 1e3, "first_step_s": (timing["warmup_ms"] or [math.nan])[0] / 1e3,
-                "train_median_ms": timing["median_ms"], "train_p10_ms": timing["p10_ms"], "train_p90_ms": timing["p90_ms"],
-                "train_mean_ms": statistics.fmean(timing["step_ms"]),
-                "train_std_ms": statistics.stdev(timing["step_ms"]) if len(timing["step_ms"]) > 1 else 0.0,
-                "dispatch_median_ms": statistics.median(timing["dispatch_ms"]),
+                **train,
+                "dispatch_median_ms": summarize(timing["dispatch_ms"])["median"],
                 "achieved_tflops": self.summary["flops_per_step"] * self.batch / median_s / 1e12,
                 "voxels_per_s": voxels / median_s, "samples_per_s": self.batch / median_s,
                 "peak_mem_bytes": peak, "peak_reserved_bytes": reserved,
@@ -301,35 +300,28 @@ class Measurement:
             engine.model.eval()
             _, cond = self._batch()
             cond = engine.prepare(cond)
-            cuda = self.device.type == "cuda"
-            if cuda:
+            if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
-            marks: list = []
+            timer = StepTimer(self.device)
 
-            def mark(_):
-                if cuda:
-                    ev = torch.cuda.Event(enable_timing=True)
-                    ev.record()
-                    marks.append(ev)
-                else:
-                    marks.append(time.perf_counter())
+            def step_done(i):  # after each denoising step; i counts down to 0, the last
+                timer.stop()
+                if i > 0:
+                    timer.start()
 
-            mark(None)
             t0 = time.perf_counter()
+            timer.start()
             engine.sample(cond, image_channels=self.spec.image_channels,  # no_grad: GaussianDiffusion.sample
-                          generator=torch.Generator(self.device).manual_seed(0), step_callback=mark)
-            if cuda:
-                torch.cuda.synchronize(self.device)
-                times = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
-            else:
-                times = [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]
+                          generator=torch.Generator(self.device).manual_seed(0), step_callback=step_done)
+            times, _ = timer.read()
             total_s = time.perf_counter() - t0
             peak, _ = self._peaks()
             # The first denoising step carries compilation and autotuning: it counts in the total
             # (a user waits for it) but is marked untimed, like a warm-up step.
             rows = pd.DataFrame({"phase": "sample", "step": range(len(times)), "timed": [i > 0 for i in range(len(times))],
-                                 "time_ms": times, "dispatch_ms": math.nan, "loss": math.nan, "peak_mem_bytes": peak})
-            self.summary |= {"sample_steps": len(times), "sample_step_median_ms": summarize(times[1:] or times)["median_ms"],
+                                 "step_ms": times, "dispatch_ms": math.nan, "loss": math.nan, "peak_mem_bytes": peak})
+            self.summary |= {"sample_steps": len(times),
+                             "sample_step_median_ms": sample_step_summary(times[1:] or times)["sample_step_median_ms"],
                              "sample_total_s": total_s, "sample_peak_mem_bytes": peak}
             del engine
             return self._write("steps", pd.concat([self._steps, rows], ignore_index=True))

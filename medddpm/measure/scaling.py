@@ -111,7 +111,7 @@ def _worker(argv: list[str] | None = None) -> int:
     """One rank (started by torchrun): time this rank's DDP micro-steps; rank 0 writes the table."""
     import torch.distributed as dist
 
-    from medddpm.measure.bench import time_steps
+    from medddpm.train.timing import time_steps
     from medddpm.train.data import open_dataset
     from medddpm.measure.distributed import cleanup, init_from_env
     from medddpm.train.engine import Engine
@@ -148,7 +148,7 @@ def _worker(argv: list[str] | None = None) -> int:
             rows = pd.DataFrame([
                 {"run_id": run_id, "gpu_name": env["gpu_name"], "gpu_slug": slug, "config": config.name,
                  "preset": preset.name, "backend": dist.get_backend(), "world_size": world, "rank": r, "step": i,
-                 "timed": timed, "time_ms": t, "batch": 1, "size": preset.size,
+                 "timed": timed, "step_ms": t, "batch": 1, "size": preset.size,
                  "threads_per_rank": torch.get_num_threads(), "torch": env["torch"], "git_commit": env["git_commit"],
                  "start_time": start.isoformat(timespec="seconds")}
                 for r, part in enumerate(gathered) for i, timed, t in part])

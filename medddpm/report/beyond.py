@@ -19,8 +19,8 @@ def ablation_summary(ablation: pd.DataFrame, run: pd.DataFrame | None = None, ba
     hold `base` on the same GPU and model (`run`), how far that run and the ablation's lie apart. `verdict`: "buys"
     when the variant is slower by more than the noise, "costs" when faster by more, "not told apart" otherwise,
     "failed" when the variant did not finish its timed steps."""
-    cols = ["gpu_slug", "preset", "shape", "lever", "config", "status", "message", "base_ms", "median_ms", "p10_ms",
-            "p90_ms", "saved_ms", "ratio", "noise", "rerun", "verdict"]
+    cols = ["gpu_slug", "preset", "shape", "lever", "config", "status", "message", "base_ms", "train_median_ms",
+            "train_p10_ms", "train_p90_ms", "saved_ms", "ratio", "noise", "rerun", "verdict"]
     rows = []
     for (slug, preset, shape), g in ablation[ablation["batch"] == 1].groupby(["gpu_slug", "preset", "shape"]):
         b = g[(g["config"] == base) & (g["status"] == "ok")]
@@ -43,8 +43,9 @@ def ablation_summary(ablation: pd.DataFrame, run: pd.DataFrame | None = None, ba
                        else "not told apart")
             rows.append({"gpu_slug": slug, "preset": preset, "shape": shape, "lever": v.config[len(base) + 1:],
                          "config": v.config, "status": v.status, "message": v.message, "base_ms": b["train_median_ms"],
-                         "median_ms": v.train_median_ms if ok else math.nan,
-                         "p10_ms": v.train_p10_ms if ok else math.nan, "p90_ms": v.train_p90_ms if ok else math.nan,
+                         "train_median_ms": v.train_median_ms if ok else math.nan,
+                         "train_p10_ms": v.train_p10_ms if ok else math.nan,
+                         "train_p90_ms": v.train_p90_ms if ok else math.nan,
                          "saved_ms": v.train_median_ms - b["train_median_ms"] if ok else math.nan, "ratio": ratio,
                          "noise": noise, "rerun": rerun, "verdict": verdict})
     df = pd.DataFrame(rows, columns=cols)

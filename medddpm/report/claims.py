@@ -82,15 +82,15 @@ class GPU:
     def counters(self, config: str) -> pd.DataFrame:
         return self._table("ncu", config)
 
-    def median_ms(self, config: str) -> tuple[float, str] | None:
-        """The configuration's median step: the sweep's, else bench timings kept beside the data."""
+    def train_median_ms(self, config: str) -> tuple[float, str] | None:
+        """The configuration's median micro-step: the sweep's, else bench timings kept beside the data."""
         if config in self.ok.index:
             return float(self.ok.loc[config, "train_median_ms"]), "sweep"
         b = self.data.bench
         if not b.empty:
             b = b[(b["gpu_slug"] == self.slug) & (b["implementation"] == "ours") & (b["config"] == config)]
             if len(b):
-                return float(b["median_ms"].median()), "bench timings"
+                return float(b["train_median_ms"].median()), "bench timings"
         return None
 
     def precision_used(self, config: str) -> str | None:
@@ -212,7 +212,7 @@ def _tf32_cut(g: GPU, column: str, what: str, paper: str, more: str = "") -> Ver
 
 
 def tf32_cycles(g: GPU) -> Verdict:
-    step = [g.median_ms(c) for c in ("baseline", "opt1")]
+    step = [g.train_median_ms(c) for c in ("baseline", "opt1")]
     steps = f"; the whole step {step[0][0] / step[1][0]:.2f}x faster" if None not in step else ""
     return _tf32_cut(g, "sm_cycles_ratio", "SM cycles", "up to 5x", steps)
 
@@ -290,7 +290,7 @@ def cl_cache(g: GPU) -> Verdict:
 
 
 def opt12_partial(g: GPU) -> Verdict:
-    times = [g.median_ms(c) for c in ("opt2", "opt12", "opt1")]
+    times = [g.train_median_ms(c) for c in ("opt2", "opt12", "opt1")]
     if None in times:
         return _na(g.missing("opt1", "opt2", "opt12"))
     ms = [t[0] for t in times]
@@ -303,7 +303,7 @@ def opt12_partial(g: GPU) -> Verdict:
 
 
 def fusion_needed(g: GPU) -> Verdict:
-    a, b = g.median_ms("sdpa"), g.median_ms("compile")
+    a, b = g.train_median_ms("sdpa"), g.train_median_ms("compile")
     if a is None or b is None:
         return _na(g.missing("sdpa", "compile"))
     return _judge(a[0] / b[0] >= SPEEDUP_MIN, f"compile is {a[0] / b[0]:.2f}x faster than sdpa ({a[0]:.4g} vs "

@@ -70,7 +70,7 @@ def launching_ops(kernels: pd.DataFrame, *, category: str = "layout", n: int = 5
 def step_curves(steps: pd.DataFrame, phase: str = "train") -> pd.DataFrame:
     """Per-step times of one phase (small: tens of rows a run), for spread charts."""
     s = steps[steps["phase"] == phase]
-    return _sort(s[["gpu_slug", "config", "step", "timed", "time_ms"]], "step")
+    return _sort(s[["gpu_slug", "config", "step", "timed", "step_ms"]], "step")
 
 
 def check_shares(kernels: pd.DataFrame) -> None:

@@ -6,10 +6,11 @@ the device's main preset at batch 1 (what every page compares), and ``<config>@<
 for a *variant* (another model, such as the BraTS one, or another batch; `schema.run_folder`): only
 the memory page reads those (``variants=True``). Two folders of a GPU hold runs that belong together
 apart from the main ones: ``ablation/`` (`python -m medddpm ablation`) and ``scaling/`` (data-parallel
-tables). Folders that hold no parquet at all (``reference/`` with the reference implementation's bench
-timings, a sweep's hidden staging folders) are not runs. A folder with some parquet but no
-``run.parquet`` is an incomplete run: reading it raises a one-line `DataError` naming the folder, which
-fails the book build on purpose (a page must never silently drop a measurement).
+tables). Folders that hold no parquet but a ``bench.parquet`` (``reference/`` with the bench timings of ours
+and the reference implementation, table ``bench``) or none at all (a sweep's hidden staging folders) are
+not runs. A folder with other parquet but no ``run.parquet`` is an incomplete run: reading it raises a
+one-line `DataError` naming the folder, which fails the book build on purpose (a page must never silently
+drop a measurement).
 
 Nothing here names a GPU: every summary is grouped by the ``gpu_slug`` found in the data, so a GPU added
 under ``data/`` appears on every page without an edit.
@@ -17,7 +18,6 @@ under ``data/`` appears on every page without an edit.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +34,7 @@ TABLES = ("run", "steps", "kernels", "ncu", "quality")  # one file each in every
 
 HOLDS, FAILS, NA = "holds", "does not hold", "not measurable"
 NOT_MEASURED = "not measured yet"
+_GIB = 2**30
 NOT_YET = "not met by the runs so far"  # a memory target none of the measured runs meets, while others are unmeasured
 
 
@@ -66,7 +67,7 @@ def _sort(df: pd.DataFrame, *cols: str) -> pd.DataFrame:
 @dataclass(frozen=True)
 class Scan:
     runs: list[Path]  # data/<slug>/<config>/ folders with run.parquet
-    not_runs: list[Path]  # folders without any parquet (bench timings in JSON), not read as runs
+    not_runs: list[Path]  # folders without run.parquet whose only parquet, if any, is bench.parquet
 
 
 def scan(root: str | os.PathLike | None = None) -> Scan:
@@ -81,7 +82,7 @@ def scan(root: str | os.PathLike | None = None) -> Scan:
                 continue  # data-parallel scaling tables (`scaling`) and the ablation's runs (`ablation_runs`)
             if (folder / "run.parquet").is_file():
                 runs.append(folder)
-            elif any(folder.glob("*.parquet")):
+            elif any(p.name != schema.BENCH_FILE for p in folder.glob("*.parquet")):
                 raise DataError(f"incomplete run {folder}: parquet files but no run.parquet "
                                 "(re-run the sweep for it, or remove the folder)")
             else:
@@ -169,9 +170,6 @@ def load(table: str, root: str | os.PathLike | None = None, *, variants: bool = 
     return df.merge(keys, on="run_id", how="left", validate="many_to_one")
 
 
-BENCH_COLUMNS = ["gpu_slug", "source", "phase", "config", "implementation", "median_ms", "p10_ms", "p90_ms", "steps",
-                 "peak_mem_gib", "fp32_math", "git_commit", "torch", "cudnn", "time_utc", "size", "mask_channels",
-                 "base_channels"]
 BENCH_PHASES = ("train", "sample")
 
 
@@ -184,7 +182,7 @@ class Data:
     kernels: pd.DataFrame
     ncu: pd.DataFrame
     quality: pd.DataFrame
-    bench: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=BENCH_COLUMNS))
+    bench: pd.DataFrame = field(default_factory=lambda: schema.empty("bench"))
     scaling: pd.DataFrame = field(default_factory=lambda: schema.empty("scaling"))
 
     @property
@@ -208,52 +206,25 @@ def scaling_runs(root: str | os.PathLike | None = None) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True) if frames else schema.empty("scaling")
 
 
-def _json(path: Path):
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise DataError(f"{path}: not readable JSON ({e})") from None
-
-
 def bench_runs(root: str | os.PathLike | None = None, *, phase: str | None = "train") -> pd.DataFrame:
-    """Raw `python -m medddpm bench` timings (JSON) kept in folders that are not runs.
+    """`python -m medddpm bench` timings (``data/<gpu-slug>/<folder>/bench.parquet``, table ``bench``) kept in
+    folders that are not runs, validated.
 
     These come before the measurement pipeline (no kernels, counters or quality): the book shows them
     apart and uses them for timing claims only where a GPU has no sweep yet. `phase`: "train" (a
-    micro-step, the default), "sample" (a denoising step) or None for both; a file written before the
-    bench recorded its phase is a sampling one if its runs carry `sample_s` (`sample_total_s` before)."""
+    micro-step, the default: `train_median_ms`, ...), "sample" (a denoising step: `sample_step_median_ms`,
+    ...) or None for both."""
     if phase is not None and phase not in BENCH_PHASES:
         raise ValueError(f"phase must be one of {BENCH_PHASES} or None, got {phase!r}")
-    cols = BENCH_COLUMNS
     root = Path(root) if root is not None else data_root()
-    rows = []
+    frames = []
     for folder in scan(root).not_runs:
-        for path in sorted(folder.glob("*.json")):
-            doc = _json(path)
-            if not isinstance(doc, dict) or "runs" not in doc:
-                continue
-            env, spec = doc.get("environment", {}), doc.get("spec", {})
-            bad = [k for r in doc["runs"] for k in ("config", "median_ms", "p10_ms", "p90_ms", "step_ms",
-                                                      "peak_mem_bytes") if k not in r]
-            if bad:
-                raise DataError(f"{path}: a bench run lacks {sorted(set(bad))}")
-            for r in doc["runs"]:
-                name = r["config"]
-                ref = name.startswith("reference-")
-                kind = doc.get("phase", "sample" if {"sample_s", "sample_total_s"} & set(r) else "train")
-                if phase is not None and kind != phase:
-                    continue
-                rows.append({
-                    "gpu_slug": folder.parent.name, "source": str(path.relative_to(root)), "phase": kind,
-                    "config": {"reference-fp32": "baseline", "reference-tf32": "opt1"}.get(name, name),
-                    "implementation": "reference (mobaidoctor/med-ddpm)" if ref else "ours",
-                    "median_ms": r["median_ms"], "p10_ms": r["p10_ms"], "p90_ms": r["p90_ms"],
-                    "steps": len(r["step_ms"]), "peak_mem_gib": r["peak_mem_bytes"] / 2**30,
-                    "fp32_math": r.get("backend_flags", {}).get("cudnn_conv_fp32_precision", ""),
-                    "git_commit": env.get("git_commit", ""), "torch": env.get("torch", ""),
-                    "cudnn": str(env.get("cudnn", "")),
-                    "time_utc": env.get("time_utc", ""), "size": spec.get("size"),
-                    "mask_channels": spec.get("mask_channels"), "base_channels": spec.get("base_channels"),
-                })
-    return _sort(pd.DataFrame(rows, columns=cols), "implementation", "source")
-_GIB = 2**30
+        path = folder / schema.BENCH_FILE
+        if not path.is_file():
+            continue
+        df = _read(path, "bench")
+        if not (df["gpu_slug"] == folder.parent.name).all():
+            raise DataError(f"{path}: rows of another GPU than its path says")
+        frames.append(df if phase is None else df[df["phase"] == phase])
+    df = pd.concat(frames, ignore_index=True) if frames else schema.empty("bench")
+    return _sort(df, "implementation", "source")

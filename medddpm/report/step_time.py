@@ -69,7 +69,7 @@ def check_speedups(df: pd.DataFrame) -> None:
 def check_medians(data: Data) -> None:
     """run.parquet's median equals the median of the timed training steps in steps.parquet."""
     s = data.steps[(data.steps["phase"] == "train") & data.steps["timed"]]
-    med = s.groupby("run_id")["time_ms"].median()
+    med = s.groupby("run_id")["step_ms"].median()
     r = data.ok.set_index("run_id")["train_median_ms"]
     both = r.index.intersection(med.index)
     assert np.allclose(r[both], med[both], rtol=1e-6), "run medians differ from the step table"
@@ -96,9 +96,9 @@ def floors(run: pd.DataFrame, bench: pd.DataFrame | None = None, bench_flops: fl
     if bench is not None and not bench.empty and bench_flops:
         ours = bench[(bench["implementation"] == "ours") & ~bench["gpu_slug"].isin(s["gpu_slug"])
                      & bench["config"].isin(list(CONFIGS))]
-        b = ours.groupby(["gpu_slug", "config"], as_index=False)["median_ms"].median()
+        b = ours.groupby(["gpu_slug", "config"], as_index=False)["train_median_ms"].median()
         b = b.assign(precision_used=b["config"].map(lambda c: CONFIGS[c].precision), flops_per_step=bench_flops,
-                     timing_source="bench JSON").rename(columns={"median_ms": "train_median_ms"})
+                     timing_source="bench timings")
         s = pd.concat([s, b], ignore_index=True)
     rows = []
     for slug, g in s.groupby("gpu_slug"):

@@ -14,9 +14,6 @@ real, small enough for a CPU, and measures the GPU instead where one is present.
 from __future__ import annotations
 
 import math
-import statistics
-import time
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -24,32 +21,13 @@ import torch
 
 from medddpm import report as bd
 from medddpm.configs import Config, set_precision_flags
+from medddpm.train.timing import summarize, time_steps
 
 # Unit roundoff 2^-p of each format (p = stored mantissa bits + 1): inputs rounded to the format are
 # off by at most this, relatively. TF32 keeps FP32's exponent and 10 mantissa bits; bf16 keeps 7.
 UNIT_ROUNDOFF = {"fp32": 2.0 ** -24, "tf32": 2.0 ** -11, "bf16": 2.0 ** -8}
 # Switches that make two runs comparable apart from their memory layout (Config's, less the layout).
 _SWITCHES = tuple(k for k in Config("x").flags if k != "channels_last")
-
-
-def _time_ms(fn, *, device: torch.device, warmup: int, repeats: int) -> list[float]:
-    """Per-call times (ms): CUDA events on a GPU, the host clock on a CPU."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return times
 
 
 def _device(device) -> torch.device:
@@ -67,7 +45,8 @@ def precision_modes(device: torch.device | str) -> list[str]:
 def conv_precision(*, channels: int | None = None, size: int | None = None, device=None, repeats: int = 5,
                    seed: int = 0) -> pd.DataFrame:
     """One Conv3d(channels, channels, 3) forward on a (1, channels, size^3) input under each math mode
-    of the device: relative L2 error against the same convolution in float64, and median time.
+    of the device: relative L2 error against the same convolution in float64, and the median time of one
+    forward (`conv_median_ms`, from `medddpm.train.timing`: a warm-up call, then `repeats` timed ones).
     Small by default on a CPU (32 channels, 24^3), larger on a GPU (64 channels, 48^3)."""
     device = _device(device)
     cuda = device.type == "cuda"
@@ -101,10 +80,10 @@ def conv_precision(*, channels: int | None = None, size: int | None = None, devi
 
             y = run()
             err = float((y.double() - ref).norm() / ref.norm())
-            times = _time_ms(run, device=device, warmup=1, repeats=repeats)
-            med = statistics.median(times)
+            timing = time_steps(run, device=device, warmup=1, steps=repeats, progress=False)
+            med = summarize(timing["step_ms"])["median"]
             rows.append({"mode": mode, "output dtype": str(y.dtype).removeprefix("torch."), "rel_err": err,
-                         "unit_roundoff": UNIT_ROUNDOFF[mode], "median_ms": med, "gflop_per_s": flops / med / 1e6})
+                         "unit_roundoff": UNIT_ROUNDOFF[mode], "conv_median_ms": med, "gflop_per_s": flops / med / 1e6})
     finally:
         if saved is not None:
             (torch.backends.cudnn.conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision,
@@ -130,18 +109,18 @@ def precision_step_times(data: bd.Data) -> pd.DataFrame:
             if len(r):
                 r = r.iloc[0]
                 rows.append({"gpu_slug": slug, "config": config, "mode": mode, "ran_as": r["precision_used"],
-                             "size": int(r["size"]), "median_ms": float(r["train_median_ms"]),
+                             "size": int(r["size"]), "train_median_ms": float(r["train_median_ms"]),
                              "source": "sweep"})
                 continue
             b = bench[(bench["gpu_slug"] == slug) & (bench["config"] == config)] if len(bench) else bench
             if len(b):
                 ran = {"ieee": "fp32", "tf32": "tf32"}.get(b["fp32_math"].iloc[0], mode)
                 rows.append({"gpu_slug": slug, "config": config, "mode": mode, "ran_as": ran,
-                             "size": int(b["size"].iloc[0]), "median_ms": float(b["median_ms"].median()),
-                             "source": f"bench ({b['source'].nunique()} file(s) in {Path(b['source'].iloc[0]).parent})"})
-    out = pd.DataFrame(rows, columns=["gpu_slug", "config", "mode", "ran_as", "size", "median_ms", "source"])
-    base = out[out["config"] == "baseline"].set_index("gpu_slug")["median_ms"]
-    out["speedup_vs_fp32"] = out["gpu_slug"].map(base) / out["median_ms"]
+                             "size": int(b["size"].iloc[0]), "train_median_ms": float(b["train_median_ms"].median()),
+                             "source": f"bench ({', '.join(sorted(b['source'].unique()))})"})
+    out = pd.DataFrame(rows, columns=["gpu_slug", "config", "mode", "ran_as", "size", "train_median_ms", "source"])
+    base = out[out["config"] == "baseline"].set_index("gpu_slug")["train_median_ms"]
+    out["speedup_vs_fp32"] = out["gpu_slug"].map(base) / out["train_median_ms"]
     return out
 
 
@@ -301,16 +280,16 @@ def efficiencies(data: bd.Data) -> pd.DataFrame:
             r = run[(run["gpu_slug"] == slug) & (run["config"] == config)]
             if len(r):
                 r = r.iloc[0]
-                achieved, flops, median_ms, src = r["achieved_tflops"] * 1e12, r["flops_per_step"], r["train_median_ms"], \
-                    f"sweep ({r['folder']})"
+                achieved, flops, train_ms = r["achieved_tflops"] * 1e12, r["flops_per_step"], r["train_median_ms"]
+                src = f"sweep ({r['folder']})"
             else:
                 b = data.bench[(data.bench["gpu_slug"] == slug) & (data.bench["config"] == config)
                                & (data.bench["implementation"] == "ours")] if not data.bench.empty else []
                 if not len(b):
                     continue
-                # bench JSON has no FLOP count: the step's FLOPs are those of the sweep's runs on this GPU
+                # the bench table has no FLOP count: the step's FLOPs are those of the sweep's runs on this GPU
                 # at the same size, else counted on the meta device for the bench's model.
-                median_ms = float(b["median_ms"].median())
+                train_ms = float(b["train_median_ms"].median())
                 size = int(b["size"].iloc[0])
                 same = run[(run["gpu_slug"] == slug) & (run["size"] == size)]
                 if len(same):
@@ -321,11 +300,11 @@ def efficiencies(data: bd.Data) -> pd.DataFrame:
 
                     flops = count(ModelSpec(size=size, mask_channels=int(b["mask_channels"].iloc[0]),
                                             base_channels=int(b["base_channels"].iloc[0])))["train_flops"]
-                achieved, src = flops / (median_ms / 1e3), f"bench ({b['source'].iloc[0]})"
-            rows.append({"gpu_slug": slug, "precision": precision, "config": config, "median_ms": median_ms,
+                achieved, src = flops / (train_ms / 1e3), f"bench ({b['source'].iloc[0]})"
+            rows.append({"gpu_slug": slug, "precision": precision, "config": config, "train_median_ms": train_ms,
                          "flops_per_step": flops, "achieved_tflops": achieved / 1e12, "peak_tflops": peak / 1e12,
                          "efficiency": achieved / peak, "measured_in": src, "peak_source": source})
-    return pd.DataFrame(rows, columns=["gpu_slug", "precision", "config", "median_ms", "flops_per_step",
+    return pd.DataFrame(rows, columns=["gpu_slug", "precision", "config", "train_median_ms", "flops_per_step",
                                        "achieved_tflops", "peak_tflops", "efficiency", "measured_in", "peak_source"])
 
 
@@ -351,8 +330,8 @@ def matmul_tflops(*, device=None, dtype: torch.dtype = torch.float32, n: int | N
     try:
         if cuda:
             torch.backends.cuda.matmul.fp32_precision = "ieee"
-        times = _time_ms(lambda: a @ b, device=device, warmup=2, repeats=repeats)
+        timing = time_steps(lambda: a @ b, device=device, warmup=2, steps=repeats, progress=False)
     finally:
         if saved is not None:
             torch.backends.cuda.matmul.fp32_precision = saved
-    return 2 * n ** 3 / (statistics.median(times) / 1e3) / 1e12
+    return 2 * n ** 3 / (summarize(timing["step_ms"])["median"] / 1e3) / 1e12

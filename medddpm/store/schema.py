@@ -3,8 +3,10 @@
 Layout: ``data/<gpu-slug>/<run>/{run,steps,kernels,ncu,quality}.parquet`` plus the executed
 producer notebook, where ``<run>`` is the configuration's name for the main presets (smoke, paper)
 at batch 1, and ``<config>@<preset>[-b<batch>]`` otherwise (`run_folder`). ``run.parquet`` is
-written last: its presence marks a finished run. ``data/partition.parquet`` holds what compiled
-steps save for their backward, traced on a CPU (`partition.record`): counted, not measured.
+written last: its presence marks a finished run. ``data/<gpu-slug>/scaling/<config>.parquet`` holds every
+rank's step times (`python -m medddpm scale`), ``data/<gpu-slug>/reference/bench.parquet`` the bench timings of
+ours and the reference implementation (`python -m medddpm bench --out`), and ``data/partition.parquet`` what
+compiled steps save for their backward, traced on a CPU (`partition.record`): counted, not measured.
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "phase": (S, "train | sample"),
         "step": (I, "step index within the phase, from 0, warm-up included"),
         "timed": (B, "false for warm-up steps"),
-        "time_ms": (F, "device time of the step (CUDA events; host clock on a CPU)"),
+        "step_ms": (F, "device time of the step (CUDA events; host clock on a CPU)"),
         "dispatch_ms": (F, "host time to issue the step"),
         "loss": (F, "training loss of the step (NaN for sampling)"),
         "peak_mem_bytes": (I, "peak allocated memory of the phase (-1 on a CPU)"),
@@ -162,13 +164,38 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "rank": (I, "this row's rank"),
         "step": (I, "micro-step index on this rank, warm-up included"),
         "timed": (B, "false for warm-up steps"),
-        "time_ms": (F, "this rank's time for the step (CUDA events; host clock on a CPU)"),
+        "step_ms": (F, "this rank's time for the step (CUDA events; host clock on a CPU)"),
         "batch": (I, "volumes per rank and micro-step (global batch = world_size x batch)"),
         "size": (I, "cubic input size"),
         "threads_per_rank": (I, "torch CPU threads of each rank (a CPU run splits the cores among the ranks)"),
         "torch": (S, "torch.__version__"),
         "git_commit": (S, "commit of this repository"),
         "start_time": (S, "UTC start of this world size's run"),
+    },
+    "bench": {
+        "gpu_slug": (S, "device the bench ran on: its name lower-cased, other characters as hyphens"),
+        "source": (S, "which bench invocation the row comes from, named for a reader (e.g. compare run 1)"),
+        "phase": (S, "train (a training micro-step: forward + backward + Adam) | sample (a denoising step)"),
+        "config": (S, "configuration name; a reference run under the configuration whose math it matches "
+                      "(baseline: strict FP32, opt1: TF32)"),
+        "implementation": (S, "ours | reference (mobaidoctor/med-ddpm)"),
+        "train_median_ms": (F, "median micro-step time, as in the run table (NaN in a sample row)"),
+        "train_p10_ms": (F, "10th percentile micro-step time (NaN in a sample row)"),
+        "train_p90_ms": (F, "90th percentile micro-step time (NaN in a sample row)"),
+        "sample_step_median_ms": (F, "median time of one denoising step, as in the run table (NaN in a train row)"),
+        "sample_step_p10_ms": (F, "10th percentile time of one denoising step (NaN in a train row)"),
+        "sample_step_p90_ms": (F, "90th percentile time of one denoising step (NaN in a train row)"),
+        "steps": (I, "timed steps (after the warm-up)"),
+        "peak_mem_bytes": (I, "peak allocated device memory over the timed steps, and with a CUDA graph over its "
+                              "capture (-1 on a CPU)"),
+        "fp32_math": (S, "FP32 math mode of cuDNN convolutions, read back: ieee | tf32 ('' where not recorded)"),
+        "git_commit": (S, "commit of this repository"),
+        "torch": (S, "torch.__version__"),
+        "cudnn": (S, "cuDNN version in use"),
+        "time_utc": (S, "UTC start of the bench invocation, ISO 8601"),
+        "size": (I, "input size: voxels per side of a cube; the largest side otherwise"),
+        "mask_channels": (I, "label channels (conditioning)"),
+        "base_channels": (I, "U-Net base width"),
     },
     "partition": {
         "preset": (S, "the model: smoke | paper | brats"),
@@ -220,6 +247,15 @@ RETIRED: dict[str, tuple[str, ...]] = {
             "nd_tiling", "coordinate_descent", "combo_kernels"),
 }
 
+# Columns renamed after data was committed: table -> {old name: new name}. A table written under the old name
+# reads under the new one; writing takes the new name only.
+RENAMED: dict[str, dict[str, str]] = {
+    "steps": {"time_ms": "step_ms"},  # one step's time is step_ms everywhere
+    "scaling": {"time_ms": "step_ms"},
+}
+
+BENCH_FILE = "bench.parquet"  # table bench: `python -m medddpm bench --out DIR` writes DIR/bench.parquet
+
 MAIN_PRESETS = ("smoke", "paper")  # a device's own preset: its runs sit in data/<gpu>/<config>/
 
 
@@ -267,13 +303,17 @@ def write_table(df: pd.DataFrame, path: str | os.PathLike, table: str) -> Path:
 
 
 def read_table(path: str | os.PathLike, table: str | None = None) -> pd.DataFrame:
-    """Read a table and check it against its schema (the table name defaults to the file stem): a column the
-    schema has retired (`RETIRED`) is dropped, one added since the file was written (`ADDED`) is filled in."""
+    """Read a table and check it against its schema (the table name defaults to the file stem): a column renamed
+    since the file was written (`RENAMED`) reads under its new name, one the schema has retired (`RETIRED`) is
+    dropped, one added since (`ADDED`) is filled in."""
     path = Path(path)
     table = table or path.name.removesuffix(".parquet")
     if not path.is_file():
         raise FileNotFoundError(f"missing data file {path}")
     arrow = pq.read_table(path)
+    renamed = RENAMED.get(table, {})
+    if any(n in renamed for n in arrow.schema.names):  # a table written before a column's rename
+        arrow = arrow.rename_columns([renamed.get(n, n) for n in arrow.schema.names])
     arrow = arrow.drop_columns([n for n in RETIRED.get(table, ()) if n in arrow.schema.names])
     want = arrow_schema(table)
     for name, value in ADDED.get(table, {}).items():  # tables written before the column existed

@@ -1,2 +1,3 @@
 """Training under a configuration: the engine that runs one step (`engine`), the data sets (`data`), the
-training loop with checkpoints and resume (`loop`), and sampling to NIfTI files (`sampling`)."""
+training loop with checkpoints and resume (`loop`), step timing (`timing`: the one loop every
+measurement times steps with), and sampling to NIfTI files (`sampling`)."""

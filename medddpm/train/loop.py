@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -14,10 +13,11 @@ from medddpm.configs import Config
 from medddpm.train.engine import Engine
 from medddpm.model.unet import ModelSpec
 from medddpm.store.storage import atomic_write
+from medddpm.train.timing import StepTimer
 
 CHECKPOINT = "checkpoint.pt"
 LOSS_LOG = "loss.jsonl"
-RANK_LOG = "ranks.jsonl"  # under DDP: one line per rank and step, {"step", "rank", "time_ms"}
+RANK_LOG = "ranks.jsonl"  # under DDP: one line per rank and step, {"step", "rank", "world_size", "step_ms"}
 
 
 def batch_indices(n_items: int, step: int, micro: int, *, seed: int) -> int:
@@ -80,14 +80,14 @@ def train(spec: ModelSpec, config: Config | str, dataset, *, out_dir: str | os.P
     extra = {"seed": seed, "grad_accum": grad_accum, "lr": lr} | ({"world_size": world} if ddp else {})
 
     pending: list[tuple[int, torch.Tensor]] = []
-    timer = _StepTimer(engine.device) if ddp else None
+    timer = StepTimer(engine.device) if ddp else None
 
     def flush():
         if not pending:
             return
         if ddp:  # one collective per flush: every rank's losses and step times, gathered everywhere
             local = torch.cat([torch.stack([loss for _, loss in pending]).float(),
-                               torch.tensor(timer.read(), device=engine.device, dtype=torch.float32)])
+                               torch.tensor(timer.read()[0], device=engine.device, dtype=torch.float32)])
             gathered = [torch.empty_like(local) for _ in range(world)]
             dist.all_gather(gathered, local)
             table = torch.stack(gathered).cpu()  # (world, 2 * pending)
@@ -103,7 +103,7 @@ def train(spec: ModelSpec, config: Config | str, dataset, *, out_dir: str | os.P
                 with open(rank_path, "a") as f:
                     for i, (s, _) in enumerate(pending):
                         for r in range(world):
-                            f.write(json.dumps({"step": s, "rank": r, "world_size": world, "time_ms": times[r][i]}) + "\n")
+                            f.write(json.dumps({"step": s, "rank": r, "world_size": world, "step_ms": times[r][i]}) + "\n")
             bar.set_postfix(loss=f"{values[-1]:.4f}")
         pending.clear()
 
@@ -129,40 +129,6 @@ def train(spec: ModelSpec, config: Config | str, dataset, *, out_dir: str | os.P
                 save_checkpoint(engine, ckpt, extra=extra)
     flush()
     return engine
-
-
-class _StepTimer:
-    """Per-step wall time of this rank: CUDA events on a GPU (no host sync until `read`), else the clock."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.marks: list = []
-
-    def start(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append([event])
-        else:
-            self.marks.append([time.perf_counter()])
-
-    def stop(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks[-1].append(event)
-        else:
-            self.marks[-1].append(time.perf_counter())
-
-    def read(self) -> list[float]:
-        """Milliseconds of the steps since the last read, oldest first."""
-        if self.cuda:
-            self.marks[-1][1].synchronize() if self.marks else None
-            times = [a.elapsed_time(b) for a, b in self.marks]
-        else:
-            times = [(b - a) * 1e3 for a, b in self.marks]
-        self.marks.clear()
-        return times
 
 
 def _truncate_log(path: Path, step: int) -> None:
