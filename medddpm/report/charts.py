@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import os
 import sys
-from pathlib import Path
 
 # jsonschema (under Altair) imports rfc3987_syntax whenever it is installed (jupyter-events pulls it in), and
 # that builds some 35 Earley parsers: about 3 s of each page's start (python-jsonschema/jsonschema#1428).
@@ -242,16 +241,17 @@ def cost(summary: pd.DataFrame) -> alt.Chart:
 
 
 def bench(bench_df: pd.DataFrame) -> alt.Chart:
-    """Raw bench timings kept beside the data (ours and the reference implementation), a bar per
-    configuration and file: a name's switches are those of its file's commit, so files are not pooled.
-    Training micro-steps only (`loading.bench_runs`' default); GPU dropdown."""
+    """Bench timings kept beside the data (ours and the reference implementation, table ``bench``), a bar per
+    configuration and bench run (`source`): a name's switches are those of its run's commit, so runs are not
+    pooled. Training micro-steps only (`loading.bench_runs`' default); GPU dropdown."""
     if bench_df.empty:
         return _empty("no bench timings in the data")
     assert set(bench_df["phase"]) == {"train"}, "a denoising step is not a micro-step: pass training rows"
     g = (bench_df.groupby(["gpu_slug", "source", "git_commit", "config", "implementation"], as_index=False)
-         .agg(median_ms=("median_ms", "median"), lo=("p10_ms", "min"), hi=("p90_ms", "max"),
-              steps=("steps", "max"), peak_mem_gib=("peak_mem_gib", "max")))
-    g["run"] = g["config"] + " · " + g["source"].map(lambda s: Path(s).stem)
+         .agg(train_median_ms=("train_median_ms", "median"), lo=("train_p10_ms", "min"), hi=("train_p90_ms", "max"),
+              steps=("steps", "max"), peak_mem_bytes=("peak_mem_bytes", "max")))
+    g["peak_mem_gib"] = g.pop("peak_mem_bytes").where(lambda b: b >= 0) / 2**30  # -1: a CPU, no device memory
+    g["run"] = g["config"] + " · " + g["source"]
     order = {c: i for i, c in enumerate(_configs_in(g))}
     runs = g.sort_values(["config", "source"], key=lambda s: s.map(order) if s.name == "config" else s)["run"]
     df = _light(g)
@@ -260,15 +260,16 @@ def bench(bench_df: pd.DataFrame) -> alt.Chart:
     return alt.Chart(df).transform_filter(alt.datum.gpu_slug == gpu).mark_bar().encode(
         y=alt.Y("run:N", sort=list(dict.fromkeys(runs)), title=None),
         yOffset=alt.YOffset("implementation:N"),
-        x=alt.X("median_ms:Q", title="median micro-step time (ms)"),
+        x=alt.X("train_median_ms:Q", title="median micro-step time (ms)"),
         color=alt.Color("config:N", scale=config_color(df["config"]), legend=None),
         opacity=alt.condition(pick, alt.Opacity("implementation:N", scale=alt.Scale(range=[1.0, 0.45]),
                                                 legend=alt.Legend(symbolType="square", symbolFillColor="#4c78a8"),
                                                 title="implementation (click)"), alt.value(0.08)),
-        tooltip=["gpu_slug:N", "config:N", "implementation:N", alt.Tooltip("median_ms:Q", format=".4g"),
+        tooltip=["gpu_slug:N", "config:N", "implementation:N",
+                 alt.Tooltip("train_median_ms:Q", title="median ms", format=".4g"),
                  alt.Tooltip("lo:Q", title="p10 ms", format=".4g"), alt.Tooltip("hi:Q", title="p90 ms", format=".4g"),
                  "steps:Q", alt.Tooltip("peak_mem_gib:Q", title="peak allocated GiB", format=".3g"),
-                 alt.Tooltip("source:N", title="file"), alt.Tooltip("git_commit:N", title="commit")],
+                 alt.Tooltip("source:N", title="bench run"), alt.Tooltip("git_commit:N", title="commit")],
     ).add_params(gpu, pick).properties(
         width="container", height=alt.Step(14), title="Bench timings (python -m medddpm bench)")
 
@@ -284,15 +285,17 @@ def ablation(summary: pd.DataFrame) -> alt.LayerChart | alt.Chart:
     variant's p10-p90 spread as a whisker, coloured by verdict; GPU dropdown. Failed variants are left out (the
     page lists them)."""
     df = _light(summary[summary["verdict"] != "failed"].assign(
-        lo=lambda d: d["p10_ms"] - d["base_ms"], hi=lambda d: d["p90_ms"] - d["base_ms"])
-        [["gpu_slug", "preset", "lever", "base_ms", "median_ms", "saved_ms", "lo", "hi", "ratio", "noise", "verdict"]])
+        lo=lambda d: d["train_p10_ms"] - d["base_ms"], hi=lambda d: d["train_p90_ms"] - d["base_ms"])
+        [["gpu_slug", "preset", "lever", "base_ms", "train_median_ms", "saved_ms", "lo", "hi", "ratio", "noise",
+          "verdict"]])
     if df.empty:
         return _empty("No ablation measured yet (python -m medddpm ablation).")
     gpu = _gpu_param(df)
     base = alt.Chart(df).transform_filter(alt.datum.gpu_slug == gpu)
     y = alt.Y("lever:N", sort=alt.EncodingSortField("saved_ms", order="descending"),
               title="best without", axis=alt.Axis(labelLimit=260))
-    tip = [alt.Tooltip("lever:N", title="best without"), alt.Tooltip("median_ms:Q", title="its step (ms)", format=".1f"),
+    tip = [alt.Tooltip("lever:N", title="best without"),
+           alt.Tooltip("train_median_ms:Q", title="its step (ms)", format=".1f"),
            alt.Tooltip("base_ms:Q", title="best's step (ms)", format=".1f"),
            alt.Tooltip("saved_ms:Q", title="the lever saves (ms)", format=".1f"),
            alt.Tooltip("ratio:Q", title="slower without it (x)", format=".2f"),
@@ -624,7 +627,7 @@ def scaling(summary: pd.DataFrame) -> alt.LayerChart | alt.Chart:
     tip = ["config:N", "backend:N", alt.Tooltip("world_size:O", title="ranks"),
            alt.Tooltip("samples_per_s:Q", title="samples/s", format=".3g"),
            alt.Tooltip("efficiency:Q", title="scaling efficiency", format=".0%"),
-           alt.Tooltip("step_ms:Q", title="step ms (slowest rank)", format=".4g"),
+           alt.Tooltip("step_median_ms:Q", title="median step ms (slowest rank)", format=".4g"),
            alt.Tooltip("rank_min_ms:Q", title="fastest rank's median ms", format=".4g"),
            alt.Tooltip("rank_max_ms:Q", title="slowest rank's median ms", format=".4g")]
     opacity = alt.condition(pick, alt.value(1.0), alt.value(0.15))
