@@ -13,7 +13,7 @@ from typing import Literal, get_args, get_type_hints
 
 import torch
 
-Precision = Literal["fp32", "tf32", "bf16"]
+Precision = Literal["fp32", "tf32", "bf16", "fp16"]
 AttentionKind = Literal["math", "sdpa"]
 UpsampleKind = Literal["interpolate", "separable", "separable_ndhwc"]
 GroupNormKind = Literal["aten", "chunked", "fused"]
@@ -26,7 +26,8 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class Config:
     name: str
-    precision: Precision = "fp32"  # fp32 = strict IEEE (TF32 off and verified off)
+    # fp32 = strict IEEE (TF32 off and verified off); bf16 and fp16 = autocast, fp16 with a dynamic loss scale
+    precision: Precision = "fp32"
     channels_last: bool = False  # channels-last 3D (NDHWC) for the model and its inputs
     compile: bool = False  # torch.compile (Inductor) fusion of the model's forward and backward
     cuda_graphs: bool = False  # capture the whole training step (fwd + bwd + optimizer) in one graph
@@ -121,6 +122,15 @@ CONFIGS: dict[str, Config] = {c.name: c for c in [
            description="best with activation checkpointing per U-Net block (less memory, one more forward), no CUDA graph, "
                        "skip gradients written out as computed, the stem and upsamplings recomputed inside the "
                        "checkpoints that read them"),
+    # The tensor-core path of GPUs without bf16 or TF32 (V100, Turing): fp16's 5 exponent bits overflow where
+    # bf16's 8 do not, so gradients go through a dynamic loss scale (torch.amp.GradScaler) that skips a step whose
+    # gradients hold an inf or NaN and halves the scale. With foreach Adam the scaler reads its overflow flag on the
+    # host once a step (GradScaler's recipe); fused Adam takes the flag on the device.
+    Config("fp16", precision="fp16", description="fp16 autocast with a dynamic loss scale (GradScaler); GroupNorm "
+                                                 "statistics and loss in FP32"),
+    Config("fp16-best", **dict(_best, precision="fp16"),
+           description="best in fp16 with a dynamic loss scale instead of bf16: the fastest combination on GPUs "
+                       "without bf16"),
 ]}
 
 PAPER = ("baseline", "opt1", "opt2", "opt12")
@@ -205,7 +215,12 @@ class Resolved:
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
-        return torch.bfloat16 if self.precision == "bf16" else None
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
+
+    @property
+    def loss_scaling(self) -> bool:
+        """fp16 gradients underflow without a loss scale (and overflow with too large a one)."""
+        return self.precision == "fp16"
 
     @property
     def memory_format(self) -> torch.memory_format:
@@ -240,8 +255,8 @@ def set_precision_flags(precision: str) -> dict[str, str]:
     """Set the process-wide FP32 math mode for cuDNN convolutions and matmuls, and verify it took.
 
     PyTorch's default leaves cuDNN TF32 on (and matmul TF32 off), so an unmodified "FP32" run
-    already uses TF32 convolutions: strict fp32 must turn both off. bf16 keeps TF32 on for the
-    few fp32 operations autocast leaves in fp32. Uses the `fp32_precision` API (torch >= 2.9):
+    already uses TF32 convolutions: strict fp32 must turn both off. bf16 and fp16 keep TF32 on for
+    the few fp32 operations autocast leaves in fp32. Uses the `fp32_precision` API (torch >= 2.9):
     mixing it with the legacy `allow_tf32` switches raises in current PyTorch.
     """
     want = "ieee" if precision == "fp32" else "tf32"

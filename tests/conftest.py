@@ -141,6 +141,7 @@ def add_fake_gpu(data: Path) -> str:
     copied folder's name. The CPU's folder only where no GPU has one: its kernel and step times are no GPU's
     (the pages check a GPU's, e.g. the share of the step its kernels keep it busy)."""
     from medddpm.measure.scaling import SCALING_DIR
+    from medddpm.store import convergence
     from medddpm.store.schema import read_table, write_table
 
     sources = sorted((p for p in data.iterdir() if p.is_dir() and not p.name.startswith(".") and any(p.glob("*/run.parquet"))),
@@ -150,7 +151,8 @@ def add_fake_gpu(data: Path) -> str:
     dst = data / FAKE_SLUG
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".*"))
     for path in dst.rglob("*.parquet"):  # runs, scaling tables, and runs kept in tuning/ or reference/
-        table = "scaling" if path.parent.name == SCALING_DIR else path.stem  # scaling/<config>.parquet
+        table = ("scaling" if path.parent.name == SCALING_DIR else  # scaling/<config>.parquet
+                 convergence.table_name(path) if path.parent.name == convergence.CONVERGENCE_DIR else path.stem)
         df = read_table(path, table)
         if "run_id" in df:
             df["run_id"] = df["run_id"].str.replace(f"{src.name}/", f"{FAKE_SLUG}/", n=1, regex=False)

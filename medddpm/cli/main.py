@@ -1,4 +1,4 @@
-"""Command line: `python -m medddpm {info,configs,train,sample,bench,sweep}`; `--help` on each."""
+"""Command line: `python -m medddpm {info,configs,train,sample,bench,sweep,study}`; `--help` on each."""
 
 from __future__ import annotations
 
@@ -208,6 +208,41 @@ def cmd_bench(args) -> None:
             print(f"{r['config']}: kernels {r['kernel_us'] / 1e3:.2f} ms a step ({cats})")
             for k in r["top_kernels"]:
                 print(f"  {k['total_us'] / 1e3:8.3f} ms {k['calls']:6.0f}x  {k['category']:<13} {k['short_name']}")
+
+
+def cmd_study(args) -> None:
+    from medddpm.measure.convergence import Settings, study, summary
+
+    settings = Settings(size=args.size, base_channels=args.base_channels, steps=args.steps, pairs=args.pairs,
+                        lr=args.lr, grad_accum=args.grad_accum, samples=args.samples, label_maps=args.label_maps,
+                        sample_steps=args.sample_steps)
+    configs = [c.name for c in parse_config_list(args.configs)]  # every name checked before any work
+    devices = [d.strip() for d in args.devices.split(",") if d.strip()] if args.devices else None
+    tables = study(configs, args.seeds, settings, out=args.out, work=args.work, device=args.device, devices=devices,
+                   gpu_label=args.gpu_label, jobs=args.jobs, force=args.force, time_limit=args.time_limit,
+                   keep_checkpoints=args.keep_checkpoints)
+    table = summary(tables)
+    if table.empty:
+        print("no finished runs yet")
+        return
+    print(f"{'configuration':<16}{'runs':>5}{'label_dice':>12}{'seed sd':>9}{'hist_w1':>9}{'ms_ssim':>9}"
+          f"{'skipped':>9}{'train s':>9}")
+    for r in table.itertuples():
+        print(f"{r.config:<16}{r.runs:>5}{r.label_dice:>12.3f}{r.label_dice_sd:>9.3f}{r.hist_w1:>9.3f}"
+              f"{r.ms_ssim:>9.3f}{r.skipped_steps:>9.0f}{r.train_s:>9.0f}")
+
+
+def seeds_arg(text: str) -> list[int]:
+    """'3': seeds 0, 1, 2; '0,4,7': those seeds."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count (3) or a list of seeds (0,4,7), got {text!r}") from None
+    if len(values) == 1 and "," not in text:
+        values = list(range(values[0]))
+    if not values or min(values) < 0 or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"expected a positive count or distinct non-negative seeds, got {text!r}")
+    return values
 
 
 def cmd_scale(args) -> None:
@@ -435,6 +470,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=positive, help="timed micro-steps (default: the preset's)")
     p.add_argument("--warmup", type=positive)
     p.set_defaults(func=cmd_ablation)
+
+    p = sub.add_parser("study", help="convergence study: train configurations from the same seeds, weights, data "
+                                     "and noise, sample their EMA weights and score the samples into "
+                                     "OUT/<gpu>/convergence/; resumes")
+    p.add_argument("--configs", default="opt1,bf16,fp16,best", help="comma-separated names; the first is the "
+                                                                    "reference the book weighs the others against")
+    p.add_argument("--seeds", type=seeds_arg, default=[0, 1, 2], help="a count (3: seeds 0, 1, 2) or a list (0,4,7)")
+    p.add_argument("--steps", type=positive, default=2000, help="optimizer steps per run")
+    p.add_argument("--size", type=positive, default=64, help="voxels per side of the cubic input")
+    p.add_argument("--base-channels", type=positive, default=64)
+    p.add_argument("--pairs", type=positive, default=32, help="embedded training pairs")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--grad-accum", type=positive, default=1)
+    p.add_argument("--samples", type=positive, default=4, help="samples per run, spread over the label maps")
+    p.add_argument("--label-maps", type=positive, default=2, help="held-out subjects whose label maps are sampled")
+    p.add_argument("--sample-steps", type=positive, default=250,
+                   help="denoising steps of a sample: 250, the training schedule's, or fewer on a respaced schedule")
+    p.add_argument("--out", default="data", help="writes OUT/<gpu-slug>/convergence/")
+    p.add_argument("--work", default="runs/convergence", help="checkpoints and loss logs of the runs (resume)")
+    p.add_argument("--jobs", type=positive, default=1, help="runs trained at once, each in its own process")
+    p.add_argument("--device")
+    p.add_argument("--devices", help="comma-separated devices the parallel runs take in turn, e.g. cuda:0,cuda:1")
+    p.add_argument("--gpu-label", help="name the device differently in OUT/<gpu-slug>/")
+    p.add_argument("--time-limit", type=positive, metavar="S",
+                   help="no run starts after S seconds and runs still going are stopped there (parallel runs); "
+                        "the same command resumes them from their last checkpoint")
+    p.add_argument("--force", action="store_true", help="run again the (configuration, seed) runs already done")
+    p.add_argument("--keep-checkpoints", action="store_true", help="keep each finished run's checkpoint")
+    p.set_defaults(func=cmd_study)
 
     p = sub.add_parser("scale", help="data-parallel scaling: time one configuration on 1, 2, ... ranks (torchrun)")
     p.add_argument("--config", default="sdpa", help="a configuration without CUDA graphs (DDP cannot capture them)")

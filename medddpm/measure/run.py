@@ -277,7 +277,7 @@ class Measurement:
                 "dispatch_median_ms": summarize(timing["dispatch_ms"])["median"],
                 "achieved_tflops": self.summary["flops_per_step"] * self.batch / median_s / 1e12,
                 "voxels_per_s": voxels / median_s, "samples_per_s": self.batch / median_s,
-                "peak_mem_bytes": peak, "peak_reserved_bytes": reserved,
+                "peak_mem_bytes": peak, "peak_reserved_bytes": reserved, "skipped_steps": engine.skipped_steps,
                 "gpu_total_bytes": total, "gpu_other_bytes": other,
                 "epoch_size": len(self.data), "epoch_s": len(self.data) / self.batch * median_s,
                 "gpu_hours_100k": REFERENCE_STEPS * REFERENCE_ACCUM * median_s / 3600,

@@ -35,12 +35,15 @@ def _gather(buf: torch.Tensor, t: torch.Tensor, ndim: int) -> torch.Tensor:
 class GaussianDiffusion(nn.Module):
     """Holds the schedule; the denoiser is passed in, so one schedule serves a compiled model too."""
 
-    def __init__(self, *, timesteps: int = TIMESTEPS):
+    def __init__(self, *, timesteps: int = TIMESTEPS, betas: torch.Tensor | None = None,
+                 timestep_map: torch.Tensor | None = None):
         super().__init__()
         if not isinstance(timesteps, int) or timesteps < 1:
             raise ValueError(f"timesteps must be a positive int, got {timesteps!r}")
         self.timesteps = timesteps
-        betas = cosine_betas(timesteps)
+        betas = cosine_betas(timesteps) if betas is None else betas.double()
+        # a respaced schedule's step i is the model's timestep timestep_map[i] (`respaced`); None: the same
+        self.timestep_map = timestep_map
         alpha_bar = torch.cumprod(1 - betas, 0)
         alpha_bar_prev = F.pad(alpha_bar[:-1], (1, 0), value=1.0)
         post_var = betas * (1 - alpha_bar_prev) / (1 - alpha_bar)
@@ -57,6 +60,24 @@ class GaussianDiffusion(nn.Module):
         self.register_buffer("betas", betas.float(), persistent=False)
         for name, value in tables.items():
             self.register_buffer(name, value.float(), persistent=False)
+
+    def respaced(self, steps: int) -> "GaussianDiffusion":
+        """This schedule on `steps` evenly spaced ones of its timesteps (Nichol & Dhariwal 2021, section 4: the
+        betas recomputed from the kept cumulative alphas), for ancestral sampling in fewer steps; the model is
+        called with the original timesteps. `steps` equal to `timesteps`: this schedule itself."""
+        if not isinstance(steps, int) or not 1 <= steps <= self.timesteps:
+            raise ValueError(f"steps must be an int from 1 to {self.timesteps}, got {steps!r}")
+        if steps == self.timesteps:
+            return self
+        keep = torch.linspace(0, self.timesteps - 1, steps, dtype=torch.float64).round().long()
+        alpha_bar = torch.cumprod(1 - cosine_betas(self.timesteps), 0)[keep]
+        betas = 1 - alpha_bar / torch.cat([torch.ones(1, dtype=alpha_bar.dtype), alpha_bar[:-1]])
+        return GaussianDiffusion(timesteps=steps, betas=betas, timestep_map=keep).to(self.betas.device)
+
+    def _apply(self, fn, *args, **kwargs):  # the map moves with the buffers
+        if self.timestep_map is not None:
+            self.timestep_map = fn(self.timestep_map)
+        return super()._apply(fn, *args, **kwargs)
 
     # ---------------------------------------------------------------------------------- training
 
@@ -80,7 +101,8 @@ class GaussianDiffusion(nn.Module):
     def p_step(self, model: nn.Module, x: torch.Tensor, cond: torch.Tensor, t: torch.Tensor,
                noise: torch.Tensor) -> torch.Tensor:
         """One ancestral step x_t -> x_{t-1}; `noise` is ignored where t == 0."""
-        eps = model(torch.cat([x, cond.to(x.dtype)], dim=1), t).float()
+        model_t = t if self.timestep_map is None else self.timestep_map[t]
+        eps = model(torch.cat([x, cond.to(x.dtype)], dim=1), model_t).float()
         x0 = (_gather(self.sqrt_recip_alpha_bar, t, x.ndim) * x - _gather(self.sqrt_recipm1_alpha_bar, t, x.ndim) * eps)
         x0 = x0.clamp(-1, 1)
         mean = _gather(self.post_coef_x0, t, x.ndim) * x0 + _gather(self.post_coef_xt, t, x.ndim) * x

@@ -26,6 +26,7 @@ import pandas as pd
 
 from medddpm import REPO
 from medddpm.store import schema
+from medddpm.store.convergence import CONVERGENCE_DIR
 from medddpm.configs import CONFIGS
 from medddpm.measure.scaling import SCALING_DIR
 
@@ -78,7 +79,7 @@ def scan(root: str | os.PathLike | None = None) -> Scan:
     runs, not_runs = [], []
     for gpu in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
         for folder in sorted(p for p in gpu.iterdir() if p.is_dir() and not p.name.startswith(".")):
-            if folder.name in (SCALING_DIR, ABLATION_DIR):
+            if folder.name in (SCALING_DIR, ABLATION_DIR, CONVERGENCE_DIR):  # convergence: `report.convergence`
                 continue  # data-parallel scaling tables (`scaling`) and the ablation's runs (`ablation_runs`)
             if (folder / "run.parquet").is_file():
                 runs.append(folder)

@@ -41,7 +41,7 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "git_commit": (S, "commit of this repository (-dirty if modified)"),
         "container": (S, "docker | apptainer | '' (bare metal)"),
         "config": (S, "configuration name"),
-        "precision": (S, "fp32 | tf32 | bf16 as requested"),
+        "precision": (S, "fp32 | tf32 | bf16 | fp16 as requested"),
         "precision_used": (S, "precision that ran on this device"),
         "channels_last": (B, "channels-last 3D layout"),
         "compile": (B, "torch.compile fusion"),
@@ -86,6 +86,8 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "train_mean_ms": (F, "mean micro-step time"),
         "train_std_ms": (F, "standard deviation of the micro-step time"),
         "dispatch_median_ms": (F, "median host time to issue one micro-step"),
+        "skipped_steps": (I, "optimizer steps of the training phase (warm-up included) that fp16's loss scaler skipped "
+                             "for an inf or NaN gradient; 0 without a loss scaler"),
         "achieved_tflops": (F, "flops_per_step / median time"),
         "voxels_per_s": (F, "training throughput in input voxels per second"),
         "samples_per_s": (F, "training throughput in volumes per second"),
@@ -211,6 +213,59 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "float32_bytes": (I, "of which float32"),
         "largest": (S, "the three largest shape and dtype groups: 'count x CxDxHxW dtype'"),
     },
+    # data/<gpu-slug>/convergence/{runs,losses,samples}.parquet: `python -m medddpm study`, one training run per
+    # configuration and seed from the same weights, data order and noise, then scored samples of its EMA weights
+    "convergence_runs": {
+        "config": (S, "configuration name"),
+        "seed": (I, "seed of the initial weights, the data order and the training noise"),
+        "status": (S, "ok | error"),
+        "message": (S, "why, when status is error"),
+        "switches": (S, "JSON: the configuration's switches"),
+        "precision_used": (S, "precision that ran on this device"),
+        "not_applicable": (S, "JSON: switches that could not apply on this device, with why"),
+        "size": (I, "input size: voxels per side of a cube"),
+        "base_channels": (I, "U-Net base width"),
+        "data": (S, "training data: mni (the embedded templates) or a folder"),
+        "pairs": (I, "training pairs"),
+        "steps": (I, "optimizer steps"),
+        "grad_accum": (I, "micro-batches of one volume per optimizer step"),
+        "lr": (F, "Adam learning rate"),
+        "skipped_steps": (I, "optimizer steps fp16's loss scaler skipped (0 without one)"),
+        "final_loss": (F, "mean loss of the last 100 steps"),
+        "ema_decay": (F, "EMA decay per update"),
+        "ema_start": (I, "optimizer step from which the EMA averages (before it, a copy of the weights)"),
+        "sample_timesteps": (I, "denoising steps of each sample (the training schedule's T: full ancestral sampling)"),
+        "sample_precision": (S, "precision the samples were drawn in (the configuration's)"),
+        "label_maps": (S, "JSON list: the label maps sampled (mni:SEED, subjects not among the training pairs)"),
+        "samples": (I, "samples drawn: samples per label map x label maps"),
+        "train_s": (F, "wall time of training, compilation included"),
+        "sample_s": (F, "wall time of sampling"),
+        "gpu_name": (S, "torch.cuda.get_device_name, or 'cpu'"),
+        "gpu_slug": (S, "gpu_name lower-cased, other characters as hyphens"),
+        "torch": (S, "torch.__version__"),
+        "cuda": (S, "CUDA version torch was built with"),
+        "cudnn": (S, "cuDNN version in use"),
+        "git_commit": (S, "commit of this repository (-dirty if modified)"),
+        "start_time": (S, "UTC start, ISO 8601"),
+    },
+    "convergence_losses": {
+        "config": (S, "configuration name"),
+        "seed": (I, "seed of the run"),
+        "step": (I, "optimizer step, from 1"),
+        "loss": (F, "training loss of the step (mean over its micro-batches)"),
+    },
+    "convergence_samples": {
+        "config": (S, "configuration name; 'real' for the held-out subjects' own images, scored the same way"),
+        "seed": (I, "seed of the run (0 for 'real')"),
+        "sample": (I, "sample index within the run, from 0"),
+        "label_map": (S, "the label map it was conditioned on (mni:SEED)"),
+        "other": (I, "for a pair metric (ms_ssim), the other sample of the same label map; -1 otherwise"),
+        "metric": (S, "label_dice (3-cluster k-means of the intensities inside the brain against the label map) | "
+                      "hist_w1 (1-Wasserstein distance of the intensities to the real training images', on the "
+                      "[-1, 1] scale) | ms_ssim (3D multi-scale SSIM between two samples of one label map)"),
+        "tissue": (S, "csf | gm | wm | mean (label_dice, hist_w1); brain for ms_ssim"),
+        "value": (F, "the metric's value"),
+    },
 }
 
 # Columns added after data was committed, with the value every older table implies: such a table is
@@ -235,6 +290,7 @@ ADDED: dict[str, dict[str, object]] = {
         "tap_gemm": False,  # rows written before the switch existed ran the output convolution on cuDNN
         "store_skip_grad": False,  # rows written before the switch existed ran without it
         "narrow_checkpoints": False,  # rows written before the switch existed ran without it
+        "skipped_steps": 0,  # rows written before it was recorded: no configuration had a loss scaler
     },
     "kernels": {"op": ""},  # which operator launched a kernel: unknown in tables written before it was recorded
 }

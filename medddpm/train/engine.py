@@ -94,6 +94,10 @@ class Engine:
         self.opt = torch.optim.Adam(self.model.parameters(), lr=lr, fused=True if self.run.fused_adam else None,
                                     capturable=self.run.cuda_graphs)
         self.ema = EMA(self.model) if ema else None
+        # fp16: the loss is scaled before backward and the gradients unscaled before Adam; a step whose
+        # gradients hold an inf or NaN is skipped and the scale halved (it grows again after 2000 clean steps)
+        self.scaler = torch.amp.GradScaler(self.device.type) if self.run.loss_scaling else None
+        self._skipped = torch.zeros((), device=self.device)  # steps the scaler skipped, counted on the device
         self.step_count = 0
         self._graph: torch.cuda.CUDAGraph | None = None
         self.capture_peak_bytes: int | None = None  # allocated peak while the last CUDA graph was captured
@@ -162,12 +166,25 @@ class Engine:
                 with record_function("forward"):
                     loss = self.loss(x0, cond, **dict(zip(("t", "noise"), fixed))) / len(batches)
                 with record_function("backward"):
-                    loss.backward()
+                    (loss if self.scaler is None else self.scaler.scale(loss)).backward()
             total = loss.detach() if total is None else total + loss.detach()
         with record_function("optimizer"):
-            self.opt.step()
+            if self.scaler is None:
+                self.opt.step()
+            else:
+                self.scaler.step(self.opt)
+                # the overflow flag the step was skipped on, read before `update` clears it; added on the
+                # device, so counting waits for nothing (and is replayed with a CUDA graph)
+                self._skipped += sum(self.scaler._found_inf_per_device(self.opt).values())
+                self.scaler.update()
             self.opt.zero_grad(set_to_none=True)
         return total
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps the fp16 loss scaler skipped for an inf or NaN gradient (0 without one); waits for
+        the device."""
+        return int(self._skipped.item())
 
     def _graphed(self, fn: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """`fn` warmed up three times on a side stream (cuDNN autotuning and compilation happen there,
@@ -198,6 +215,8 @@ class Engine:
         # Host copies: device ones would sit beside the live weights and inflate the captured peak.
         weights = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
         opt_state = {p: {k: v.detach().to("cpu", copy=True) for k, v in s.items()} for p, s in self.opt.state.items()}
+        scaler = self.scaler.state_dict() if self.scaler is not None else None
+        skipped = self._skipped.clone()
         rng = torch.cuda.get_rng_state(self.device)
         static = [tuple(t.clone() for t in batch) for batch in batches]
         graph, loss = self._graphed(lambda: self._step(static))
@@ -207,6 +226,10 @@ class Engine:
             for p, s in self.opt.state.items():
                 for k, v in s.items():
                     v.copy_(opt_state[p][k]) if p in opt_state else v.zero_()
+            if scaler is not None:  # in place: the graph reads the scale and growth tracker it captured
+                self.scaler._scale.fill_(scaler["scale"])
+                self.scaler._growth_tracker.fill_(scaler["_growth_tracker"])
+            self._skipped.copy_(skipped)
         torch.cuda.set_rng_state(rng, self.device)
         self._graph, self._static = graph, (static, loss)
 
@@ -282,6 +305,9 @@ class Engine:
             state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         if self.ema is not None:
             state["ema"] = self.ema.state_dict()
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        state["skipped_steps"] = self.skipped_steps
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -293,3 +319,6 @@ class Engine:
             torch.cuda.set_rng_state(state["cuda_rng"], self.device)
         if self.ema is not None and "ema" in state:
             self.ema.load_state_dict(state["ema"])
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
+        self._skipped.fill_(state.get("skipped_steps", 0))

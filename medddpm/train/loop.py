@@ -27,6 +27,16 @@ def batch_indices(n_items: int, step: int, micro: int, *, seed: int) -> int:
     return int(torch.randint(n_items, (1,), generator=g))
 
 
+def step_noise(shape: tuple[int, ...], timesteps: int, step: int, micro: int, *, seed: int,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The diffusion timesteps and noise of micro-batch `micro` of optimizer step `step`, drawn on `device` from a
+    generator seeded by its arguments alone (as `batch_indices` picks the data): every configuration trained with
+    `fixed_noise` sees the same ones, whether its step draws them eagerly, compiled or in a CUDA graph."""
+    g = torch.Generator(device).manual_seed(seed * 1_000_003 + step * 97 + micro + 500_009)
+    t = torch.randint(timesteps, shape[:1], generator=g, device=device)
+    return t, torch.randn(shape, generator=g, device=device)
+
+
 def save_checkpoint(engine: Engine, path: Path, *, extra: dict) -> None:
     state = engine.state_dict() | {"spec": engine.spec.__dict__, "config": engine.config.flags, **extra}
     atomic_write(path, lambda f: torch.save(state, f))
@@ -34,7 +44,8 @@ def save_checkpoint(engine: Engine, path: Path, *, extra: dict) -> None:
 
 def train(spec: ModelSpec, config: Config | str, dataset, *, out_dir: str | os.PathLike, steps: int,
           device: torch.device | str = "cpu", grad_accum: int = 2, lr: float = 1e-5, seed: int = 0,
-          save_every: int = 500, log_every: int = 10, progress: bool = True, ddp: bool = False) -> Engine:
+          save_every: int = 500, log_every: int = 10, progress: bool = True, ddp: bool = False,
+          fixed_noise: bool = False) -> Engine:
     """Train for `steps` optimizer steps (each of `grad_accum` micro-batches of one volume).
 
     If `out_dir` holds a checkpoint, training resumes from it. The loss of every step goes to
@@ -45,6 +56,9 @@ def train(spec: ModelSpec, config: Config | str, dataset, *, out_dir: str | os.P
     the same items a single process with world size x grad_accum micro-batches reads), gradients
     are averaged over the ranks, and only rank 0 writes the checkpoint, `loss.jsonl` (loss averaged
     over ranks) and `ranks.jsonl` (every rank's step times).
+
+    `fixed_noise`: each micro-batch's timesteps and noise come from `step_noise`, a function of the seed and
+    the step alone, so that runs of different configurations from one seed differ by their numerics only.
     """
     for name, value in (("steps", steps), ("grad_accum", grad_accum), ("save_every", save_every), ("log_every", log_every)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -113,7 +127,11 @@ def train(spec: ModelSpec, config: Config | str, dataset, *, out_dir: str | os.P
         batches = []
         for micro in range(grad_accum):
             image, cond = dataset[batch_indices(len(dataset), step, rank * grad_accum + micro, seed=seed)]
-            batches.append((engine.prepare(image[None]), engine.prepare(cond[None])))
+            batch = (engine.prepare(image[None]), engine.prepare(cond[None]))
+            if fixed_noise:
+                batch += step_noise(batch[0].shape, engine.diffusion.timesteps, step, rank * grad_accum + micro,
+                                    seed=seed, device=engine.device)
+            batches.append(batch)
         if ddp:
             # Each rank draws its own timesteps and noise; reseeding per step keeps resume exact.
             torch.manual_seed(seed * 1_000_003 + step * 1009 + rank * 7919 + 1)
