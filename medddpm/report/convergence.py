@@ -103,13 +103,13 @@ def settings(study: Study) -> pd.DataFrame:
         rows.append({"gpu_slug": slug, "configurations": ", ".join(c for c in config_order(r["config"])
                                                                     if c in set(r["config"])),
                      "seeds": ", ".join(map(str, sorted(r["seed"].unique()))),
-                     "input": f"{first['size']}^3", "base channels": int(first["base_channels"]),
-                     "training pairs": int(first["pairs"]), "optimizer steps": int(first["steps"]),
-                     "learning rate": float(first["lr"]), "gradient accumulation": int(first["grad_accum"]),
+                     "input": f"{first['size']}³ voxels", "base channels": str(first["base_channels"]),
+                     "training pairs": str(first["pairs"]), "optimizer steps": f"{int(first['steps']):,}",
+                     "learning rate": f"{float(first['lr']):g}", "gradient accumulation": str(first["grad_accum"]),
                      "EMA": f"decay {first['ema_decay']:g} every 10 steps from step {int(first['ema_start'])}",
-                     "samples per run": int(first["samples"]),
+                     "samples per run": str(first["samples"]),
                      "label maps": ", ".join(json.loads(first["label_maps"])),
-                     "denoising steps per sample": int(first["sample_timesteps"]),
+                     "denoising steps per sample": str(first["sample_timesteps"]),
                      "torch": first["torch"], "commit": str(first["git_commit"])[:12]})
     return pd.DataFrame(rows)
 
@@ -250,6 +250,42 @@ def verdict_text(comp: pd.DataFrame, slug: str, step_ms: dict | None = None) -> 
     return " ".join(out)
 
 
+def scores_table(comp: pd.DataFrame) -> pd.DataFrame:
+    """`comparison` for a reader: each score as 'mean ± spread between seeds', each difference from the reference
+    with the spread it is weighed against and its verdict."""
+    def pm(mean, sd, digits=3):
+        if pd.isna(mean):
+            return "-"
+        return f"{mean:.{digits}f}" + ("" if pd.isna(sd) else f" ± {sd:.{digits}f}")
+
+    def against(row, metric):
+        diff, spread, verdict = (row.get(f"{metric}_{x}") for x in ("diff", "spread", "verdict"))
+        if not isinstance(verdict, str) or verdict == "reference":
+            return verdict if isinstance(verdict, str) else ""
+        return f"{diff:+.3f}" + ("" if pd.isna(spread) else f" (spread {spread:.3f})") + f": {verdict}"
+
+    rows = []
+    for _, r in comp.iterrows():
+        rows.append({"device": r["gpu_slug"], "configuration": r["config"], "seeds": int(r["seeds"]),
+                     "failed runs": int(r["failed"]),
+                     "skipped steps": "-" if pd.isna(r["skipped_steps"]) else f"{int(r['skipped_steps']):,}",
+                     "label_dice": pm(r["label_dice"], r["label_dice_sd"]), "label_dice vs reference": against(r, "label_dice"),
+                     "hist_w1": pm(r["hist_w1"], r["hist_w1_sd"]), "hist_w1 vs reference": against(r, "hist_w1"),
+                     "ms_ssim": pm(r["ms_ssim"], r["ms_ssim_sd"])})
+    return pd.DataFrame(rows)
+
+
+def tissue_table(study: Study) -> pd.DataFrame:
+    """Mean label_dice per tissue and configuration (over seeds), in the book's configuration order."""
+    t = tissue_dice(study)
+    if t.empty:
+        return pd.DataFrame(columns=["device", "configuration", "CSF", "GM", "WM"])
+    wide = t.pivot_table(index=["gpu_slug", "config"], columns="tissue", values="mean").reset_index()
+    wide = _sort(wide).rename(columns={"gpu_slug": "device", "config": "configuration", "csf": "CSF", "gm": "GM",
+                                       "wm": "WM"})
+    return wide[["device", "configuration"] + [c for c in ("CSF", "GM", "WM") if c in wide]]
+
+
 def loss_curves_binned(study: Study, points: int = 100) -> pd.DataFrame:
     """The loss of every run averaged over `points` windows of its steps (a chart of every step would carry
     tens of thousands of points)."""
@@ -323,19 +359,23 @@ def metrics_chart(study: Study):
                           x="mean(value):Q", tooltip=[alt.Tooltip("mean(value):Q", title="real images", format=".3f")]))
     return alt.layer(*layers).add_params(gpu, metric).properties(
         width="container", height=max(120, 34 * len(order)),
-        title="Sample scores: a point per seed, the tick their mean (dashed: the real images)")
+        title="Sample scores by seed")
 
 
 # ------------------------------------------------------------------------------------------- gallery
+
+
+ROW = '<div style="display:flex;flex-wrap:wrap;align-items:flex-end;gap:8px;margin-bottom:10px">'
+LABEL = '<div style="width:7em;font-weight:bold;align-self:center">{}</div>'
 
 
 def _img(path: Path, alt_text: str, *, title: str = "") -> str:
     if not path.is_file():
         return f'<span class="medddpm-missing">{html.escape(title or alt_text)}: no image</span>'
     data = base64.b64encode(path.read_bytes()).decode()
-    return (f'<figure style="display:inline-block;margin:0 6px 6px 0;text-align:center">'
+    return (f'<figure style="margin:0;text-align:center">'
             f'<img src="data:image/png;base64,{data}" alt="{html.escape(alt_text, quote=True)}" '
-            f'style="width:300px;image-rendering:pixelated"/>'
+            f'style="width:200px;image-rendering:pixelated"/>'
             f'<figcaption style="font-size:0.8em">{html.escape(title)}</figcaption></figure>')
 
 
@@ -354,7 +394,7 @@ def gallery(study: Study, slug: str, *, seeds: int | None = None) -> str:
     parts = []
     views = "middle axial, coronal and sagittal slices"
     for i, source in enumerate(maps):
-        parts.append(f"<h4>Label map {html.escape(source)}</h4><div>")
+        parts.append(f"<p><b>Label map {html.escape(source)}</b></p>" + ROW + LABEL.format("conditioning"))
         parts.append(_img(slices / store.slice_file("label", i),
                           f"Label map {source}, {views}: CSF blue, grey matter grey, white matter white",
                           title=f"label map {source}"))
@@ -362,7 +402,7 @@ def gallery(study: Study, slug: str, *, seeds: int | None = None) -> str:
                           title="real image"))
         parts.append("</div>")
         for config in [c for c in config_order(runs["config"]) if c in set(runs["config"])]:
-            row = [f'<div><b>{html.escape(config)}</b><br/>']
+            row = [ROW + LABEL.format(html.escape(config))]
             for seed in sorted(runs.loc[runs["config"] == config, "seed"])[:seeds]:
                 mine = samples[(samples["config"] == config) & (samples["seed"] == seed)
                                & (samples["label_map"] == source)]
