@@ -83,7 +83,7 @@ class Config:
         changed = {k: v for k, v in flags.items() if getattr(self, k) != v}
         if not changed:
             return self
-        label = name or self.name + "".join(f"+{k}={v}" for k, v in sorted(changed.items()))
+        label = name or variant_name(self.name, **changed)
         return dataclasses.replace(self, name=label, description=f"{self.name} with {changed}", **changed)
 
 

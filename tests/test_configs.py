@@ -73,7 +73,8 @@ def test_a_retired_lever_is_an_unknown_flag(lever):
 
 def test_with_flags_composes_and_names_the_change():
     c = CONFIGS["opt1"].with_flags(channels_last=True)
-    assert c.flags == CONFIGS["opt12"].flags and c.name == "opt1+channels_last=True"
+    assert c.flags == CONFIGS["opt12"].flags and c.name == "opt1+channels_last=true"
+    assert get_config(c.name).flags == c.flags  # the label reads back as the same configuration
     assert CONFIGS["opt1"].with_flags(precision="tf32") is CONFIGS["opt1"]
 
 
@@ -120,7 +121,8 @@ def test_config_choices_are_the_model_s():
     from typing import get_args
 
     from medddpm.configs import AttentionKind, GroupNormKind, UpsampleKind
-    from medddpm.model.unet import ATTENTION_KINDS, GROUP_NORM_KINDS, UPSAMPLE_KINDS
+    from medddpm.model.blocks import ATTENTION_KINDS, UPSAMPLE_KINDS
+    from medddpm.model.group_norm import GROUP_NORM_KINDS
 
     assert get_args(UpsampleKind) == UPSAMPLE_KINDS and get_args(GroupNormKind) == GROUP_NORM_KINDS
     assert get_args(AttentionKind) == ATTENTION_KINDS
