@@ -11,13 +11,13 @@ import pytest
 
 from medddpm import report as bd
 from medddpm.measure import layers
-from medddpm.measure import ncu
+from medddpm.measure import ncu_table
 from medddpm.store import schema
 from medddpm.report import claims
 from medddpm.cli.main import main
 
 GPU = "nvidia-test-gpu"
-TENSOR = ncu.TENSOR_PIPE_METRICS[-1]
+TENSOR = ncu_table.TENSOR_PIPE_METRICS[-1]
 RAW = {"duration_ns": "gpu__time_duration.sum", "sm_active_cycles": "sm__cycles_active.avg",
        "inst_executed": "sm__inst_executed.sum", "tensor_pipe_pct": TENSOR,
        "sm_throughput_pct": "sm__throughput.avg.pct_of_peak_sustained_elapsed",
@@ -37,8 +37,8 @@ def launch(kernel_id: int, kernel: str, *, layer: str = "", rules: dict | None =
     rows = [{"kernel": kernel, "kernel_id": kernel_id, "kind": "metric", "section": "Raw", "metric": RAW[m],
              "value": v, "unit": "", "text": str(v), "speedup_type": ""} for m, v in metrics.items()]
     if layer:
-        rows.append({"kernel": kernel, "kernel_id": kernel_id, "kind": "metric", "section": ncu.LAYER_SECTION,
-                     "metric": ncu.LAYER_METRIC, "value": float("nan"), "unit": "", "text": layer, "speedup_type": ""})
+        rows.append({"kernel": kernel, "kernel_id": kernel_id, "kind": "metric", "section": ncu_table.LAYER_SECTION,
+                     "metric": ncu_table.LAYER_METRIC, "value": float("nan"), "unit": "", "text": layer, "speedup_type": ""})
     for (section, rule), speedup in (rules or {}).items():
         rows.append({"kernel": kernel, "kernel_id": kernel_id, "kind": "rule", "section": section, "metric": rule,
                      "value": speedup, "unit": "%", "text": "", "speedup_type": "global"})
@@ -146,7 +146,7 @@ def test_cpu_rows_never_judge_a_claim_and_the_headline_counts_gpus_only():
 
 def test_tf32_claims_are_not_measurable_without_a_matched_layer_and_say_what_to_run():
     data = gpu_data(True)
-    no_layers = data.ncu[data.ncu["section"] != ncu.LAYER_SECTION]
+    no_layers = data.ncu[data.ncu["section"] != ncu_table.LAYER_SECTION]
     v = claims.verdicts(bd.Data(**{**data.__dict__, "ncu": no_layers})).set_index("claim_id")
     for cid in ("tf32-cycles", "tf32-instructions", "tf32-tensor", "tf32-memory", "tf32-stalls"):
         assert v.loc[cid, "verdict"] == bd.NA and "layer ranges" in v.loc[cid, "evidence"], cid
@@ -174,7 +174,8 @@ def test_step_weighted_rates_weight_kernels_by_their_step_share_not_by_profiled_
     kernels = pd.DataFrame({"kernel": ["long", "short"], "share": [0.2, 0.8], "calls": [2, 60], "steps": 2})
     table = pd.DataFrame(launch(0, "long", duration_ns=1e9, tensor_pipe_pct=90.0, inst_executed=5e6)
                          + launch(1, "short", duration_ns=1e3, tensor_pipe_pct=10.0, inst_executed=1e3)
-                         + launch(2, "short", duration_ns=3e3, tensor_pipe_pct=30.0, inst_executed=3e3)).astype(ncu.COLUMNS)
+                         + launch(2, "short", duration_ns=3e3, tensor_pipe_pct=30.0, inst_executed=3e3)
+                         ).astype(ncu_table.COLUMNS)
     s = layers.step_weighted(kernels, table, counts=("inst_executed",))
     assert s["tensor_pipe_pct"] == pytest.approx(0.2 * 90 + 0.8 * (10 * 1 + 30 * 3) / 4)
     assert s["covered"] == pytest.approx(1.0)

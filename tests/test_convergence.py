@@ -18,7 +18,7 @@ from medddpm.model.diffusion import GaussianDiffusion
 from medddpm.report import convergence as rc
 from medddpm.store import convergence as store
 from medddpm.store import schema
-from medddpm.train.data import make_mni_pair
+from medddpm.train.synthetic import make_mni_pair
 from medddpm.train.loop import read_loss_log, step_noise, train
 
 from conftest import REPO, Pairs

@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from medddpm.measure import ncu
+from medddpm.measure import ncu, ncu_table
 
 from medddpm.store import schema
 from medddpm.cli.main import main
@@ -29,7 +29,7 @@ def run_dir(tmp_path) -> Path:
     dest = tmp_path / "cpu" / "opt1"
     shutil.copytree(REAL, dest)
     (dest / "ncu.parquet").unlink(missing_ok=True)
-    names = ncu.parse_details_csv(DETAILS).groupby("kernel_id")["kernel"].first().unique().tolist()
+    names = ncu_table.parse_details_csv(DETAILS).groupby("kernel_id")["kernel"].first().unique().tolist()
     k = schema.read_table(dest / "kernels.parquet", "kernels").iloc[:1]
     rows = [k.assign(kernel=n, total_us=t, calls=1, category="convolution") for n, t in
             zip(names[:4], (45.0, 36.0, 10.0, 9.0))]
@@ -59,7 +59,7 @@ def stand_in(monkeypatch, tmp_path):
 
 def only_kernels(tmp_path: Path, keep: int, *, first: int = 0) -> Path:
     """The fixture's CSV with only the launches of `keep` of its kernel names, from the `first`."""
-    df = ncu.parse_details_csv(DETAILS)
+    df = ncu_table.parse_details_csv(DETAILS)
     names = df.groupby("kernel_id")["kernel"].first().unique()[first:first + keep]
     lines = gzip.open(DETAILS, "rt").read().splitlines(keepends=True)
     out = tmp_path / f"details-{first}-{keep}.csv.gz"

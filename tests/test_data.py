@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from medddpm.train import data
-from medddpm.train.data import DataError, MNIPairs, NiftiPairs, make_mni_pair, one_hot_condition, open_dataset
+from medddpm.train import data, nifti, synthetic
+from medddpm.train.data import MNIPairs, NiftiPairs, one_hot_condition, open_dataset
+from medddpm.train.nifti import DataError
+from medddpm.train.synthetic import make_mni_pair
 
 
 # make_mni_pair
@@ -18,7 +20,7 @@ def test_mni_pair_shapes_and_ranges(size):
     assert image.shape == labels.shape == (size,) * 3
     assert image.dtype == np.float32 and labels.dtype == np.uint8
     assert image.min() >= -1 and image.max() <= 1
-    assert set(np.unique(labels)) <= set(data.LABELS)
+    assert set(np.unique(labels)) <= set(synthetic.LABELS)
     assert (image[labels == 0] == -1).all()
     assert (image[labels > 0] > -1).mean() > 0.95
 
@@ -50,14 +52,14 @@ def test_mni_spacing_is_honoured():
 
 
 def test_mni_template_dir():
-    folder = data.mni_template_dir()
+    folder = synthetic.mni_template_dir()
     assert (folder / "mni_icbm152_t1_tal_nlin_sym_09a_converted.nii.gz").is_file()
 
 
 def test_mni_template_dir_missing(monkeypatch):
-    monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(synthetic.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(DataError, match="nilearn"):
-        data.mni_template_dir()
+        synthetic.mni_template_dir()
 
 
 # one_hot_condition
@@ -314,7 +316,8 @@ def test_data_error_is_one_line():
 
 # ------------------------------------------------------------------------ BraTS
 
-from medddpm.train.data import BRATS_LABELS, BratsCases, MNIBratsCases, make_brats_case  # noqa: E402
+from medddpm.train.data import BratsCases, MNIBratsCases  # noqa: E402
+from medddpm.train.synthetic import BRATS_LABELS, make_brats_case  # noqa: E402
 
 BRATS_SMALL = (40, 40, 32)
 
@@ -395,7 +398,7 @@ def test_brats_cases_items(brats_root):
     # channel order T1, T1ce, T2, FLAIR; each normalized on its own, then centre-cropped (20 -> 16: 2 off each side)
     for k, m in enumerate(("t1", "t1ce", "t2", "flair")):
         raw = nib.load(brats_root / m / f"BraTS2021_00002_{m}.nii.gz").get_fdata().astype(np.float32)
-        want = data._normalize(raw)[2:18, 3:19, 2:10]
+        want = nifti.normalize(raw)[2:18, 3:19, 2:10]
         assert torch.allclose(image[k], torch.from_numpy(want)), m
     seg = np.asarray(nib.load(brats_root / "seg" / "BraTS2021_00002_seg.nii.gz").dataobj)[2:18, 3:19, 2:10]
     assert torch.equal(cond, one_hot_condition(seg.astype(np.int64), num_classes=4))

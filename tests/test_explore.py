@@ -176,10 +176,10 @@ def data_root(tmp_path_factory) -> Path:
 
 def committed_stall_counters():
     """The first committed ncu.parquet that holds warp-stall counters (a real GPU's)."""
-    from medddpm.measure import ncu
+    from medddpm.measure import ncu_table
     from medddpm.store.schema import read_table
 
-    stall = ncu._stall_metric(ncu.STALL_REASONS[0])
+    stall = ncu_table._stall_metric(ncu_table.STALL_REASONS[0])
     for path in sorted(REPO.glob("data/*/*/ncu.parquet")):
         df = read_table(path, "ncu")
         if (df["metric"] == stall).any():

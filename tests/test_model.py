@@ -5,8 +5,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from medddpm.model.diffusion import GaussianDiffusion, cosine_betas
 from medddpm.model.flops import count
-from medddpm.model.unet import (UPSAMPLE_KINDS, Attention, GroupNorm32, ModelSpec, UNet3D, Upsample, _GroupNormSiLU,
-                           count_parameters, format_size, group_norm_chunked, parse_size)
+from medddpm.model.blocks import UPSAMPLE_KINDS, Attention, Upsample
+from medddpm.model.group_norm import GroupNorm32, _GroupNormSiLU, group_norm_chunked
+from medddpm.model.unet import ModelSpec, UNet3D, count_parameters, format_size, parse_size
 
 
 def test_reference_parameter_count_and_flops():
@@ -538,7 +539,7 @@ def test_tap_convolution_is_the_convolution(layout, c_in, c_out):
     """TapConv3d (a GEMM, then shifted tap sums): nn.Conv3d's output and gradients, with the same
     parameters, in either layout, for 1 and 4 output channels (the whole-head and BraTS outputs) and
     for a wide output."""
-    from medddpm.model.unet import TapConv3d
+    from medddpm.model.blocks import TapConv3d
 
     torch.manual_seed(0)
     plain = torch.nn.Conv3d(c_in, c_out, 3, padding=1).double()
@@ -555,7 +556,7 @@ def test_tap_convolution_is_the_convolution(layout, c_in, c_out):
 
 
 def test_tap_convolution_refuses_other_shapes():
-    from medddpm.model.unet import TapConv3d
+    from medddpm.model.blocks import TapConv3d
 
     with pytest.raises(AssertionError, match="3x3x3 convolutions with padding 1 only"):
         TapConv3d(4, 16, 3, stride=2, padding=1)

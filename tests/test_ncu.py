@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from medddpm.measure import ncu
+from medddpm.measure import ncu, ncu_layers, ncu_names, ncu_table
 
 FIX = Path(__file__).parent / "fixtures"
 DETAILS = {name: FIX / f"h200/ncu-{name}-size32-details.csv.gz" for name in ("opt1", "bf16-cl")}
@@ -20,11 +20,11 @@ PAIRS = json.loads((FIX / "ncu/kernel-names-h200.json").read_text())["pairs"]
 
 @pytest.fixture(scope="module", params=list(DETAILS))
 def details(request) -> tuple[str, pd.DataFrame]:
-    return request.param, ncu.parse_details_csv(DETAILS[request.param])
+    return request.param, ncu_table.parse_details_csv(DETAILS[request.param])
 
 
 def expected_dtypes() -> dict:
-    return {c: pd.Series([], dtype=t).dtype for c, t in ncu.COLUMNS.items()}
+    return {c: pd.Series([], dtype=t).dtype for c, t in ncu_table.COLUMNS.items()}
 
 
 # ------------------------------------------------------------------------------------------ parsing
@@ -32,7 +32,7 @@ def expected_dtypes() -> dict:
 def test_parse_shape_and_dtypes(details):
     name, df = details
     assert len(df) == ROWS[name]
-    assert list(df.columns) == list(ncu.COLUMNS)
+    assert list(df.columns) == list(ncu_table.COLUMNS)
     assert df.dtypes.to_dict() == expected_dtypes()
     assert df["kernel_id"].nunique() == 12 and sorted(df["kernel_id"].unique()) == list(range(12))
     assert set(df["kind"]) == {"metric", "rule"}
@@ -52,7 +52,7 @@ def test_thousands_separators_and_na(details):
 
 
 def test_exact_value_opt1():
-    df = ncu.parse_details_csv(DETAILS["opt1"])
+    df = ncu_table.parse_details_csv(DETAILS["opt1"])
     first = df[(df["kernel_id"] == 0) & (df["metric"] == "SM Frequency")].iloc[0]
     assert first["text"] == "1,946,234,809.03" and first["value"] == pytest.approx(1946234809.03)
 
@@ -73,7 +73,7 @@ def test_rules(details):
 def test_section_names_are_display_names(details):
     # metric rows say "Compute Workload Analysis", rule rows the section file's "ComputeWorkloadAnalysis"
     _, df = details
-    assert not set(df["section"]) & (set(ncu.SECTION_NAMES) - set(ncu.SECTION_NAMES.values()))
+    assert not set(df["section"]) & (set(ncu_table.SECTION_NAMES) - set(ncu_table.SECTION_NAMES.values()))
     cwa = df[df["section"] == "Compute Workload Analysis"]
     assert set(cwa["kind"]) == {"metric", "rule"}
     assert "HighPipeUtilization" in set(cwa["metric"])
@@ -82,16 +82,16 @@ def test_section_names_are_display_names(details):
 def test_parse_buffer_with_preamble():
     raw = gzip.decompress(DETAILS["opt1"].read_bytes())
     noisy = b"==PROF== Connected to process 1\n==WARNING== something\n" + raw
-    from_buffer = ncu.parse_details_csv(io.BytesIO(gzip.compress(noisy)))
-    pd.testing.assert_frame_equal(from_buffer, ncu.parse_details_csv(DETAILS["opt1"]))
-    assert ncu.parse_details_csv(io.StringIO("==ERROR== no report\n")).dtypes.to_dict() == expected_dtypes()
+    from_buffer = ncu_table.parse_details_csv(io.BytesIO(gzip.compress(noisy)))
+    pd.testing.assert_frame_equal(from_buffer, ncu_table.parse_details_csv(DETAILS["opt1"]))
+    assert ncu_table.parse_details_csv(io.StringIO("==ERROR== no report\n")).dtypes.to_dict() == expected_dtypes()
 
 
 # ------------------------------------------------------------------------------------------ summary
 
 def test_kernel_summary(details):
     _, df = details
-    s = ncu.kernel_summary(df)
+    s = ncu_table.kernel_summary(df)
     assert len(s) == 12 and s["kernel_id"].is_unique and s["kernel_id"].dtype == "int64"
     for col in ["duration_ns", "sm_throughput_pct", "memory_throughput_pct", "dram_throughput_pct", "l1_hit_pct",
                 "l2_hit_pct", "achieved_occupancy_pct", "tensor_pipe_pct", "ipc", "warp_cycles_per_inst",
@@ -113,15 +113,15 @@ def test_kernel_summary_from_raw_metric_names():
     raw = {"gpu__time_duration.sum": 5000.0, "sm__warps_active.avg.pct_of_peak_sustained_active": 40.0,
            "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active": 12.0,
            "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active": 30.0,
-           ncu._inst_metric("fp32"): 100.0, ncu._stall_metric("long_scoreboard"): 7.5,
-           ncu._inst_metric("fadd"): 10.0, ncu._inst_metric("fmul"): 20.0, ncu._inst_metric("ffma"): 30.0}
+           ncu_table._inst_metric("fp32"): 100.0, ncu_table._stall_metric("long_scoreboard"): 7.5,
+           ncu_table._inst_metric("fadd"): 10.0, ncu_table._inst_metric("fmul"): 20.0, ncu_table._inst_metric("ffma"): 30.0}
     df = pd.DataFrame({"kernel": "k", "kernel_id": 3, "kind": "metric", "section": "Command line profiler metrics",
                        "metric": list(raw), "value": list(raw.values()), "unit": "", "text": "", "speedup_type": ""})
-    s = ncu.kernel_summary(df.astype(ncu.COLUMNS)).iloc[0]
+    s = ncu_table.kernel_summary(df.astype(ncu_table.COLUMNS)).iloc[0]
     assert s["duration_ns"] == 5000 and s["achieved_occupancy_pct"] == 40 and s["tensor_pipe_pct"] == 30
     assert s["inst_fp32"] == 100 and s["stall_long_scoreboard"] == 7.5 and s["flop_fp32"] == 10 + 20 + 60
     assert math.isnan(s["l2_hit_pct"])
-    assert ncu.kernel_summary(ncu.empty_table()).empty
+    assert ncu_table.kernel_summary(ncu_table.empty_table()).empty
 
 
 # ---------------------------------------------------------------------------------------- selection
@@ -179,7 +179,7 @@ OTHERS = [
 
 def test_ncu_command(tmp_path):
     report = tmp_path / "r.ncu-rep"
-    cmd = ncu.ncu_command(name_regex=ncu.kernel_regex(SPECIAL), config="opt1", preset="paper", size=64, report=report,
+    cmd = ncu.ncu_command(name_regex=ncu_names.kernel_regex(SPECIAL), config="opt1", preset="paper", size=64, report=report,
                           metrics=["a__b.sum", "c__d.ratio"], python="/usr/bin/python3")
     joined = " ".join(cmd)
     assert cmd[0] == "ncu" and "--clock-control none" in joined
@@ -214,11 +214,11 @@ def test_ncu_command(tmp_path):
     assert stopping[-2:] == ["--stop-after", "90"]
 
 
-@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: ncu.skeleton(p["profiler"])[0])
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: ncu_names.skeleton(p["profiler"])[0])
 def test_regex_matches_ncu_demangling_h200(pair):
     # the profiler's name selects the same kernel under ncu's demangler (both names from the H200)
-    assert re.search(ncu.kernel_regex([pair["profiler"]]), pair["ncu"])
-    assert ncu.match_kernel(pair["ncu"], [p["profiler"] for p in PAIRS]) == [pair["profiler"]]
+    assert re.search(ncu_names.kernel_regex([pair["profiler"]]), pair["ncu"])
+    assert ncu_names.match_kernel(pair["ncu"], [p["profiler"] for p in PAIRS]) == [pair["profiler"]]
 
 
 LAUNCHES = json.loads(gzip.decompress((FIX / "ncu/launch-names-opt12-h200.json.gz").read_bytes()))["launches"]
@@ -230,8 +230,8 @@ def test_cudnn_family():
     under_ncu = "sm80_xmma_fprop_implicit_gemm_tf32f32_tf32f32_f32_nhwckrsc_nchw_tilesize128x128x16_stage4_" \
                 "warpsize2x2x1_g1_tensor16x8x8_execute_kernel__5x_cudnn"
     # the report's names are matched back by direction
-    assert ncu.match_kernel(under_ncu, [profiled]) == [profiled]
-    assert ncu.match_kernel(under_ncu.replace("fprop", "wgrad"), [profiled]) == []
+    assert ncu_names.match_kernel(under_ncu, [profiled]) == [profiled]
+    assert ncu_names.match_kernel(under_ncu.replace("fprop", "wgrad"), [profiled]) == []
 
 
 def test_library_launches_are_named_after_the_launch_before():
@@ -242,7 +242,7 @@ def test_library_launches_are_named_after_the_launch_before():
     assert len(misnamed) > 100
     # ... in its mangled spelling where it was a C++ kernel (`_ZN7cutlass7Kernel2I42cutlass_80_simt_sgemm_...`)
     previous = [(b, a) for b, a in misnamed if a["logged"].startswith("_Z")]
-    assert len(previous) > 50 and all(ncu.skeleton(b["reported"])[0] in a["logged"] for b, a in previous)
+    assert len(previous) > 50 and all(ncu_names.skeleton(b["reported"])[0] in a["logged"] for b, a in previous)
 
 
 def test_library_pass_admits_library_launches_under_any_name():
@@ -254,7 +254,7 @@ def test_library_pass_admits_library_launches_under_any_name():
     assert regex.search("_ZN2at6native29vectorized_elementwise_kernelILi4ENS0_15CUDAFunctor_addIfEESt5arrayIPcLm3EEEEviT0_T1_")
     assert not any(regex.search(n) for n in OTHERS)
     # the own pass's filter stays clear of them (ncu's replay costs about 1.3 s a launch)
-    own = re.compile(ncu.kernel_regex(SPECIAL))
+    own = re.compile(ncu_names.kernel_regex(SPECIAL))
     assert not any(own.search(a["logged"]) for a in LAUNCHES)
 
 
@@ -265,8 +265,8 @@ def test_metric_availability():
     table = ncu.parse_metric_list((FIX / "ncu/query-metrics-h200-head.txt").read_text())
     assert table == {"gpu__time_duration", "sm__pipe_tensor_cycles_active",
                      "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active"}
-    kept, dropped = ncu.split_available(ncu.EXTRA_METRICS, available)
-    assert dropped == [] and kept == ncu.EXTRA_METRICS  # every requested metric exists on the H200
+    kept, dropped = ncu.split_available(ncu_table.EXTRA_METRICS, available)
+    assert dropped == [] and kept == ncu_table.EXTRA_METRICS  # every requested metric exists on the H200
     kept, dropped = ncu.split_available(["dram__bytes.sum.per_second", "nope__x.sum"], available)
     assert kept == ["dram__bytes.sum.per_second"] and dropped == ["nope__x.sum"]
     assert ncu.split_available(["nope__x.sum"], set()) == (["nope__x.sum"], [])  # unknown list: keep all
@@ -330,7 +330,7 @@ def test_run_ncu_keeps_a_stopped_step(monkeypatch, tmp_path):
     df, status = ncu.run_ncu(kernels_df=kernels_frame([("a", 1, "gemm")]), config="opt1", preset="smoke",
                              out_dir=tmp_path / "out", timeout_s=90)
     assert status["status"] == "ok" and "stopped at 45 s" in status["message"], status
-    assert not df.empty and df["kernel_id"].nunique() == ncu.parse_details_csv(DETAILS["opt1"])["kernel_id"].nunique()
+    assert not df.empty and df["kernel_id"].nunique() == ncu_table.parse_details_csv(DETAILS["opt1"])["kernel_id"].nunique()
 
 
 def test_run_ncu_keeps_what_ncu_wrote_after_the_program_was_killed(monkeypatch, tmp_path):
@@ -342,17 +342,17 @@ def test_run_ncu_keeps_what_ncu_wrote_after_the_program_was_killed(monkeypatch, 
     df, status = ncu.run_ncu(kernels_df=kernels_frame([("a", 1, "gemm")]), config="opt1", preset="smoke",
                              out_dir=tmp_path / "out", timeout_s=4)
     assert status["status"] == "ok" and "launches before the program was killed at 3 s" in status["message"], status
-    assert df["kernel_id"].nunique() == ncu.parse_details_csv(DETAILS["opt1"])["kernel_id"].nunique()
+    assert df["kernel_id"].nunique() == ncu_table.parse_details_csv(DETAILS["opt1"])["kernel_id"].nunique()
 
 
 def test_join_launches_keeps_every_pass_s_launches_apart():
-    df = ncu.parse_details_csv(DETAILS["opt1"])
+    df = ncu_table.parse_details_csv(DETAILS["opt1"])
     later = df.assign(kernel_id=df["kernel_id"] + 40)  # a table whose ids do not start at 0
-    joined = ncu.join_launches([df, ncu.empty_table(), later])
+    joined = ncu_table.join_launches([df, ncu_table.empty_table(), later])
     assert len(joined) == 2 * len(df) and sorted(joined["kernel_id"].unique()) == list(range(24))
     assert joined.dtypes.to_dict() == expected_dtypes()
     assert joined.groupby("kernel_id")["kernel"].nunique().eq(1).all()
-    assert ncu.join_launches([ncu.empty_table()]).empty
+    assert ncu_table.join_launches([ncu_table.empty_table()]).empty
 
 
 DGRAD = "sm90_xmma_dgrad_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_tilesize128x64x32_warpgroupsize1x1x1_g1_" \
@@ -364,7 +364,7 @@ def test_run_ncu_profiles_library_launches_in_a_pass_of_their_own(monkeypatch, t
     # regex admits. This stand-in exports the fixture for the first, and for the second the fixture with
     # the add kernel renamed to a cuDNN dgrad kernel; it fails if a pass gets the other's filter.
     text = gzip.decompress(DETAILS["opt1"].read_bytes()).decode()
-    add = ncu.parse_details_csv(DETAILS["opt1"]).groupby("kernel_id")["kernel"].first()[6]
+    add = ncu_table.parse_details_csv(DETAILS["opt1"]).groupby("kernel_id")["kernel"].first()[6]
     (tmp_path / "own.csv").write_text(text)
     (tmp_path / "library.csv").write_text(text.replace(f'"{add}"', f'"{DGRAD}"'))
     bin_dir = tmp_path / "bin"
@@ -399,7 +399,7 @@ case "$report $*" in *-own.ncu-rep*per-launch-config*) ;; *-library.ncu-rep*per-
     commands = []
     real = ncu._profile
     monkeypatch.setattr(ncu, "_profile", lambda cmd, *a, **kw: (commands.append(cmd), real(cmd, *a, **kw))[1])
-    own = ncu.parse_details_csv(tmp_path / "own.csv")
+    own = ncu_table.parse_details_csv(tmp_path / "own.csv")
     df, status = ncu.run_ncu(kernels_df=k, config="opt12", preset="paper", out_dir=tmp_path / "out", timeout_s=200,
                              profiled=own, library_skip=97)
     assert list(status["passes"]) == ["library"] and status["passes"]["library"]["first_launch"] == 97
@@ -413,7 +413,7 @@ def test_run_ncu_both_filters_in_one_process(monkeypatch, tmp_path):
     # one launch a configuration. The stand-in exports the fixture with its first kernel renamed to a cuDNN dgrad
     # kernel, so that the one report holds both; it fails unless it gets that filter.
     text = gzip.decompress(DETAILS["opt1"].read_bytes()).decode()
-    first = ncu.parse_details_csv(DETAILS["opt1"]).groupby("kernel_id")["kernel"].first()[0]
+    first = ncu_table.parse_details_csv(DETAILS["opt1"]).groupby("kernel_id")["kernel"].first()[0]
     (tmp_path / "both.csv").write_text(text.replace(f'"{first}"', f'"{DGRAD}"'))
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -449,14 +449,14 @@ case "$*" in *per-launch-config*) ;; *) exit 8;; esac
 # --------------------------------------------------------------------------------------- priorities
 
 def test_priorities():
-    df = ncu.parse_details_csv(DETAILS["opt1"])
+    df = ncu_table.parse_details_csv(DETAILS["opt1"])
     names = df.groupby("kernel_id")["kernel"].first()
     kineto_add = PAIRS[2]["profiler"]  # profiler spelling of the add kernel (id 6 in this capture)
-    assert re.search(ncu.kernel_regex([kineto_add]), names[6])
+    assert re.search(ncu_names.kernel_regex([kineto_add]), names[6])
     k = pd.DataFrame({"kernel": [kineto_add, names[3], names[3], "Memcpy HtoD"], "total_us": [10.0, 20, 10, 5],
                       "category": ["elementwise", "elementwise", "elementwise", "memcpy"],
                       "share": [0.2, 0.4, 0.2, 0.2]})
-    p = ncu.priorities(k, df)
+    p = ncu_table.priorities(k, df)
     assert list(p.columns) == ["kernel", "profiler_kernel", "rule", "section", "speedup_type", "share",
                                "speedup_pct", "priority"]
     assert p["speedup_type"].eq("global").all()
@@ -469,7 +469,7 @@ def test_priorities():
     launch = df[(df["kernel_id"] == 6) & (df["metric"] == "LaunchConfiguration")]["value"]
     assert add["speedup_pct"].iloc[0] == pytest.approx(launch.max())
     # ids 3 and 5 are one kernel launched twice: their speedups are averaged, weighted by duration
-    assert len(ncu.priorities(k, df, include_local=True)) > len(p)
+    assert len(ncu_table.priorities(k, df, include_local=True)) > len(p)
 
 
 def test_profiled_coverage_counts_only_what_ncu_profiled():
@@ -493,16 +493,16 @@ CONV_NAMES = json.loads((FIX / "ncu/conv-kernels-h200.json").read_text())["names
 def test_convolution_direction_of_every_real_kernel_name():
     """Real H200 names in ncu's and the profiler's spellings: a gradient word decides before "convolve" does
     (`convolveNd_dgrad_float_engine` is a dgrad), and helpers and cuDNN's attention are no convolution."""
-    assert {n: ncu.conv_direction(n) for n in CONV_NAMES} == CONV_NAMES
+    assert {n: ncu_names.conv_direction(n) for n in CONV_NAMES} == CONV_NAMES
     assert {d for d in CONV_NAMES.values()} == {"fprop", "dgrad", "wgrad", None}
 
 
 @pytest.mark.parametrize("family", ["fprop", "dgrad", "wgrad"])
 def test_a_kernel_of_another_direction_never_stands_for_a_cudnn_family(family):
-    profiler = [n for n, d in CONV_NAMES.items() if d == family and ncu._CUDNN_FAMILY.match(n)]
+    profiler = [n for n, d in CONV_NAMES.items() if d == family and ncu_names._CUDNN_FAMILY.match(n)]
     assert profiler
     for name, direction in CONV_NAMES.items():
-        hits = ncu.match_kernel(name, profiler)
+        hits = ncu_names.match_kernel(name, profiler)
         if direction != family:
             assert hits == [], (name, hits[:1])
         elif name not in profiler:  # another algorithm of the same direction stands for the family
@@ -581,18 +581,18 @@ def test_layer_ranges_are_kept_per_launch_by_position_and_checked_by_name(detail
     _, df = details
     ids = sorted(df["kernel_id"].unique())
     names = df.groupby("kernel_id")["kernel"].first()
-    function = [re.match(r"(?:void )?(?:[\w:<>]*::)?(\w+)", ncu._QUALIFIER.sub("", names[i])).group(1) for i in ids]
+    function = [re.match(r"(?:void )?(?:[\w:<>]*::)?(\w+)", ncu_names._QUALIFIER.sub("", names[i])).group(1) for i in ids]
     layer = "conv3d 64>64 k3 s1 @32x32x32"
     results = [(f, ["medddpm_step", layer + (" backward" if j % 2 else "")] if j < 4 else []) for j, f in enumerate(function)]
-    monkeypatch.setattr(ncu, "report_module", lambda ncu="ncu": FakeReport(results))
-    out, said = ncu.with_layers(df, Path("report.ncu-rep"))
+    monkeypatch.setattr(ncu_layers, "report_module", lambda ncu="ncu": FakeReport(results))
+    out, said = ncu_layers.with_layers(df, Path("report.ncu-rep"))
     assert said == "; 4 launches inside layer ranges"
-    assert ncu.launch_layers(out).tolist() == [layer, layer + " backward"] * 2 + [""] * (len(ids) - 4)
-    s = ncu.kernel_summary(out)
+    assert ncu_table.launch_layers(out).tolist() == [layer, layer + " backward"] * 2 + [""] * (len(ids) - 4)
+    s = ncu_table.kernel_summary(out)
     assert s["layer"].tolist()[:2] == [layer, layer + " backward"] and len(s) == len(ids)
     # a report whose results do not line up with the export leaves the table as it was
-    monkeypatch.setattr(ncu, "report_module", lambda ncu="ncu": FakeReport(results[::-1]))
-    out, said = ncu.with_layers(df, Path("report.ncu-rep"))
+    monkeypatch.setattr(ncu_layers, "report_module", lambda ncu="ncu": FakeReport(results[::-1]))
+    out, said = ncu_layers.with_layers(df, Path("report.ncu-rep"))
     assert out.equals(df) and "not kept" in said
-    monkeypatch.setattr(ncu, "report_module", lambda ncu="ncu": None)
-    assert ncu.with_layers(df, Path("report.ncu-rep")) == (df, "")
+    monkeypatch.setattr(ncu_layers, "report_module", lambda ncu="ncu": None)
+    assert ncu_layers.with_layers(df, Path("report.ncu-rep")) == (df, "")

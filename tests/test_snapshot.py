@@ -18,7 +18,7 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures" / "snapshot"
 STORE_SKIP = FIXTURES / "memory-best-ckpt_store_skip_grad_true_cuda_graphs_false-e3af6ad.pickle.gz"
 MIB = 2**20
 MODEL = "/somewhere/medddpm/model.py"
-UNET = "/somewhere/medddpm/model/unet.py"  # the package's U-Net, as a frame names it
+GROUP_NORM = "/somewhere/medddpm/model/group_norm.py"  # the package's GroupNorm, as a frame names it
 
 
 def frame(name, line, filename=MODEL):
@@ -84,11 +84,11 @@ def test_sources_give_qualified_names_and_statements():
 
 
 def test_package_sources_name_the_models_functions():
-    line = next(i for i, s in enumerate((snapshot.PACKAGE / "model" / "unet.py").read_text().splitlines(), 1)
+    line = next(i for i, s in enumerate((snapshot.PACKAGE / "model" / "group_norm.py").read_text().splitlines(), 1)
                 if s.startswith("def _group_stats"))
-    snap = {"segments": [], "device_traces": [[event("alloc", 1, 1, 0, [frame("_group_stats", line + 1, UNET)])]]}
+    snap = {"segments": [], "device_traces": [[event("alloc", 1, 1, 0, [frame("_group_stats", line + 1, GROUP_NORM)])]]}
     known = snapshot.sources(snap, snapshot.package_source)
-    assert known[f"model/unet.py:{line + 1}"]["qualname"] == "_group_stats"
+    assert known[f"model/group_norm.py:{line + 1}"]["qualname"] == "_group_stats"
 
 
 @pytest.mark.parametrize("config,commit,name", [
@@ -151,11 +151,11 @@ def test_bench_writes_its_snapshot_with_the_sources(monkeypatch, tmp_path):
 
     from medddpm.measure import bench
 
-    line = next(i for i, s in enumerate((snapshot.PACKAGE / "model" / "unet.py").read_text().splitlines(), 1)
+    line = next(i for i, s in enumerate((snapshot.PACKAGE / "model" / "group_norm.py").read_text().splitlines(), 1)
                 if s.startswith("def _group_stats"))
     snap = history()
     for e in snap["device_traces"][0]:
-        e["frames"] = [frame("_group_stats", line + 1, UNET)] if e["frames"] else []
+        e["frames"] = [frame("_group_stats", line + 1, GROUP_NORM)] if e["frames"] else []
     calls = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **k: calls.append(k))
@@ -164,8 +164,8 @@ def test_bench_writes_its_snapshot_with_the_sources(monkeypatch, tmp_path):
     bench.memory_snapshot(lambda: calls.append("step"), device=torch.device("cuda"), path=path)
     assert calls[1] == "step" and calls[-1] == {"enabled": None}  # the history is switched off again
     written = snapshot.load(path)
-    assert written[snapshot.SOURCES][f"model/unet.py:{line + 1}"]["qualname"] == "_group_stats"
-    assert snapshot.peak(written).live.iloc[0]["origin"] == f"_group_stats (model/unet.py:{line + 1})"
+    assert written[snapshot.SOURCES][f"model/group_norm.py:{line + 1}"]["qualname"] == "_group_stats"
+    assert snapshot.peak(written).live.iloc[0]["origin"] == f"_group_stats (model/group_norm.py:{line + 1})"
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
     with pytest.raises(ValueError, match="needs a CUDA device"):
         bench.memory_snapshot(lambda: None, device=torch.device("cpu"), path=path)

@@ -13,7 +13,8 @@ import pandas as pd
 import torch
 
 from medddpm.configs import Config, get_config
-from medddpm.train.data import make_brats_case, make_mni_pair, one_hot_condition
+from medddpm.train.data import one_hot_condition
+from medddpm.train.synthetic import make_brats_case, make_mni_pair
 from medddpm.model.diffusion import TIMESTEPS
 from medddpm.train.engine import Engine
 from medddpm.model.unet import ModelSpec

@@ -22,8 +22,8 @@ from medddpm.measure.run import get_preset
 from medddpm.model.unet import parse_size
 
 NVTX_RANGE = "medddpm_step"
-STOPPED = "medddpm.capture: stopped"  # medddpm.ncu.STOPPED
-LAYER_PREFIX = "conv3d "  # medddpm.measure.ncu.LAYER_PREFIX
+STOPPED = "medddpm.capture: stopped"  # medddpm.measure.ncu.STOPPED
+LAYER_PREFIX = "conv3d "  # medddpm.measure.ncu_layers.LAYER_PREFIX
 
 
 def layer_name(conv: torch.nn.Conv3d, x: torch.Tensor) -> str:

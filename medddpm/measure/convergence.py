@@ -250,7 +250,8 @@ def _make_pair(seed: int, size: int) -> None:
 def prepare_data(settings: Settings, *, processes: int = 1, progress: bool = True):
     """The training pairs (generated into the cache once, in parallel processes), the per-tissue intensity
     quantiles of their images, and the held-out subjects' label maps and real images."""
-    from medddpm.train.data import MNIPairs, make_mni_pair
+    from medddpm.train.data import MNIPairs
+    from medddpm.train.synthetic import make_mni_pair
 
     data = MNIPairs(settings.pairs, size=settings.size, progress=progress)
     missing = [i for i in range(settings.pairs) if not data.path(i).exists()]

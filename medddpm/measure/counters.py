@@ -25,7 +25,8 @@ from medddpm.configs import mismatch
 from medddpm.measure.env import device_name, git_commit, gpu_slug
 from medddpm.measure.run import NCU_REPORTS
 from medddpm.model.unet import format_size, parse_size
-from medddpm.measure.ncu import COVERAGE, PASSES, join_launches, library_launches_done, profiled_coverage, run_ncu
+from medddpm.measure.ncu import COVERAGE, PASSES, library_launches_done, profiled_coverage, run_ncu
+from medddpm.measure.ncu_table import join_launches
 
 
 class CountersError(ValueError):

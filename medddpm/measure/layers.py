@@ -6,7 +6,7 @@ profiled" then compares different work. Two comparisons do not:
 
 - **Matched layers** (`matched_layers`): `medddpm.measure.capture` names each convolution of an eager step with an
   NVTX range (`conv3d 64>64 k3 s1 @128x128x128`: channels, kernel, stride, input size), which ncu keeps per
-  launch (`medddpm.ncu.with_layers`). A layer's forward (`fprop`), input gradient (`dgrad`) and weight
+  launch (`medddpm.measure.ncu_layers.with_layers`). A layer's forward (`fprop`), input gradient (`dgrad`) and weight
   gradient (`wgrad`) each run one main kernel; the same layer and direction in two configurations is the same
   arithmetic, so their counters compare kernel against kernel. Layers are ranked by the time they carry in
   the first configuration's step: their instances in the model (`layer_counts`) times the kernel's duration.
@@ -23,9 +23,9 @@ import math
 import numpy as np
 import pandas as pd
 
-from medddpm.measure import ncu
+from medddpm.measure import ncu_names, ncu_table
 
-# Per-launch counters compared across configurations: (column of `ncu.kernel_summary`, what it is)
+# Per-launch counters compared across configurations: (column of `ncu_table.kernel_summary`, what it is)
 LAYER_METRICS = {
     "duration_ns": "kernel duration (ns)",
     "sm_active_cycles": "SM active cycles (mean over SMs)",
@@ -46,7 +46,7 @@ def layer_kernels(ncu_df: pd.DataFrame) -> pd.DataFrame:
     that a helper never stands for the layer) with its per-launch mean counters and `launches` profiled.
     Launches outside a layer range, or of kernels that are not convolutions, are left out."""
     cols = ["layer", "direction", "kernel", "launches", *LAYER_METRICS]
-    k = ncu.kernel_summary(ncu_df) if not ncu_df.empty else pd.DataFrame(columns=["layer", "direction"])
+    k = ncu_table.kernel_summary(ncu_df) if not ncu_df.empty else pd.DataFrame(columns=["layer", "direction"])
     k = k[(k["layer"] != "") & (k["direction"] != "")]
     if k.empty:
         return pd.DataFrame(columns=cols)
@@ -112,12 +112,12 @@ def matched_layers(a: pd.DataFrame, b: pd.DataFrame, counts: pd.Series) -> pd.Da
 
 def step_weighted(kernels: pd.DataFrame, ncu_df: pd.DataFrame, rates=STEP_RATES, counts=()) -> dict[str, float]:
     """The step as the torch.profiler table has it, its kernels' counters from the ncu launches that stand for
-    them (`ncu.match_kernel`); kernels without counters are left out, and `covered` says the share of the step
+    them (`ncu_names.match_kernel`); kernels without counters are left out, and `covered` says the share of the step
     that has counters. Each of `rates`: every kernel weighted by its share of the step's kernel time, its rate
     the duration-weighted mean over its launches. Each of `counts` (`<count>_per_step`): the kernels' mean per
     launch times their launches per step, summed."""
     nan = {"covered": 0.0, **{r: math.nan for r in rates}, **{f"{c}_per_step": math.nan for c in counts}}
-    s = ncu.kernel_summary(ncu_df) if not ncu_df.empty else pd.DataFrame()
+    s = ncu_table.kernel_summary(ncu_df) if not ncu_df.empty else pd.DataFrame()
     if s.empty or kernels.empty:
         return nan
     w = s["duration_ns"].fillna(0)
@@ -126,7 +126,7 @@ def step_weighted(kernels: pd.DataFrame, ncu_df: pd.DataFrame, rates=STEP_RATES,
     per = pd.DataFrame(cols).groupby("kernel").sum(min_count=1)
     g = kernels.groupby("kernel")
     share, launches = g["share"].sum(), g["calls"].sum() / g["steps"].max().clip(lower=1)
-    stands = [(p, k) for k in per.index for p in ncu.match_kernel(k, share.index.tolist())]
+    stands = [(p, k) for k in per.index for p in ncu_names.match_kernel(k, share.index.tolist())]
     if not stands:
         return nan
     pairs = pd.DataFrame(stands, columns=["profiler", "kernel"]).join(per, on="kernel").groupby("profiler").sum(

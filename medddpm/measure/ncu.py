@@ -2,26 +2,11 @@
 
 The torch.profiler table picks the kernels (`select_kernels`); `ncu_command` profiles only those,
 only inside the NVTX range of `medddpm.measure.capture`'s one step, with the clocks left alone; the report is
-exported with ``ncu -i REPORT --csv --page details --print-units base --print-rule-details`` and read
-into one long table (`parse_details_csv`), from which `kernel_summary` (one row per kernel) and
-`priorities` (rules weighted by the kernel's share of the step) are derived. `run_ncu` never raises
-for a profiler problem: it returns an empty table and says why.
-
-Kernel names differ between the two profilers (pairs seen on the H200 are in
-tests/fixtures/ncu/kernel-names-h200.json). torch.profiler (Kineto) reports the GNU-demangled name,
-``void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>,
-std::array<char*, 3ul> >(int, at::native::CUDAFunctor_add<float>, std::array<char*, 3ul>)``; ncu's
-demangler gives ``void at::vectorized_elementwise_kernel<4, at::CUDAFunctor_add<float>,
-std::array<char *, 3>>(int, T2, T3)``: namespaces shortened or dropped, ``<unnamed>`` for
-``(anonymous namespace)``, literals without suffixes, ``0/1`` for ``false/true``, parameters as
-template names, ``[lambda() (instance 1)]`` for ``{lambda()#1}``. Neither an exact match nor ncu's
-``function`` base (``vectorized_elementwise_kernel``, shared by hundreds of launches) selects well,
-so names are matched by their *token skeleton*: the function name and the words and numbers of its
-template arguments, without namespaces, qualifiers, booleans, literal suffixes or parameter lists,
-the first `SKELETON_TOKENS` of them (a distinctive prefix). A name matches when the skeleton's
-tokens appear in it in order: `kernel_regex` (with ``--kernel-name-base demangled``) and
-`match_kernel` (for `priorities`). cuDNN's generated convolution kernels are matched by family
-(``xmma_fprop``/``dgrad``/``wgrad``): its autotuner may pick other algorithms under ncu.
+exported (`export_command`) and read into one long table (`medddpm.measure.ncu_table`, which derives the
+per-kernel summary and the rules' priorities from it), with the layer range of each launch
+(`medddpm.measure.ncu_layers`). Kernels are named to ncu's filter by their token skeleton
+(`medddpm.measure.ncu_names`). `run_ncu` never raises for a profiler problem: it returns an empty table and
+says why.
 
 ncu cannot name cuDNN's and cuBLAS's launches when it filters them (it gives them the launch before's
 name), so a step is profiled in two passes (`PASSES`): "own" filters the selected kernels of PyTorch and
@@ -35,8 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gzip
-import io
 import os
 import re
 import shutil
@@ -45,11 +28,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO
 
 import pandas as pd
 import psutil
 from medddpm import REPO
+from medddpm.measure.ncu_layers import with_layers
+from medddpm.measure.ncu_names import kernel_regex, match_kernel
+from medddpm.measure.ncu_table import EXTRA_METRICS, empty_table, join_launches, parse_details_csv
 
 NVTX_RANGE = "medddpm_step"  # medddpm.capture.NVTX_RANGE (not imported: capture imports torch)
 
@@ -59,78 +44,6 @@ SECTIONS = (
     "WarpStateStats", "SchedulerStats", "InstructionStats", "Occupancy", "LaunchStats",
     "SpeedOfLight_RooflineChart",
 )
-
-# Section identifier -> display name (`ncu --list-sections`, 2025.3). In the details CSV a metric row
-# names its section by display name, but a rule row by the identifier of the section file that holds
-# the rule, so both spellings of one section appear ("Compute Workload Analysis" and
-# "ComputeWorkloadAnalysis"); parse_details_csv writes display names only.
-SECTION_NAMES = {
-    "C2CLink": "C2CLink",
-    "ComputeWorkloadAnalysis": "Compute Workload Analysis",
-    "InstructionStats": "Instruction Statistics",
-    "LaunchStats": "Launch Statistics",
-    "MemoryWorkloadAnalysis": "Memory Workload Analysis",
-    "MemoryWorkloadAnalysis_Chart": "Memory Workload Analysis Chart",
-    "MemoryWorkloadAnalysis_Tables": "Memory Workload Analysis Tables",
-    "NumaAffinity": "NUMA Affinity",
-    "Nvlink": "NVLink",
-    "Nvlink_Tables": "NVLink Tables",
-    "Nvlink_Topology": "NVLink Topology",
-    "Occupancy": "Occupancy",
-    "PmSampling": "PM Sampling",
-    "PmSampling_WarpStates": "PM Sampling: Warp States",
-    "SchedulerStats": "Scheduler Statistics",
-    "SourceCounters": "Source Counters",
-    "SpeedOfLight": "GPU Speed Of Light Throughput",
-    "SpeedOfLight_HierarchicalDoubleRooflineChart": "GPU Speed Of Light Hierarchical Roofline Chart (Double Precision)",
-    "SpeedOfLight_HierarchicalHalfRooflineChart": "GPU Speed Of Light Hierarchical Roofline Chart (Half Precision)",
-    "SpeedOfLight_HierarchicalSingleRooflineChart": "GPU Speed Of Light Hierarchical Roofline Chart (Single Precision)",
-    "SpeedOfLight_HierarchicalTensorRooflineChart": "GPU Speed Of Light Hierarchical Roofline Chart (Tensor Core)",
-    "SpeedOfLight_RooflineChart": "GPU Speed Of Light Roofline Chart",
-    "WarpStateStats": "Warp State Statistics",
-    "WorkloadDistribution": "GPU and Memory Workload Distribution",
-}
-
-# Names as in Nsight Compute's own section files (ComputeWorkloadAnalysis, WarpStateStatistics,
-# SpeedOfLight_RooflineChart) and its nvprof transition table; `run_ncu` drops any the device lacks.
-TENSOR_PIPE_METRICS = (
-    "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",  # warp MMA (Volta..Hopper)
-    # Hopper: HMMA plus warpgroup HGMMA/QGMMA (an H200 lists no sm__pipe_tensor_op_gmma_cycles_active)
-    "sm__pipe_tensor_op_hmma_type_hmma_hgmma_qgmma_cycles_active.avg.pct_of_peak_sustained_active",
-    "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",  # "Tensor (All)", any architecture
-)
-INST_CLASSES = ("fp16", "fp32", "fp64", "integer", "memory", "control", "conversion", "bit", "misc", "uniform",
-                "inter_thread_communication")
-STALL_REASONS = ("long_scoreboard", "short_scoreboard", "barrier", "membar", "mio_throttle", "lg_throttle",
-                 "math_pipe_throttle", "tex_throttle", "not_selected", "selected", "wait", "dispatch_stall",
-                 "no_instruction", "drain", "sleeping", "imc_miss", "branch_resolving", "misc", "gmma")
-# Thread instructions per op; FLOPs = add + mul + 2 * fma (what the roofline section computes).
-FLOP_OPS = {"fp32": ("fadd", "fmul", "ffma"), "fp64": ("dadd", "dmul", "dfma"), "fp16": ("hadd", "hmul", "hfma")}
-
-
-def _inst_metric(cls: str) -> str:
-    return f"smsp__sass_thread_inst_executed_op_{cls}_pred_on.sum"
-
-
-def _stall_metric(reason: str) -> str:
-    return f"smsp__average_warps_issue_stalled_{reason}_per_issue_active.ratio"
-
-
-EXTRA_METRICS: list[str] = [
-    *TENSOR_PIPE_METRICS,
-    *(_inst_metric(c) for c in INST_CLASSES),
-    *(_stall_metric(r) for r in STALL_REASONS),
-    *(_inst_metric(op) for ops in FLOP_OPS.values() for op in ops),
-    "l1tex__t_sector_hit_rate.pct",
-    "lts__t_sector_hit_rate.pct",
-    "dram__throughput.avg.pct_of_peak_sustained_elapsed",
-    "dram__bytes.sum.per_second",
-    "sm__warps_active.avg.pct_of_peak_sustained_active",
-    "gpu__time_duration.sum",
-]
-
-COLUMNS = {"kernel": "str", "kernel_id": "int64", "kind": "str", "section": "str", "metric": "str",
-           "value": "float64", "unit": "str", "text": "str", "speedup_type": "str"}
 
 STOP_MARGIN_S = 60  # for ncu to write and export the report after the profiled program stopped
 STOPPED = "medddpm.capture: stopped"  # what capture prints when --stop-after ends it
@@ -143,20 +56,6 @@ NON_KERNEL_CATEGORIES = ("memcpy",)  # copies and fills (medddpm.measure.kernels
 # Step time the selection aims at: 80% is what the counters must cover, and matching ncu's names back to
 # the profiler's loses a few points (cuDNN's dgrad launches, 2-3% of sdpa's and graphs' H200 steps)
 COVERAGE = 0.85
-SKELETON_TOKENS = 10  # enough to tell instantiations apart, short enough to survive truncated names
-
-
-def empty_table() -> pd.DataFrame:
-    return pd.DataFrame({c: pd.Series(dtype=t) for c, t in COLUMNS.items()})
-
-
-def join_launches(tables: list[pd.DataFrame]) -> pd.DataFrame:
-    """Long tables of several ncu passes as one, each pass's kernel ids shifted past those before it."""
-    shifted, start = [], 0
-    for t in (t[list(COLUMNS)] for t in tables if not t.empty):
-        shifted.append(t.assign(kernel_id=t["kernel_id"] - t["kernel_id"].min() + start))
-        start = int(shifted[-1]["kernel_id"].max()) + 1
-    return pd.concat(shifted, ignore_index=True).astype(COLUMNS) if shifted else empty_table()
 
 
 # ---------------------------------------------------------------------------------------- selection
@@ -205,88 +104,7 @@ def profiled_coverage(kernels: pd.DataFrame, ncu: pd.DataFrame) -> float:
     return covered(kernels, sorted(profiled_names(kernels, ncu)))
 
 
-# ------------------------------------------------------------------------------------ name matching
-
-_ANON = re.compile(r"\(anonymous namespace\)::|<?unnamed>::")
-_QUALIFIER = re.compile(r"\b[A-Za-z_]\w*::")
-_PARENS = re.compile(r"\([^()]*\)")
-_CUDNN_FAMILY = re.compile(r"sm\d+_xmma_(fprop|dgrad|wgrad)_")
-# A convolution kernel's direction, from the words its name carries: cuDNN's xmma families
-# (`sm90_xmma_dgrad_...`), CUTLASS (`..._s1688fprop_...`, `..._s1688wgrad_...`) and its legacy engines
-# (`implicit_convolve_sgemm` forward; `convolveNd_dgrad_float_engine`, `dgrad_alg1_nd_float_engine`;
-# `wgrad_alg0_engine`, `convolveNd_wgrad_engine`, `reduce_wgrad_nchw_helper`). The gradient words are
-# tried first: a legacy backward engine's name also holds "convolve", so that word never decides.
-_CONV_BACKWARD = {"dgrad": re.compile(r"dgrad|[Cc]onv\w*_?(bwd|backward)_?data"),
-                  "wgrad": re.compile(r"wgrad|[Cc]onv\w*_?(bwd|backward)_?(filter|weight)")}
-_CONV_FORWARD = re.compile(r"fprop|(implicit|explicit)_convolve|[Cc]onv\w*_?(fwd|forward)|convNd_grouped_direct")
-# Never a convolution: cuDNN's helpers around one (split-K reductions, layout and type conversions, workspace
-# set-up), which carry its direction's word in some names (`reduce_wgrad_nchw_helper`) but not its work, and
-# its fused attention (`cudnn_generated_fort_native_sdpa_sm90_flash_fprop_...`).
-_NOT_CONV = re.compile(r"helper|reduce_|[Ww]orkspace|To(Nhwc|Nchw)|convert|sdpa|flash|fmha|attention")
-_TOKEN = re.compile(r"(\d+)[uUlL]*|([A-Za-z_]\w*)")
-# Words the two demanglers write differently: GNU "float const" vs ncu "const float"; GNU
-# "false, true" vs ncu "0, 1" (seen for cuDNN's nchwToNhwcKernel on the H200).
-_UNSTABLE = {"const", "volatile", "true", "false"}
-
-
-def conv_direction(name: str) -> str | None:
-    """"fprop", "dgrad" or "wgrad" for a convolution kernel named as cuDNN, CUTLASS or their legacy engines
-    name them; None for any other kernel, cuDNN's helpers and attention included."""
-    if _NOT_CONV.search(name):
-        return None
-    for direction, words in _CONV_BACKWARD.items():
-        if words.search(name):
-            return direction
-    return "fprop" if _CONV_FORWARD.search(name) else None
-
-
-def _head(name: str) -> str:
-    """The name up to its parameter list: the first '(' outside template brackets."""
-    name = _ANON.sub("", name)
-    depth = 0
-    for i, ch in enumerate(name):
-        if ch in "<[{":
-            depth += 1
-        elif ch in ">]}":
-            depth = max(depth - 1, 0)
-        elif ch == "(" and depth == 0 and i > 0:
-            return name[:i]
-    return name
-
-
-def skeleton(name: str, *, tokens: int = SKELETON_TOKENS) -> list[str]:
-    """Function name, then the words and numbers of its template arguments (see the module doc).
-
-    Parenthesised groups inside the template arguments go too: they are parameter lists of nested
-    functions and lambdas, which ncu prints with template parameter names (T1, T2) instead of types.
-    """
-    head = _QUALIFIER.sub("", _head(name))  # before the groups go: `f(T&)::{lambda()#1}` keeps `f`
-    while (shorter := _PARENS.sub("", head)) != head:
-        head = shorter
-    head = head.strip().removeprefix("void ")  # the return type (kernels return void)
-    words = [num or word for num, word in _TOKEN.findall(head)]
-    return [w for w in words if w not in _UNSTABLE][:tokens]
-
-
-def _skeleton_pattern(name: str) -> str:
-    # cuDNN's autotuner (benchmark=True) picks other algorithms under ncu, whose launches time
-    # differently (H200, opt1 size 32: the profiler saw sm90_xmma_fprop_..., ncu ran sm80_xmma_fprop_...;
-    # at 128^3 no xmma kernel ran under ncu at all), so its convolutions are matched by direction only
-    # (`match_kernel` decides with `conv_direction`; this pattern is for ncu's name filter).
-    if family := _CUDNN_FAMILY.match(name):
-        return _CONV_BACKWARD[family.group(1)].pattern if family.group(1) != "fprop" else _CONV_FORWARD.pattern
-    # Word characters only, so escaping is a formality; \b and .* work in ncu's regex engine.
-    # Numbers may keep their suffix ("3ul"), so the regex also matches the profiler's own spelling.
-    return ".*".join(rf"\b{re.escape(t)}{'[uUlL]*' if t.isdigit() else ''}\b" for t in skeleton(name))
-
-
-def _matches(profiler_name: str, ncu_name: str) -> bool:
-    """Whether ncu's kernel can be the profiler's: a cuDNN convolution family by direction (never a kernel of
-    another direction), anything else by its token skeleton."""
-    if family := _CUDNN_FAMILY.match(profiler_name):
-        return conv_direction(ncu_name) == family.group(1)
-    return bool((p := _skeleton_pattern(profiler_name)) and re.search(p, ncu_name))
-
+# ------------------------------------------------------------------------------------------- passes
 
 # cuDNN's and cuBLAS's kernels (cuDNN's xmma convolutions and their helpers, cuBLAS's CUTLASS, xmma and nvjet GEMMs).
 LIBRARY = re.compile(r"xmma|cudnn|cask|cutlass|nvjet")
@@ -310,14 +128,6 @@ BOTH = "both"
 def split_library(names: list[str]) -> tuple[list[str], list[str]]:
     """(own, library): the selected kernels of PyTorch and Triton, and those of cuDNN and cuBLAS."""
     return [n for n in names if not LIBRARY.search(n)], [n for n in names if LIBRARY.search(n)]
-
-
-def kernel_regex(names: list[str]) -> str:
-    """One regex matching each name (and ncu's demangling of it) by its token skeleton."""
-    patterns = sorted({p for p in map(_skeleton_pattern, names) if p})
-    if not patterns:
-        raise ValueError("no kernel names to match")
-    return "|".join(f"({p})" for p in patterns)
 
 
 def check_passes(passes: tuple[str, ...]) -> None:
@@ -557,244 +367,3 @@ def library_launches_done(status: dict) -> int:
     lib = status.get("passes", {}).get("library", {})
     here = lib.get("first_launch", 0) + lib.get("launches", 0)
     return max(here, library_launches_done(status["merged"]) if "merged" in status else 0)
-
-
-# ------------------------------------------------------------------------------------------ parsing
-
-def _read_text(path_or_buffer: str | os.PathLike | IO) -> str:
-    if hasattr(path_or_buffer, "read"):
-        data = path_or_buffer.read()
-    else:
-        data = Path(path_or_buffer).read_bytes()
-    if isinstance(data, bytes):
-        data = (gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data).decode("utf-8")
-    return data
-
-
-def parse_details_csv(path_or_buffer: str | os.PathLike | IO) -> pd.DataFrame:
-    """ncu's `--page details --csv` export (optionally gzipped) as the long table `COLUMNS`."""
-    text = _read_text(path_or_buffer)
-    start = text.find('"ID",')  # ncu may print ==PROF==/==WARNING== lines before the header
-    if start < 0:
-        return empty_table()
-    raw = pd.read_csv(io.StringIO(text[start:]), dtype=str, keep_default_na=False)
-    if raw.empty:
-        return empty_table()
-    rule = raw["Rule Name"].ne("") & raw["Metric Name"].eq("")
-
-    def number(s: pd.Series) -> pd.Series:  # "3,153,508,771.93" -> 3153508771.93; "n/a", text -> NaN
-        return pd.to_numeric(s.str.replace(",", "", regex=False), errors="coerce")
-
-    df = pd.DataFrame({
-        "kernel": raw["Kernel Name"],
-        "kernel_id": raw["ID"].astype("int64"),
-        "kind": rule.map({True: "rule", False: "metric"}),
-        "section": raw["Section Name"].replace(SECTION_NAMES),
-        "metric": raw["Metric Name"].where(~rule, raw["Rule Name"]),
-        "value": number(raw["Metric Value"]).where(~rule, number(raw["Estimated Speedup"])),
-        "unit": raw["Metric Unit"].where(~rule, "%"),
-        "text": raw["Metric Value"].where(~rule, raw["Rule Description"]),
-        "speedup_type": raw["Estimated Speedup Type"].where(rule, ""),
-    })
-    return df.astype(COLUMNS)
-
-
-# ------------------------------------------------------------------------------------------- layers
-
-# `medddpm.measure.capture` names each convolution of an eager step with an NVTX push/pop range (`LAYER_PREFIX`, then
-# the layer's channels, kernel, stride and input size), around its forward and around its backward. ncu
-# records the ranges open at each launch; they are kept in the long table as one text row per launch
-# (section `LAYER_SECTION`), so that the same layer can be compared kernel against kernel across
-# configurations (`medddpm.measure.layers`).
-LAYER_PREFIX = "conv3d "  # medddpm.capture.LAYER_PREFIX (not imported: capture imports torch)
-LAYER_SECTION, LAYER_METRIC = "NVTX", "layer"
-
-
-def report_module(ncu: str = "ncu"):
-    """Nsight Compute's Python report interface (`ncu_report`), from the install that `ncu` belongs to
-    (its `extras/python` folder: beside the binary, or in the CUDA toolkit's or /opt/nvidia's Nsight Compute
-    folders when `ncu` is the toolkit's launcher script), else an installed `ncu_report` module; None where
-    there is neither."""
-    import importlib
-
-    where = shutil.which(ncu)
-    parents = list(Path(os.path.realpath(where)).parents) if where else []
-    folders = [p / "extras" / "python" for p in parents]
-    for root in [*parents[1:2], Path("/opt/nvidia/nsight-compute")]:  # the toolkit's root, NVIDIA's default
-        folders += sorted(root.glob("nsight-compute*/extras/python"), reverse=True)
-        folders += sorted(root.glob("*/extras/python"), reverse=True)
-    for folder in folders:
-        if folder.joinpath("ncu_report.py").is_file():
-            if str(folder) not in sys.path:
-                sys.path.append(str(folder))
-            break
-    try:
-        return importlib.import_module("ncu_report")
-    except ImportError:
-        return None
-
-
-def report_layers(report: Path, module) -> list[tuple[str, str]]:
-    """(kernel name, innermost layer range or '') of each result of an ncu report, in result order (the CSV
-    export's ID): read with the report interface's NVTX state."""
-    ctx = module.load_report(str(report))
-    out = []
-    for r in range(ctx.num_ranges()):
-        rng = ctx.range_by_idx(r)
-        for a in range(rng.num_actions()):
-            action = rng.action_by_idx(a)
-            state, layer = action.nvtx_state(), ""
-            for domain in (state.domains() if state is not None else ()):
-                ranges = [n for n in state.domain_by_id(domain).push_pop_ranges() if n.startswith(LAYER_PREFIX)]
-                layer = ranges[-1] if ranges else layer
-            out.append((action.name(), layer))
-    return out
-
-
-def with_layers(df: pd.DataFrame, report: Path, *, ncu: str = "ncu") -> tuple[pd.DataFrame, str]:
-    """The long table with a `LAYER_SECTION` row for each launch made inside a layer range, and a note for the
-    pass's message ('' where there is nothing to say). The report's results are matched to the table's IDs by position, checked by name: any
-    disagreement, or no report interface, leaves the table as it was and says so."""
-    module = report_module(ncu)
-    if module is None:  # layer figures are left out, as for a compiled step
-        return df, ""
-    try:
-        layers = report_layers(report, module)
-    except Exception as e:  # the report interface's own errors have no common base class
-        return df, f"; layer ranges not read ({type(e).__name__}: {e})"
-    names = df.groupby("kernel_id")["kernel"].first()
-    ids = sorted(names.index)
-    # the interface names a result by its function (`vectorized_elementwise_kernel`), the export in full
-    if len(layers) != len(ids) or any(function not in names[i] for i, (function, _) in zip(ids, layers)):
-        return df, f"; layer ranges not kept ({len(layers)} results in the report, {len(ids)} in the export)"
-    rows = [(names[i], i, layer) for i, (_, layer) in zip(ids, layers) if layer]
-    if not rows:  # a compiled step: no layer ranges
-        return df, ""
-    extra = pd.DataFrame({"kernel": [r[0] for r in rows], "kernel_id": [r[1] for r in rows], "kind": "metric",
-                          "section": LAYER_SECTION, "metric": LAYER_METRIC, "value": float("nan"), "unit": "",
-                          "text": [r[2] for r in rows], "speedup_type": ""})
-    return pd.concat([df, extra], ignore_index=True).astype(COLUMNS), f"; {len(rows)} launches inside layer ranges"
-
-
-def launch_layers(ncu: pd.DataFrame) -> pd.Series:
-    """kernel_id -> the layer range it ran in ('' where none was recorded)."""
-    rows = ncu[(ncu["section"] == LAYER_SECTION) & (ncu["metric"] == LAYER_METRIC)]
-    ids = ncu["kernel_id"].drop_duplicates().sort_values()
-    return rows.groupby("kernel_id")["text"].first().reindex(ids, fill_value="")
-
-
-# ------------------------------------------------------------------------------------------ summary
-
-_SOL, _CWA, _MWA = "GPU Speed Of Light Throughput", "Compute Workload Analysis", "Memory Workload Analysis"
-# column -> candidates, best first: (section display name, metric display name) or a raw metric name
-HEADLINE: dict[str, tuple[tuple[str, str] | str, ...]] = {
-    "duration_ns": ((_SOL, "Duration"), "gpu__time_duration.sum"),
-    "sm_throughput_pct": ((_SOL, "Compute (SM) Throughput"), "sm__throughput.avg.pct_of_peak_sustained_elapsed"),
-    "memory_throughput_pct": ((_SOL, "Memory Throughput"),
-                              "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed"),
-    "dram_throughput_pct": ((_SOL, "DRAM Throughput"), "dram__throughput.avg.pct_of_peak_sustained_elapsed"),
-    "dram_bytes_per_s": ("dram__bytes.sum.per_second",),
-    "l1_hit_pct": ((_MWA, "L1/TEX Hit Rate"), "l1tex__t_sector_hit_rate.pct"),
-    "l2_hit_pct": ((_MWA, "L2 Hit Rate"), "lts__t_sector_hit_rate.pct"),
-    "achieved_occupancy_pct": (("Occupancy", "Achieved Occupancy"),
-                               "sm__warps_active.avg.pct_of_peak_sustained_active"),
-    "theoretical_occupancy_pct": (("Occupancy", "Theoretical Occupancy"),),
-    "sm_active_cycles": ((_SOL, "SM Active Cycles"), "sm__cycles_active.avg"),
-    "elapsed_cycles": ((_SOL, "Elapsed Cycles"), "gpc__cycles_elapsed.max"),
-    "inst_executed": (("Instruction Statistics", "Executed Instructions"), "sm__inst_executed.sum"),
-    "ipc": ((_CWA, "Executed Ipc Active"), "sm__inst_executed.avg.per_cycle_active"),
-    "warp_cycles_per_inst": (("Warp State Statistics", "Warp Cycles Per Issued Instruction"),
-                             "smsp__average_warp_latency_per_inst_issued.ratio"),
-    "registers_per_thread": (("Launch Statistics", "Registers Per Thread"), "launch__registers_per_thread"),
-    **{f"inst_{c}": (_inst_metric(c),) for c in INST_CLASSES},
-    **{f"stall_{r}": (_stall_metric(r),) for r in STALL_REASONS},
-}
-
-
-def _wide(metrics: pd.DataFrame) -> pd.DataFrame:
-    """kernel_id x (section, metric) of numeric values (first non-NaN of duplicates)."""
-    return metrics.groupby(["kernel_id", "section", "metric"])["value"].first().unstack(["section", "metric"])
-
-
-def _pick(wide: pd.DataFrame, candidates: tuple[tuple[str, str] | str, ...]) -> pd.Series:
-    """First non-NaN among the candidates; a raw metric name is looked up in any section."""
-    out = pd.Series(float("nan"), index=wide.index)
-    for c in candidates:
-        for col in [c] if isinstance(c, tuple) else [k for k in wide.columns if k[1] == c]:
-            if col in wide.columns:
-                out = out.fillna(wide[col])
-    return out
-
-
-def kernel_summary(ncu: pd.DataFrame) -> pd.DataFrame:
-    """One row per profiled launch (kernel_id): the headline numbers, NaN where not collected."""
-    names = ncu.groupby("kernel_id")["kernel"].first()
-    wide = _wide(ncu[ncu["kind"] == "metric"]).reindex(names.index)
-    cols = {col: _pick(wide, cands) for col, cands in HEADLINE.items()}
-    cols["tensor_pipe_pct"] = pd.concat([_pick(wide, (m,)) for m in TENSOR_PIPE_METRICS], axis=1).max(axis=1)
-    for kind, ops in FLOP_OPS.items():  # thread instructions -> FLOPs (an FMA is two)
-        add, mul, fma = (_pick(wide, (_inst_metric(op),)) for op in ops)
-        cols[f"flop_{kind}"] = add + mul + 2 * fma
-    out = pd.DataFrame(cols, index=names.index).astype("float64")
-    out.insert(0, "kernel", names.astype("str"))
-    out.insert(1, "layer", launch_layers(ncu).reindex(names.index, fill_value="").astype("str"))
-    out.insert(2, "direction", names.map(conv_direction).fillna("").astype("str"))
-    return out.reset_index().astype({"kernel_id": "int64"})
-
-
-# --------------------------------------------------------------------------------------- priorities
-
-def match_kernel(ncu_name: str, profiler_names: list[str]) -> list[str]:
-    """The profiler's names for an ncu kernel: the same string, else the most specific skeleton matches.
-
-    Exact first (the names agree when both come from one demangler); otherwise every profiler name
-    whose token skeleton appears, in order, in the ncu name is a candidate, and those with the
-    longest skeleton win. Several winners are indistinguishable by name (a cuDNN family, or
-    instantiations differing after the skeleton): their shares add up.
-    """
-    if ncu_name in profiler_names:
-        return [ncu_name]
-    hits = [(len(skeleton(n)), n) for n in profiler_names if _matches(n, ncu_name)]
-    best = max((k for k, _ in hits), default=0)
-    return [n for k, n in hits if k == best]
-
-
-def _shares(names: pd.Series, share: pd.Series, duration: pd.Series, ncu: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
-    """(profiler name, step share) for each ncu kernel name. ncu kernels matching the same profiler
-    names (a cuDNN family) split that share by their profiled durations, so it is counted once."""
-    per_name = ncu.groupby("kernel_id")["kernel"].first().to_frame().assign(ns=duration).groupby("kernel")["ns"].sum()
-    matches = {k: tuple(match_kernel(k, share.index.tolist())) for k in names.unique()}
-    group_ns = pd.Series({k: per_name.get(k, 0.0) for k in matches}).groupby(pd.Series(matches)).transform("sum")
-    frac = {k: per_name.get(k, 0.0) / group_ns[k] if group_ns[k] > 0 else 1.0 for k in matches}
-    first = names.map(lambda k: matches[k][0] if matches[k] else None)  # the largest share
-    return first, names.map(lambda k: share[list(matches[k])].sum() * frac[k] if matches[k] else float("nan"))
-
-
-def priorities(kernels: pd.DataFrame, ncu: pd.DataFrame, *, include_local: bool = False) -> pd.DataFrame:
-    """Per (kernel, rule): share of step time x the rule's estimated speedup; largest gain first.
-
-    `share` is the torch.profiler share summed over all rows (passes) of the matched name. A
-    "global" speedup is a fraction of the kernel's duration, so share x speedup estimates the saving
-    in step time; a "local" one is relative to a single unit or metric and overstates it, so local
-    rules are left out unless asked for. A kernel launched several times is averaged over its
-    launches weighted by duration; a rule reported more than once per launch (WorkloadImbalance per
-    unit, CPIStall) counts with its largest estimate. Unmatched kernels keep NaN share and priority.
-    """
-    cols = ["kernel", "profiler_kernel", "rule", "section", "speedup_type", "share", "speedup_pct", "priority"]
-    rules = ncu[(ncu["kind"] == "rule") & ncu["value"].notna()]
-    if not include_local:
-        rules = rules[rules["speedup_type"] == "global"]
-    if rules.empty:
-        return pd.DataFrame({c: pd.Series(dtype="float64" if c in cols[5:] else "str") for c in cols})
-    share = kernels.groupby("kernel")["share"].sum().sort_values(ascending=False)
-    duration = kernel_summary(ncu).set_index("kernel_id")["duration_ns"]
-    launch = (rules.groupby(["kernel_id", "kernel", "metric", "section", "speedup_type"], as_index=False)["value"]
-              .max().rename(columns={"metric": "rule", "value": "speedup_pct"}))
-    launch["weight"] = launch["kernel_id"].map(duration).fillna(1.0)
-    launch["weighted"] = launch["speedup_pct"] * launch["weight"]
-    g = launch.groupby(["kernel", "rule", "section", "speedup_type"], as_index=False)[["weighted", "weight"]].sum()
-    g["speedup_pct"] = g["weighted"] / g["weight"]
-    g["profiler_kernel"], g["share"] = _shares(g["kernel"], share, duration, ncu)
-    g["priority"] = g["share"] * g["speedup_pct"] / 100
-    g = g.sort_values(["priority", "speedup_pct"], ascending=False, na_position="last")
-    return g[cols].reset_index(drop=True)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-TISSUES = {1: "csf", 2: "gm", 3: "wm"}  # the embedded data's labels (medddpm.train.data.LABELS), as table names
+TISSUES = {1: "csf", 2: "gm", 3: "wm"}  # the embedded data's labels (medddpm.train.synthetic.LABELS), as table names
 T1_ORDER = (1, 2, 3)  # tissue labels from darkest to brightest on a T1 image: CSF, grey, white matter
 QUANTILES = np.linspace(0.0005, 0.9995, 1000)  # where two intensity distributions are compared
 

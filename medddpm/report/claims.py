@@ -25,7 +25,7 @@ import pandas as pd
 
 from medddpm.measure import layers
 
-from medddpm.measure import ncu
+from medddpm.measure import ncu_table
 from medddpm.report.loading import FAILS, HOLDS, NA, Data
 from medddpm.report.quality import QUALITY_LOSS, QUALITY_REL_ERR
 
@@ -146,7 +146,7 @@ def conv_dominates(g: GPU) -> Verdict:
 def _rules_share(kernels: pd.DataFrame, counters: pd.DataFrame, sections: tuple[str, ...]) -> float:
     """Step time that ncu's rules of `sections` estimate recoverable: for each kernel its largest estimated
     global speedup among those rules, times its share of the step."""
-    p = ncu.priorities(kernels, counters)
+    p = ncu_table.priorities(kernels, counters)
     p = p[p["section"].isin(sections) & p["priority"].notna()]
     return float(p.groupby("kernel")["priority"].max().sum()) if len(p) else 0.0
 

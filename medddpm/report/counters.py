@@ -14,14 +14,14 @@ _WEIGHTED = ("tensor_pipe_pct", "sm_throughput_pct", "memory_throughput_pct", "d
 
 
 def ncu_kernels(ncu_df: pd.DataFrame) -> pd.DataFrame:
-    """`medddpm.ncu.kernel_summary` for every run, with gpu_slug and config."""
-    from medddpm.measure import ncu
+    """`medddpm.measure.ncu_table.kernel_summary` for every run, with gpu_slug and config."""
+    from medddpm.measure import ncu_table
 
     if ncu_df.empty:
         return pd.DataFrame(columns=["gpu_slug", "config", "kernel_id", "kernel", "duration_ns", *_WEIGHTED])
     parts = []
     for (run_id, slug, config), g in ncu_df.groupby(["run_id", "gpu_slug", "config"]):
-        parts.append(ncu.kernel_summary(g.drop(columns=["gpu_slug", "config"])).assign(
+        parts.append(ncu_table.kernel_summary(g.drop(columns=["gpu_slug", "config"])).assign(
             run_id=run_id, gpu_slug=slug, config=config))
     return _sort(pd.concat(parts, ignore_index=True), "kernel_id")
 
@@ -32,10 +32,10 @@ def ncu_by_run(ncu_df: pd.DataFrame, kernels: pd.DataFrame) -> pd.DataFrame:
     that happened to be profiled; executed thread instructions by class per step (each kernel's count per
     launch times its launches a step); `covered`, the share of the step whose kernels have counters."""
     from medddpm.measure import layers
-    from medddpm.measure import ncu
+    from medddpm.measure import ncu_table
 
-    stalls = [f"stall_{r}" for r in ncu.STALL_REASONS]
-    insts = [f"inst_{c}" for c in ncu.INST_CLASSES]
+    stalls = [f"stall_{r}" for r in ncu_table.STALL_REASONS]
+    insts = [f"inst_{c}" for c in ncu_table.INST_CLASSES]
     rows = []
     for (run_id, slug, config), g in ncu_df.groupby(["run_id", "gpu_slug", "config"]) if not ncu_df.empty else ():
         k = kernels[kernels["run_id"] == run_id]
@@ -107,8 +107,9 @@ def roofline_points(ncu_df: pd.DataFrame) -> pd.DataFrame:
 
 
 def ncu_priorities(data: Data, n: int = 10) -> pd.DataFrame:
-    """`medddpm.ncu.priorities` per run (share of step x a rule's estimated global speedup), top n each."""
-    from medddpm.measure import ncu
+    """`medddpm.measure.ncu_table.priorities` per run (share of step x a rule's estimated global speedup), top n
+    each."""
+    from medddpm.measure import ncu_table
 
     if data.ncu.empty:
         return pd.DataFrame(columns=["gpu_slug", "config", "kernel", "rule", "section", "share", "speedup_pct",
@@ -116,7 +117,7 @@ def ncu_priorities(data: Data, n: int = 10) -> pd.DataFrame:
     parts = []
     for (run_id, slug, config), g in data.ncu.groupby(["run_id", "gpu_slug", "config"]):
         k = data.kernels[data.kernels["run_id"] == run_id]
-        p = ncu.priorities(k, g.drop(columns=["gpu_slug", "config"])).head(n)
+        p = ncu_table.priorities(k, g.drop(columns=["gpu_slug", "config"])).head(n)
         parts.append(p.assign(gpu_slug=slug, config=config))
     out = pd.concat(parts, ignore_index=True)
     out["kernel"] = out["kernel"].str.slice(0, 160)

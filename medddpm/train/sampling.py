@@ -11,7 +11,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from medddpm.train.data import DataError, make_brats_case, make_mni_pair, one_hot_condition
+from medddpm.train.data import one_hot_condition
+from medddpm.train.nifti import DataError
+from medddpm.train.synthetic import make_brats_case, make_mni_pair
 from medddpm.configs import Config
 from medddpm.train.engine import Engine
 from medddpm.model.unet import ModelSpec
