@@ -26,7 +26,7 @@ import pandas as pd
 from medddpm.measure import layers
 
 from medddpm.measure import ncu_table
-from medddpm.report.loading import FAILS, HOLDS, NA, Data
+from medddpm.report.loading import FAILS, HOLDS, NA, Data, is_cpu
 from medddpm.report.quality import QUALITY_LOSS, QUALITY_REL_ERR
 
 SPEEDUP_MIN = 1.10  # a change "cuts" a time, cycle or instruction count when the ratio reaches 1.10
@@ -68,7 +68,7 @@ class GPU:
         self.data, self.slug = data, slug
         self.run = data.run[data.run["gpu_slug"] == slug]
         self.ok = self.run[self.run["status"] == "ok"].set_index("config")
-        self.is_gpu = slug != "cpu" and (self.run["gpu_name"] != "cpu").all()
+        self.is_gpu = not is_cpu(slug) and (self.run["gpu_name"] != "cpu").all()
 
     def _table(self, name: str, config: str) -> pd.DataFrame:
         t = getattr(self.data, name)
@@ -388,7 +388,7 @@ ON_CPU = "a claim about GPU kernels: not measurable on a CPU (the CPU run checks
 def devices(data: Data) -> list[str]:
     """Every device in the data: swept ones, and GPUs known from bench timings only."""
     bench = set(data.bench["gpu_slug"]) if not data.bench.empty else set()
-    return sorted(set(data.run["gpu_slug"]) | bench, key=lambda s: (s == "cpu", s))  # GPUs first
+    return sorted(set(data.run["gpu_slug"]) | bench, key=lambda s: (is_cpu(s), s))  # GPUs first
 
 
 def verdicts(data: Data, claims=CLAIMS) -> pd.DataFrame:
@@ -405,7 +405,7 @@ def verdicts(data: Data, claims=CLAIMS) -> pd.DataFrame:
 
 def headline(table: pd.DataFrame) -> pd.DataFrame:
     """Verdict counts per GPU (CPU rows left out)."""
-    t = table[table["gpu_slug"] != "cpu"]
+    t = table[~table["gpu_slug"].map(is_cpu).astype(bool)]
     return t.groupby("gpu_slug")["verdict"].value_counts().unstack(fill_value=0).reindex(columns=list(VERDICTS),
                                                                                           fill_value=0)
 

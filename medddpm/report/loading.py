@@ -53,14 +53,29 @@ def config_order(names=()) -> list[str]:
     return list(CONFIGS) + extra
 
 
+def is_cpu(slug: str) -> bool:
+    """Whether a device label names a CPU: `cpu`, or `cpu-<host>` for a CPU measured beside the committed rows.
+    A CPU runs the smoke preset, which checks the pipeline: the pages show GPUs first and a CPU's rows apart."""
+    return slug == "cpu" or slug.startswith("cpu-")
+
+
+def cpu_slugs(run: pd.DataFrame) -> set[str]:
+    """The device labels of `run` whose rows ran on a CPU (by the device's name, whatever the label)."""
+    if run.empty:
+        return set()
+    return set(run.loc[run["gpu_name"] == "cpu", "gpu_slug"]) | {s for s in run["gpu_slug"] if is_cpu(s)}
+
+
 def _sort(df: pd.DataFrame, *cols: str) -> pd.DataFrame:
-    """Rows by GPU, then configuration in CONFIGS order."""
+    """Rows by device, GPUs before CPUs, then configuration in CONFIGS order."""
     if df.empty or "config" not in df:
         return df.reset_index(drop=True)
     rank = {c: i for i, c in enumerate(config_order(df["config"].unique()))}
     keys = [c for c in ("gpu_slug", *cols) if c in df]
-    return (df.assign(_rank=df["config"].map(rank)).sort_values([keys[0], "_rank", *keys[1:]] if keys else ["_rank"])
-            .drop(columns="_rank").reset_index(drop=True))
+    cpu = df["gpu_slug"].map(is_cpu) if "gpu_slug" in df else False
+    order = ["_cpu", keys[0], "_rank", *keys[1:]] if keys else ["_rank"]
+    return (df.assign(_rank=df["config"].map(rank), _cpu=cpu).sort_values(order, kind="stable")
+            .drop(columns=["_rank", "_cpu"]).reset_index(drop=True))
 
 
 
@@ -106,18 +121,26 @@ def _read_run(path: Path) -> pd.DataFrame:
     return df
 
 
+def _run_folder(r: pd.Series, found: str) -> str:
+    """The folder name a run row belongs in; `found`, the folder it is in, where that names the row's label
+    channels as another width than its data's own (``-m<N>``, which the row alone cannot tell)."""
+    batch = int(r["batch"])  # -1: a run that failed before recording it (older rows), batch 1 then
+    name = schema.run_folder(r["config"], r["preset"], batch if batch > 0 else 1)
+    narrow = schema.run_folder(r["config"], r["preset"], batch if batch > 0 else 1, int(r["mask_channels"]))
+    return narrow if found == narrow else name
+
+
 def runs(root: str | os.PathLike | None = None, *, variants: bool = False) -> pd.DataFrame:
     """The run table of every run (one row each), with its folder relative to the data root.
 
-    `variants`: also the runs of other presets or batches (``<config>@<preset>[-b<batch>]``); every
+    `variants`: also the runs of other presets, batches or widths (``<config>@<preset>[-b<batch>][-m<N>]``); every
     page but the memory one compares the main runs only, one per (GPU, configuration)."""
     root = Path(root) if root is not None else data_root()
     frames = []
     for folder in scan(root).runs:
         df = _read_run(folder / "run.parquet")
         slug, config = df.loc[0, "gpu_slug"], df.loc[0, "config"]
-        batch = int(df.loc[0, "batch"])  # -1: a run that failed before recording it (older rows), batch 1 then
-        name = schema.run_folder(config, df.loc[0, "preset"], batch if batch > 0 else 1)
+        name = _run_folder(df.iloc[0], folder.name)
         if (slug, name) != (folder.parent.name, folder.name):
             raise DataError(f"{folder}: run.parquet says {slug}/{name}, the folder says "
                             f"{folder.parent.name}/{folder.name}")
@@ -140,7 +163,7 @@ def ablation_runs(root: str | os.PathLike | None = None) -> pd.DataFrame:
     for path in sorted(root.glob(f"*/{ABLATION_DIR}/*/run.parquet")):
         df = _read_run(path)
         r, folder = df.iloc[0], path.parent
-        name = schema.run_folder(r["config"], r["preset"], max(int(r["batch"]), 1))
+        name = _run_folder(r, folder.name)
         if (r["gpu_slug"], name) != (folder.parent.parent.name, folder.name):
             raise DataError(f"{folder}: run.parquet says {r['gpu_slug']}/{ABLATION_DIR}/{name}")
         frames.append(df.assign(folder=str(folder.relative_to(root))))

@@ -187,7 +187,7 @@ def memory_targets(mem: pd.DataFrame, targets=MEMORY_TARGETS, *, configs=tuple(C
     `configs` (those with checkpointing, for a checkpointing target) has been measured."""
     cols = ["target_id", "target", "gpu_slug", "verdict", "config", "peak_gib", "train_median_ms", "evidence"]
     rows = []
-    for slug in sorted(mem["gpu_slug"].unique()) if len(mem) else []:
+    for slug in list(dict.fromkeys(mem["gpu_slug"])) if len(mem) else []:  # mem's order: GPUs first
         for t in targets:
             g = mem[(mem["gpu_slug"] == slug) & (mem["preset"] == t.preset) & (mem["shape"] == t.shape)
                     & (mem["batch"] == 1)]
@@ -208,17 +208,20 @@ def memory_targets(mem: pd.DataFrame, targets=MEMORY_TARGETS, *, configs=tuple(C
                            and (c.checkpointing or not t.checkpointing_only)]
                 rows.append(row | {"verdict": NOT_YET if missing else FAILS, "config": low["config"],
                                    "peak_gib": low["peak_gib"], "train_median_ms": low["train_median_ms"],
-                                   "evidence": f"the lowest peak, {low['label']}'s, is {low['peak_gib']:.2f} GiB"
+                                   "evidence": f"the lowest peak, {low['label']}'s, is {low['peak_gib']:.2f} GiB "
+                                               "allocated"
                                                + measured + (f"; not measured: {', '.join(missing)}" if missing else "")})
                 continue
             best = under.loc[under["train_median_ms"].idxmin()]
             fastest = g.loc[g["train_median_ms"].idxmin()]
             note = ("" if fastest["config"] == best["config"] else
                     f"; the fastest overall, {fastest['label']}, needs {fastest['peak_gib']:.2f} GiB")
+            reserved = (f"; {best['reserved_gib']:.2f} GiB reserved with the allocator's cache"
+                        if pd.notna(best["reserved_gib"]) else "")
             rows.append(row | {"verdict": HOLDS, "config": best["config"], "peak_gib": best["peak_gib"],
                                "train_median_ms": best["train_median_ms"],
-                               "evidence": f"{best['label']}: {best['peak_gib']:.2f} GiB at {best['train_median_ms']:.4g} "
-                                           f"ms a micro-step{note}" + measured})
+                               "evidence": f"{best['label']}: {best['peak_gib']:.2f} GiB allocated at "
+                                           f"{best['train_median_ms']:.4g} ms a micro-step{reserved}{note}" + measured})
     return pd.DataFrame(rows, columns=cols)
 
 

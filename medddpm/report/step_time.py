@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pandas as pd
 
-from medddpm.configs import CONFIGS
+from medddpm.configs import CONFIGS, PAPER
 from medddpm.report.loading import Data, _sort
 from medddpm.model.diffusion import TIMESTEPS
 
@@ -121,3 +121,52 @@ def best_by_gpu(summary: pd.DataFrame) -> pd.DataFrame:
         return summary
     idx = summary.groupby("gpu_slug")["train_median_ms"].idxmin()
     return summary.loc[idx].reset_index(drop=True)
+
+
+def bench_table(bench: pd.DataFrame) -> pd.DataFrame:
+    """The bench timings (table ``bench``, training micro-steps) as one row per GPU and configuration: each
+    implementation's median micro-step, the median over its bench runs; how many runs timed it; and, where the
+    reference implementation was timed too, ours against it (`ours_faster`: reference / ours - 1)."""
+    cols = ["gpu_slug", "config", "ours_ms", "reference_ms", "ours_faster", "runs", "steps"]
+    if bench.empty:
+        return pd.DataFrame(columns=cols)
+    b = bench.assign(impl=bench["implementation"].map(lambda i: "ours" if i == "ours" else "reference"))
+    ms = b.pivot_table(index=["gpu_slug", "config"], columns="impl", values="train_median_ms", aggfunc="median")
+    ms = ms.reindex(columns=["ours", "reference"]).rename(columns={"ours": "ours_ms", "reference": "reference_ms"})
+    extra = b.groupby(["gpu_slug", "config"]).agg(runs=("source", "nunique"), steps=("steps", "max"))
+    out = ms.join(extra).reset_index()
+    out["ours_faster"] = out["reference_ms"] / out["ours_ms"] - 1
+    return _sort(out[cols])
+
+
+HEADLINE_ROLES = ("the paper's fastest", "fastest measured")
+
+
+def headline(run: pd.DataFrame) -> pd.DataFrame:
+    """Per device with a strict-FP32 baseline: the fastest of the paper's four configurations and the fastest
+    configuration measured, each with its median micro-step and its speedup over the baseline. `lo`-`hi` is the
+    speedup's spread from the two runs' 10th-90th percentiles (baseline p10 / config p90 to baseline p90 /
+    config p10). Devices in `_sort` order: GPUs first."""
+    cols = ["gpu_slug", "preset", "size", "role", "config", "base_ms", "train_median_ms", "train_p10_ms",
+            "train_p90_ms", "speedup", "lo", "hi"]
+    ok = run[(run["status"] == "ok") & (run["batch"] == 1)]
+    rows = []
+    for slug, g in ok.groupby("gpu_slug"):
+        g = g.set_index("config")
+        if "baseline" not in g.index:
+            continue
+        b = g.loc["baseline"]
+        paper = g[g.index.isin(PAPER) & (g.index != "baseline")]
+        picks = {HEADLINE_ROLES[0]: paper["train_median_ms"].idxmin() if len(paper) else None,
+                 HEADLINE_ROLES[1]: g["train_median_ms"].idxmin()}
+        for role, config in picks.items():
+            if config is None:
+                continue
+            r = g.loc[config]
+            rows.append({"gpu_slug": slug, "preset": b["preset"], "size": int(b["size"]), "role": role,
+                         "config": config, "base_ms": b["train_median_ms"], "train_median_ms": r["train_median_ms"],
+                         "train_p10_ms": r["train_p10_ms"], "train_p90_ms": r["train_p90_ms"],
+                         "speedup": b["train_median_ms"] / r["train_median_ms"],
+                         "lo": b["train_p10_ms"] / r["train_p90_ms"], "hi": b["train_p90_ms"] / r["train_p10_ms"]})
+    out = pd.DataFrame(rows, columns=cols)
+    return _sort(out, "role") if len(out) else out

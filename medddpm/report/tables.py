@@ -1,0 +1,83 @@
+"""Tables for the pages: HTML that fits the book's column, GPUs first, the CPU's smoke rows folded apart.
+
+A page's text column is about 784 px wide. A table shows its key columns; the rest, and the rows of a CPU run
+(the smoke preset, which checks the pipeline and says nothing about GPUs), go into a fold the reader opens:
+an HTML ``<details>`` element, which needs no script and reads the same offline and in JupyterLab.
+"""
+
+from __future__ import annotations
+
+import html
+
+import pandas as pd
+from IPython.display import HTML
+
+from medddpm.report.loading import cpu_slugs, is_cpu
+
+
+DEVICE_COLUMNS = ("device", "GPU", "gpu_slug", "measured on")
+
+
+def table_html(df: pd.DataFrame, digits: int = 4, formats: dict | None = None, code: tuple[str, ...] = ()) -> str:
+    """A compact HTML table: no index, cell text escaped (a `<config>` stays text), floats to `digits`
+    significant digits unless `formats` says otherwise for a column, NaN as '-'; the columns named in `code`
+    set as code (names a reader types)."""
+    fmt = {c: (lambda v, d=digits: "-" if pd.isna(v) else f"{v:.{d}g}") for c in df.columns
+           if pd.api.types.is_float_dtype(df[c])}
+    fmt |= {c: (lambda v: f"<code>{v}</code>") for c in code}  # Styler escapes the value before this
+    # a device label such as nvidia-h200 stays on one line (a browser breaks it after its hyphen)
+    fmt |= {c: (lambda v: f'<span style="white-space: nowrap">{v}</span>') for c in df.columns
+            if c in DEVICE_COLUMNS and c not in fmt}
+    fmt |= formats or {}
+    return df.style.hide(axis="index").format(fmt, escape="html", na_rep="-").to_html()
+
+
+def fold(summary: str, content: str) -> str:
+    """`content` (HTML) folded under a one-line `summary` (plain text)."""
+    return f'<details class="medddpm-fold"><summary>{html.escape(summary)}</summary>\n{content}\n</details>'
+
+
+def show(df: pd.DataFrame, **kw) -> HTML:
+    """`table_html` for display; `kw` as it takes them."""
+    return HTML(table_html(df, **kw))
+
+
+def show_folded(summary: str, df: pd.DataFrame, **kw) -> HTML:
+    return HTML(fold(summary, table_html(df, **kw)))
+
+
+def cpu_rows(df: pd.DataFrame, cpus: set[str] | None = None, column: str = "gpu_slug") -> pd.Series:
+    """Which rows of `df` are a CPU's: their device label is in `cpus` (`loading.cpu_slugs` of the run table),
+    or looks like a CPU's."""
+    cpus = cpus or set()
+    return df[column].map(lambda s: s in cpus or is_cpu(s)).astype(bool)
+
+
+def by_device(df: pd.DataFrame, cpus: set[str] | None = None, *, column: str = "gpu_slug",
+              rename: dict | None = None, what: str = "rows", hide: tuple[str, ...] = (), **kw) -> HTML:
+    """The GPUs' rows as a table, then the CPU's folded under "CPU smoke runs (N <what>)"; `hide`: columns left
+    out once the rows are split; `kw` as `table_html` takes them. With no GPU rows the CPU's are shown unfolded:
+    they are all there is."""
+    cpu = cpu_rows(df, cpus, column)
+    gpu_df, cpu_df = df[~cpu].drop(columns=list(hide)), df[cpu].drop(columns=list(hide))
+    if rename:  # `formats` and `code` may name the columns before or after renaming
+        gpu_df, cpu_df = gpu_df.rename(columns=rename), cpu_df.rename(columns=rename)
+        if kw.get("formats"):
+            kw["formats"] = {rename.get(c, c): f for c, f in kw["formats"].items()}
+        if kw.get("code"):
+            kw["code"] = tuple(rename.get(c, c) for c in kw["code"])
+    if gpu_df.empty:
+        return show(cpu_df, **kw)
+    out = table_html(gpu_df, **kw)
+    if len(cpu_df):
+        out += fold(f"CPU smoke runs ({len(cpu_df)} {what}: a tiny model that checks the pipeline)",
+                    table_html(cpu_df, **kw))
+    return HTML(out)
+
+
+def gpus_first(slugs) -> list[str]:
+    """Device labels, GPUs first (each group sorted)."""
+    return sorted(set(slugs), key=lambda s: (is_cpu(s), s))
+
+
+__all__ = ["table_html", "fold", "show", "show_folded", "cpu_rows", "by_device", "gpus_first", "cpu_slugs"]
