@@ -12,12 +12,15 @@
    to MathML at build time (``latex2mathml``), which Chromium draws natively; no script at all.
 4. ``producer-notebooks`` directive: renders the stored, executed producer notebooks
    ``<data>/<gpu>/<config>/produce.ipynb`` (outputs as stored, never executed) as sections of a page.
-   ``<data>`` is ``$MEDDDPM_DATA`` or ``<repository>/data``.
+   ``<data>`` is ``$MEDDDPM_DATA`` or ``<repository>/data``. Progress bars are left out (`strip_progress`):
+   a bar that redraws itself is one stream message per update in a stored notebook, thousands of grey boxes
+   on a page, and says nothing the run's tables do not.
 """
 
 from __future__ import annotations
 
 import base64
+import html
 import json
 import os
 import re
@@ -37,6 +40,8 @@ CSS_TEXT = """/* book/_ext/medddpm_book.py */
 div.math > math { flex-grow: 1; overflow-x: auto; padding-bottom: .2rem; font-size: 1.15em; }
 span.math > math { font-size: 1.05em; }
 .medddpm-nb-image { max-width: 100%; }
+details.medddpm-notebook > summary, details.medddpm-fold > summary {
+  cursor: pointer; font-weight: 600; margin: .5rem 0; }
 """
 REPO = Path(__file__).resolve().parents[2]
 
@@ -197,6 +202,42 @@ def _container(*classes: str) -> nodes.container:
     return node
 
 
+# tqdm's text bar, "desc: 40%|████      | 2/5 [00:42<00:52, 17.45s/it]", and its form without a total,
+# "desc: 12it [00:03, 3.9it/s]"; a redraw starts with a carriage return.
+PROGRESS = re.compile(r"[^\r\n]*?(?:\d+%\|[^|\r\n]*\||\d+(?:\.\d+)?[kMG]?[a-zA-Z]*)\s*[\d.?]*[kMG]?/?[\d.?]*[kMG]?\s*"
+                      r"\[[\d:]+(?:<[\d:?]+)?,\s*[^\]\r\n]*?(?:/s|s/)[^\]\r\n]*\]")
+# tqdm.auto's warning that it falls back to text bars (no ipywidgets in the kernel), and the line it quotes
+TQDM_WARNING = re.compile(r"[^\n]*TqdmWarning: IProgress not found[^\n]*\n?"
+                          r"(?:[ \t]+from \.autonotebook import[^\n]*\n?)?")
+
+
+def _strip_stream(text: str) -> str:
+    text = TQDM_WARNING.sub("", PROGRESS.sub("", text))
+    lines = [seg for line in text.split("\n") for seg in line.split("\r")]
+    return "\n".join(line for line in lines if line.strip()) + ("\n" if lines and any(s.strip() for s in lines) else "")
+
+
+def strip_progress(outputs: list[dict]) -> list[dict]:
+    """A cell's outputs without progress bars: consecutive stream messages of one stream joined, tqdm's bars
+    and its fallback warning taken out, streams left empty dropped. Other outputs are kept as they are."""
+    kept: list[dict] = []
+    for out in outputs:
+        if out.get("output_type") == "stream" and kept and kept[-1].get("output_type") == "stream" \
+                and kept[-1].get("name") == out.get("name"):
+            kept[-1] = {**kept[-1], "text": _text(kept[-1].get("text")) + _text(out.get("text"))}
+        else:
+            kept.append(dict(out))
+    result = []
+    for out in kept:
+        if out.get("output_type") == "stream":
+            text = _strip_stream(_text(out.get("text")))
+            if not text:
+                continue
+            out["text"] = text
+        result.append(out)
+    return result
+
+
 def _output_nodes(out: dict) -> list[nodes.Node]:
     kind = out.get("output_type")
     if kind == "stream":
@@ -239,7 +280,7 @@ def render_notebook(path: Path, root: Path) -> list[nodes.Node]:
             inp = _container("cell_input", "docutils")
             inp += _literal(src, language=lexer)
             box += inp
-            outputs = [n for o in cell.get("outputs", []) for n in _output_nodes(o)]
+            outputs = [n for o in strip_progress(cell.get("outputs", [])) for n in _output_nodes(o)]
             if outputs:
                 res = _container("cell_output", "docutils")
                 res.extend(outputs)
@@ -274,14 +315,19 @@ class ProducerNotebooks(SphinxDirective):
             para = nodes.paragraph()
             para += nodes.Text("Stored, executed notebook ")
             para += nodes.literal(f"data/{rel}", f"data/{rel}")
-            para += nodes.Text(" (rendered as stored, not re-executed).")
+            para += nodes.Text(" (rendered as stored, not re-executed; progress bars left out).")
             section += para
             try:
-                section.extend(render_notebook(path, root))
+                cells = render_notebook(path, root)
             except (ValueError, KeyError, OSError) as e:
                 logger.warning(f"producer-notebooks: cannot read {path}: {e}", location=self.get_location(),
                                type="medddpm", subtype="data")
                 continue
+            # Folded: the page lists every run; a reader opens the notebook of the one they look into.
+            section += nodes.raw("", f'<details class="medddpm-notebook"><summary>the notebook of '
+                                     f'{html.escape(title)}</summary>', format="html")
+            section.extend(cells)
+            section += nodes.raw("", "</details>", format="html")
             result.append(section)
         return result
 
