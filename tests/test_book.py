@@ -4,12 +4,14 @@ second GPU's data folder showing up in the comparison charts with no page edited
 the only other run of scripts/book.sh.
 
 Needs Debian `chromium` (/usr/bin/chromium; scripts/test.sh installs it) and the `playwright` Python
-package (never `playwright install`). Skipped only when both are missing.
+package (never `playwright install`). Skipped only when both are missing. The browser test leaves a
+full-page screenshot of every page, as a reader first sees it, in runs/screens/page-<name>.png.
 """
 
 from __future__ import annotations
 
 import functools
+import html
 import http.server
 import json
 import os
@@ -156,6 +158,42 @@ def _check_solutions(page) -> int:
     return solutions.count()
 
 
+PAGE_LIMIT = 2_000_000  # bytes of one page's HTML
+SCREENS = REPO / "runs" / "screens"  # full-page screenshots of the last browser test, one per page
+
+
+def _visible_text(page_html: str) -> str:
+    """What a reader sees of a page: its text without scripts, styles and tags (the charts' specs left out)."""
+    text = re.sub(r"<(script|style)\b.*?</\1>", " ", page_html, flags=re.S | re.I)
+    return html.unescape(re.sub(r"<[^>]+>", " ", text))
+
+
+def test_pages_read_as_a_published_report(built_book):
+    """Every page: at most 2 MB; no Markdown table left as text; no development history (sessions, diary
+    files, commit hashes as labels); a headline chart on the first page."""
+    problems = []
+    for name in toc_pages():
+        path = built_book.html / f"{name}.html"
+        page_html = path.read_text(encoding="utf-8")
+        size = path.stat().st_size
+        if size > PAGE_LIMIT:
+            problems.append(f"{name}: {size:,} bytes (over {PAGE_LIMIT:,})")
+        text = _visible_text(page_html)
+        # a pipe table that no parser turned into a table: its rule row, dashes or the em dashes of smart quotes
+        if m := re.search(r"\|\s*(-{3,}|—+)\s*\|", text):
+            problems.append(f"{name}: a Markdown table shown as text: ...{text[max(0, m.start() - 80):m.end() + 40]!r}")
+        for pattern, what in ((r"(?i)\bsessions?\b", "a session"), (r"NOTES\.md", "the lab's diary"),
+                              (r"\blab/(notebook|tuning|logs|leases)", "the lab's folders")):
+            if m := re.search(pattern, text):
+                problems.append(f"{name}: {what}: ...{text[max(0, m.start() - 60):m.end() + 60]!r}")
+        if m := re.search(r"@ [0-9a-f]{7,40}\b", page_html):  # a configuration labelled by a commit
+            problems.append(f"{name}: a commit as a label: ...{page_html[max(0, m.start() - 60):m.end() + 20]!r}")
+    intro = (built_book.html / f"{toc_pages()[0]}.html").read_text(encoding="utf-8")
+    assert _chart_specs(intro), "the first page has no chart"
+    assert "speedup" in _visible_text(intro).lower(), "the first page states no speedup"
+    assert not problems, "\n".join(problems)
+
+
 def test_book_in_browser(book_url, built_book):
     assert HAVE_PLAYWRIGHT, "the playwright Python package is missing (pip install -r requirements.txt)"
     assert HAVE_CHROMIUM, f"{CHROMIUM} is missing (apt-get install chromium; scripts/test.sh does it)"
@@ -177,6 +215,7 @@ def test_book_in_browser(book_url, built_book):
             outside.append(r.request.url)
             r.abort()
 
+    SCREENS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         try:
@@ -198,6 +237,8 @@ def test_book_in_browser(book_url, built_book):
                     for c in page.evaluate(CHARTS_STATE):
                         if c["error"] or not c["drawn"]:
                             problems.append(f"{name}: chart #{c['id']} not drawn ({c['kind']}): {c['error']}")
+                # As a reader first sees it: charts drawn, folds closed, nothing clicked yet.
+                page.screenshot(path=str(SCREENS / f"page-{name.split('/')[-1]}.png"), full_page=True)
                 # The folded solutions first: opened, the charts inside them are exercised like the others
                 # (their controls cannot be used while folded).
                 try:

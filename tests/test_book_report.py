@@ -1,0 +1,121 @@
+"""What the pages show, without building the book: progress bars left out of the stored producer notebooks,
+tables that put GPUs first and fold a CPU's smoke rows, the headline of the first page and the bench table."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pandas as pd
+import pytest
+
+from conftest import REPO
+from medddpm import report as bd
+from medddpm.report import tables
+
+_spec = importlib.util.spec_from_file_location("medddpm_book", REPO / "book" / "_ext" / "medddpm_book.py")
+book = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(book)
+
+
+def _stream(name: str, text: str) -> dict:
+    return {"output_type": "stream", "name": name, "text": text}
+
+
+def test_strip_progress_keeps_what_a_cell_printed_and_drops_the_bars():
+    outputs = [
+        _stream("stdout", "ok\n"),
+        _stream("stderr", "\rtrain baseline warm-up:   0%|          | 0/5 [00:00<?, ?it/s]"),
+        _stream("stderr", "\rtrain baseline warm-up:  40%|████      | 2/5 [00:42<00:52, 17.45s/it]"),
+        _stream("stderr", "\rtrain baseline warm-up: 100%|██████████| 5/5 [00:44<00:00,  8.92s/it]\n"),
+        _stream("stderr", "/x/profiler.py:224: UserWarning: Profiler clears events\n  _warn_once(\n"),
+        _stream("stderr", "\rMNI pairs 16: 12it [00:03, 3.9it/s]\n"),
+        {"output_type": "execute_result", "data": {"text/plain": "3"}, "metadata": {}, "execution_count": 1},
+        _stream("stderr", "/x/tqdm/auto.py:21: TqdmWarning: IProgress not found. Please update jupyter\n"
+                          "  from .autonotebook import tqdm as notebook_tqdm\n"),
+        _stream("stderr", "\rsampling:  50%|█████     | 1/2 [00:10<00:10, 10.00s/it]"),
+    ]
+    kept = book.strip_progress(outputs)
+    assert [o["output_type"] for o in kept] == ["stream", "stream", "execute_result"]
+    assert kept[0] == _stream("stdout", "ok\n")
+    assert kept[1]["name"] == "stderr"
+    assert kept[1]["text"] == "/x/profiler.py:224: UserWarning: Profiler clears events\n  _warn_once(\n"
+    assert book.strip_progress(kept) == kept, "stripping twice changes nothing"
+    assert outputs[1]["text"].startswith("\r"), "the stored outputs are not changed in place"
+
+
+def test_committed_producer_notebooks_hold_no_progress_bars():
+    paths = sorted((REPO / "data").glob("**/produce.ipynb"))
+    assert paths, "no stored producer notebook under data/"
+    for path in paths:
+        nb = json.loads(path.read_text(encoding="utf-8"))
+        for cell in nb["cells"]:
+            outputs = cell.get("outputs", [])
+            stripped = book.strip_progress(outputs)
+            texts = ["".join(o["text"]) if isinstance(o.get("text"), list) else o.get("text") for o in outputs]
+            assert [("".join(o["text"]) if isinstance(o.get("text"), list) else o.get("text")) for o in stripped] \
+                == texts, f"{path.relative_to(REPO)} stores progress-bar output (lab/scripts/strip-progress.py)"
+
+
+def _frame(slugs_configs) -> pd.DataFrame:
+    return pd.DataFrame([{"gpu_slug": s, "config": c, "ms": 1.5} for s, c in slugs_configs])
+
+
+def test_sort_puts_gpus_before_cpus():
+    df = _frame([("cpu", "opt1"), ("cpu", "baseline"), ("nvidia-h200", "opt1"), ("cpu-node-7", "baseline"),
+                 ("nvidia-a100", "baseline")])
+    out = bd._sort(df)
+    assert list(out["gpu_slug"]) == ["nvidia-a100", "nvidia-h200", "cpu", "cpu", "cpu-node-7"]
+    assert list(out.loc[out["gpu_slug"] == "cpu", "config"]) == ["baseline", "opt1"]
+    assert tables.gpus_first(["cpu", "nvidia-h200", "cpu-x"]) == ["nvidia-h200", "cpu", "cpu-x"]
+
+
+def test_by_device_folds_the_cpu_rows_and_keeps_placeholders_as_text():
+    df = _frame([("nvidia-h200", "baseline"), ("my-laptop", "opt1"), ("cpu", "opt1")])
+    out = tables.by_device(df.assign(path="data/<gpu-slug>/<config>/"), {"my-laptop"}, what="runs",
+                           rename={"gpu_slug": "device"}).data
+    gpu_part, _, cpu_part = out.partition("<details")
+    assert "nvidia-h200" in gpu_part and "my-laptop" not in gpu_part and "cpu" not in gpu_part.split("</table>")[0]
+    assert "CPU smoke runs (2 runs" in cpu_part and "my-laptop" in cpu_part
+    assert "data/&lt;gpu-slug&gt;/&lt;config&gt;/" in out, "a path's placeholders are escaped, not read as tags"
+    assert "white-space: nowrap" in gpu_part, "a device label is kept on one line"
+    only_cpu = tables.by_device(_frame([("cpu", "opt1")])).data
+    assert "<details" not in only_cpu, "with no GPU the CPU's rows are all there is: not folded"
+
+
+def _runs(rows) -> pd.DataFrame:
+    return pd.DataFrame([{"gpu_slug": s, "config": c, "status": "ok", "batch": 1, "preset": p, "size": n,
+                          "train_median_ms": ms, "train_p10_ms": ms * 0.99, "train_p90_ms": ms * 1.02}
+                         for s, c, p, n, ms in rows])
+
+
+def test_headline_takes_the_fastest_paper_configuration_and_the_fastest_overall():
+    run = _runs([("nvidia-h200", "baseline", "paper", 128, 800.0), ("nvidia-h200", "opt1", "paper", 128, 200.0),
+                 ("nvidia-h200", "opt2", "paper", 128, 1000.0), ("nvidia-h200", "best", "paper", 128, 50.0),
+                 ("cpu", "baseline", "smoke", 16, 200.0), ("cpu", "sdpa", "smoke", 16, 40.0),
+                 ("nvidia-a100", "opt1", "paper", 128, 300.0)])  # no baseline: no speedup to state
+    h = bd.headline(run)
+    assert list(h["gpu_slug"]) == ["nvidia-h200", "nvidia-h200", "cpu"]
+    g = h[h["gpu_slug"] == "nvidia-h200"].set_index("role")
+    assert g.loc["the paper's fastest", "config"] == "opt1" and g.loc["the paper's fastest", "speedup"] == 4.0
+    assert g.loc["fastest measured", "config"] == "best" and g.loc["fastest measured", "speedup"] == 16.0
+    assert (h["lo"] < h["speedup"]).all() and (h["speedup"] < h["hi"]).all()
+    assert h.loc[h["gpu_slug"] == "cpu", "role"].tolist() == ["fastest measured"]
+
+
+def test_bench_table_sets_the_implementations_side_by_side():
+    b = pd.DataFrame([
+        {"gpu_slug": "nvidia-h200", "source": "run 1", "config": "baseline", "implementation": "ours",
+         "train_median_ms": 100.0, "steps": 30},
+        {"gpu_slug": "nvidia-h200", "source": "run 2", "config": "baseline", "implementation": "ours",
+         "train_median_ms": 102.0, "steps": 30},
+        {"gpu_slug": "nvidia-h200", "source": "run 1", "config": "baseline",
+         "implementation": "reference (mobaidoctor/med-ddpm)", "train_median_ms": 110.0, "steps": 30},
+        {"gpu_slug": "nvidia-h200", "source": "run 3", "config": "bf16", "implementation": "ours",
+         "train_median_ms": 40.0, "steps": 20},
+    ])
+    t = bd.bench_table(b).set_index("config")
+    assert t.loc["baseline", "ours_ms"] == 101.0 and t.loc["baseline", "reference_ms"] == 110.0
+    assert t.loc["baseline", "runs"] == 2 and t.loc["baseline", "ours_faster"] == pytest.approx(110 / 101 - 1)
+    assert pd.isna(t.loc["bf16", "reference_ms"]) and t.loc["bf16", "runs"] == 1
+    assert bd.bench_table(b.iloc[0:0]).empty
