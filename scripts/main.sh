@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
-# Set up, then run the main job on the embedded MNI data on whatever device is present: the model
-# summary, the measurement sweep into data/<gpu-slug>/<config>/ (every configuration at 128^3 on a
-# GPU; the paper's four at the tiny `smoke` size on a CPU, so that it ends in minutes), and the book
-# (_build/html/index.html), in which this machine now appears beside the committed results.
+# Set up, then measure this machine on the embedded MNI data and build the book:
+#   1. the model summary (the whole-head model at 128^3);
+#   2. the measurement sweep (every configuration at 128^3 on a GPU; the paper's four at the tiny `smoke` size
+#      on a CPU, so that it ends in minutes) into data/<label>/<config>/. The label is the device type
+#      (nvidia-h200, cpu) unless data/ already holds rows of that type measured on another machine, such as the
+#      committed ones: then <type>-<host>, so this machine's rows sit beside those, never over them.
+#      MEDDDPM_LABEL names it instead; CONFIGS picks the configurations (e.g. CONFIGS=baseline,best);
+#   3. the book (_build/html/index.html), in which this machine appears beside the committed results;
+#   4. a summary: what was measured, where, how the fastest configuration compares with the committed rows of
+#      the same device type, and where the book is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -12,7 +18,14 @@ if $py -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
 else
   preset=smoke; configs=${CONFIGS:-paper}
 fi
-$py -m medddpm info --size 128 --mask-channels 3
-$py -m medddpm sweep --preset "$preset" --configs "$configs" --out data
-# Then the book, built from everything under data/ (this machine's results included).
-BOOK_SKIP_SETUP=1 bash scripts/book.sh
+label=()
+[ -z "${MEDDDPM_LABEL:-}" ] || label=(--gpu-label "$MEDDDPM_LABEL")
+$py -m medddpm info --size 128
+$py -m medddpm sweep --preset "$preset" --configs "$configs" --out data "${label[@]}"
+# Then the book, built from everything under data/ (this machine's results included), and the summary, which
+# says where the book is or that its build failed (the failing page is named above it).
+book=(--book _build/html/index.html)
+BOOK_SKIP_SETUP=1 bash scripts/book.sh || { status=$?; book=(); }
+echo
+$py -m medddpm summary --out data "${book[@]}" "${label[@]}"
+[ -z "${status:-}" ] || { echo "The book's build failed (exit $status): its messages above name the page." >&2; exit "$status"; }

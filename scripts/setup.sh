@@ -7,3 +7,5 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -r requirements.txt
 .venv/bin/python -c "import torch, medddpm; print('torch', torch.__version__, '| cuda' if torch.cuda.is_available() else '| cpu')"
+# Kernels started from .venv read its etc/ipython: leave out ipykernel's notice about its signed local transport.
+mkdir -p .venv/etc/ipython && cp scripts/ipython_kernel_config.py .venv/etc/ipython/

@@ -29,6 +29,96 @@ def test_info_json_reports_the_reference_figures():
     assert info["channels"] == [64, 64, 128, 192, 256] and info["attention_tokens"] == 4096
 
 
+def test_one_model_width_everywhere():
+    """info, bench and saved build the whole-head model at the book's width, 3 label channels, by default."""
+    from medddpm.cli.args import spec_from
+    from medddpm.cli.main import build_parser
+
+    info = json.loads(run("info", "--size", "128", "--json").stdout)
+    assert info["parameters"] == 40_228_161 and info["in_channels"] == 4
+    parser = build_parser()
+    for argv in (["info"], ["bench"], ["saved", "--configs", "best"]):
+        assert spec_from(parser.parse_args(argv)).mask_channels == 3, argv
+
+
+def test_the_reference_width_has_embedded_data(tmp_path):
+    """2 label channels, the reference's whole-head width: the embedded MNI pairs with grey and white matter as
+    one label, for bench's batch and the sweep's and train's data alike; other widths are refused in one line."""
+    import torch
+
+    from medddpm.measure.bench import real_batch
+    from medddpm.model.unet import ModelSpec
+    from medddpm.train.data import DataError, open_dataset
+
+    three = open_dataset("mni", size=16, n=1, cache_dir=tmp_path)
+    two = open_dataset("mni", size=16, n=1, cache_dir=tmp_path, mask_channels=2)
+    (_, c3), (_, c2) = three[0], two[0]
+    assert (three.mask_channels, two.mask_channels, c3.shape[0], c2.shape[0]) == (3, 2, 3, 2)
+    assert torch.equal(c2[0], c3[0]), "CSF as it was"
+    assert torch.equal(c2[1], torch.maximum(c3[1], c3[2])), "grey and white matter as one label"
+    image, cond = real_batch(ModelSpec(size=16, mask_channels=2))
+    assert image.shape == (1, 1, 16, 16, 16) and cond.shape == (1, 2, 16, 16, 16) and (cond[:, 1] > 0).any()
+    with pytest.raises(DataError, match="2 or 3 label channels, not 5"):
+        open_dataset("mni", size=16, mask_channels=5)
+    with pytest.raises(ValueError, match="no embedded data for 1 image and 5 label channels"):
+        real_batch(ModelSpec(size=16, mask_channels=5))
+
+
+@pytest.mark.slow
+def test_bench_times_the_reference_width(capsys):
+    assert main(["bench", "--mask-channels", "2", "--configs", "baseline", "--size", "16", "--base-channels", "32",
+                 "--device", "cpu", "--warmup", "1", "--steps", "1"]) == 0
+    assert "baseline" in capsys.readouterr().out
+
+
+def _subcommands():
+    import argparse
+
+    from medddpm.cli.main import build_parser
+
+    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return sub.choices
+
+
+def test_every_option_of_every_subcommand_has_help():
+    import argparse
+
+    missing = [f"{name} {' '.join(a.option_strings) or a.dest}" for name, p in _subcommands().items()
+               for a in p._actions if not isinstance(a, argparse._HelpAction) and not (a.help or "").strip()]
+    assert not missing, f"options without help text: {missing}"
+
+
+def test_train_help_sets_the_expert_switches_apart():
+    text = _subcommands()["train"].format_help()
+    common, expert = text.split("expert: one switch of --config at a time")
+    assert "--steps" in common and "--out" in common and "--precision" not in common
+    assert "--precision" in expert and "--tap-gemm" in expert and "--steps" not in expert
+
+
+def test_configs_fits_100_columns(capsys):
+    assert main(["configs", "--device", "cpu"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(map(len, lines)) <= 100, max(lines, key=len)
+    from medddpm.configs import CONFIGS
+
+    assert {line.split()[0] for line in lines if line and not line[0].isspace()} >= set(CONFIGS)
+    assert main(["configs", "--device", "cpu", "--wide"]) == 0
+    assert "tap_gemm" in capsys.readouterr().out.splitlines()[0], "--wide: every switch a column"
+
+
+def test_a_command_exits_once_its_work_is_done(tmp_path):
+    """A thread that never ends (here one asleep for 900 s) does not keep a finished command alive: it exits
+    EXIT_WAIT_S after its work, with its output and status (a hang would run into the timeout)."""
+    script = tmp_path / "hang.py"
+    script.write_text("import runpy, sys, threading, time\n"
+                      "threading.Thread(target=time.sleep, args=(900,)).start()\n"
+                      "sys.argv = ['medddpm', 'configs', '--json']\n"
+                      "runpy.run_module('medddpm', run_name='__main__')\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=450,
+                         env=os.environ | {"PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0 and json.loads(out.stdout), out.stderr
+
+
 def test_info_shows_the_brats_model():
     out = run("info", "--preset", "brats", "--json")
     assert out.returncode == 0, out.stderr
@@ -113,6 +203,9 @@ def test_bench_times_denoising_steps_with_a_kernel_breakdown(tmp_path, capsys):
     (["bench", "--configs", "best", "--memory-snapshot", "snaps"], "best replay a CUDA graph, which allocates nothing"),
     (["bench", "--phase", "sample", "--configs", "compile", "--memory-snapshot", "snaps"], "records a training step"),
     (["bench", "--configs", "compile", "--memory-snapshot", "snaps", "--device", "cpu"], "cpu has none"),
+    (["bench", "--mask-channels", "5", "--size", "16"], "no embedded data for 1 image and 5 label channels"),
+    (["train", "--mask-channels", "5", "--out", "x"], "2 or 3 label channels, not 5"),
+    (["sweep", "--mask-channels", "2", "--preset", "brats"], "has 4 label channels, not 2"),
 ])
 def test_bad_input_fails_with_one_clear_line(args, message, tmp_path):
     out = run(*args, cwd=tmp_path)

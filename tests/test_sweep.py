@@ -189,3 +189,102 @@ def test_a_run_records_what_the_compile_caches_did(tmp_path, monkeypatch):
     assert eager.finish().loc[0, "compile_cache"] == "", "a phase that did not run recorded nothing"
     eager.train()
     assert json.loads(eager.finish().loc[0, "compile_cache"]) == {}
+
+
+def _run_file(root: Path, label: str, config: str, *, host: str | None, ms: float) -> Path:
+    """A run.parquet under root/label/config/: from `host`, or as committed rows were written, before the
+    device type and host were recorded (host None)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+
+    from medddpm.configs import get_config
+    from medddpm.measure.env import environment
+    from medddpm.measure.run import run_row
+    from medddpm.store import schema
+
+    row = run_row(get_config(config), "smoke", env=environment(torch.device("cpu")), gpu_name="cpu", label=label,
+                  status="ok", message="") | {"train_median_ms": ms, "timed_steps": 3, "shape": "16x16x16",
+                                              "parameters": 1_778_241}
+    path = root / label / config / "run.parquet"
+    if host is None:
+        table = schema.validate(__import__("pandas").DataFrame([row]), "run").drop_columns(["gpu_type", "host"])
+        path.parent.mkdir(parents=True)
+        pq.write_table(table, path)
+    else:
+        schema.write_table(__import__("pandas").DataFrame([row | {"host": host}]), path, "run")
+    assert isinstance(schema.read_table(path).loc[0, "gpu_type"], str)
+    return path
+
+
+def test_a_machine_of_a_device_type_already_in_the_data_gets_its_own_label(tmp_path):
+    """The device type while the data holds no rows of it from elsewhere (a first run, or this machine's own),
+    <type>-<host> beside committed rows or another machine's; read back, the committed rows have their type."""
+    import torch
+
+    from medddpm.measure.env import host_name
+    from medddpm.measure.sweep import machine_label
+    from medddpm.store.schema import read_table
+
+    cpu = torch.device("cpu")
+    assert machine_label(tmp_path / "empty", cpu) == "cpu"
+    _run_file(tmp_path / "own", "cpu", "baseline", host=host_name(), ms=10.0)
+    assert machine_label(tmp_path / "own", cpu) == "cpu", "this machine's own rows: resumed under the type"
+    committed = _run_file(tmp_path / "committed", "cpu", "baseline", host=None, ms=10.0)
+    assert machine_label(tmp_path / "committed", cpu) == f"cpu-{host_name()}"
+    assert read_table(committed).loc[0, ["gpu_type", "host"]].tolist() == ["cpu", ""]
+    _run_file(tmp_path / "other", "cpu", "opt1", host="elsewhere", ms=10.0)
+    assert machine_label(tmp_path / "other", cpu) == f"cpu-{host_name()}"
+
+
+def test_the_summary_sets_the_fastest_configuration_beside_the_committed_row(tmp_path, capsys):
+    from medddpm.cli.main import main
+    from medddpm.measure.env import host_name
+
+    label = f"cpu-{host_name()}"
+    _run_file(tmp_path, "cpu", "baseline", host=None, ms=100.0)
+    _run_file(tmp_path, "cpu", "opt1", host=None, ms=90.0)
+    _run_file(tmp_path, label, "baseline", host=host_name(), ms=50.0)
+    _run_file(tmp_path, label, "opt1", host=host_name(), ms=80.0)
+    assert main(["summary", "--out", str(tmp_path), "--device", "cpu", "--book", str(tmp_path / "index.html")]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"labelled {label}" in text and f"Measured 2 configuration(s) into {tmp_path / label}/" in text
+    assert "Fastest here: baseline, 50.0 ms" in text and "100.0 ms" in text and "0.50x its time" in text, text
+    assert "The book is not built yet" in text
+
+
+@pytest.mark.slow
+def test_the_sweep_measures_a_committed_device_type_beside_its_rows(tmp_path):
+    """A sweep on a device type that the data holds committed rows of measures it all the same, into
+    <type>-<host>/, leaves the committed files as they were, and starts its kernels without the
+    unencrypted-transport warning."""
+    from medddpm.measure.env import host_name
+
+    committed = _run_file(tmp_path / "data", "cpu", "baseline", host=None, ms=10.0)
+    before = committed.read_bytes()
+    p = sweep("--preset", "smoke", "--configs", "baseline", "--out", str(tmp_path / "data"), "--device", "cpu",
+              "--phases", "", "--steps", "1", "--warmup", "1", cache=tmp_path / "cache")
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out[-3000:]
+    mine = read_table(tmp_path / "data" / f"cpu-{host_name()}" / "baseline" / "run.parquet").iloc[0]
+    assert mine["status"] == "ok" and (mine["gpu_slug"], mine["gpu_type"], mine["gpu_name"], mine["host"]) == (
+        f"cpu-{host_name()}", "cpu", "cpu", host_name())
+    assert committed.read_bytes() == before and "done before" not in out
+    assert "without encryption" not in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_the_reference_width_is_measured_as_a_variant(tmp_path):
+    """--mask-channels 2 on the embedded data (3 tissues) measures the reference's whole-head width into
+    <config>@<preset>-m2, which the loader reads back as a variant run, not as the main one."""
+    from medddpm import report
+
+    p = sweep("--preset", "smoke", "--configs", "baseline", "--mask-channels", "2", "--out", str(tmp_path / "data"),
+              "--device", "cpu", "--phases", "quality", "--steps", "1", "--warmup", "1", cache=tmp_path / "cache")
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out[-3000:]
+    run = read_table(tmp_path / "data" / "cpu" / "baseline@smoke-m2" / "run.parquet").iloc[0]
+    assert run["status"] == "ok", run["message"]
+    assert (run["mask_channels"], run["run_id"].split("/")[1]) == (2, "baseline@smoke-m2")
+    assert report.runs(tmp_path / "data", variants=True)["folder"].tolist() == ["cpu/baseline@smoke-m2"]
+    assert report.runs(tmp_path / "data").empty

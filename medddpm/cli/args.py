@@ -56,42 +56,56 @@ def fraction(text: str) -> float:
     return value
 
 
-def add_model_args(p: argparse.ArgumentParser, *, mask_default: int | None = 3) -> None:
-    p.add_argument("--preset", choices=PRESET_NAMES, help="the model of a measurement preset (brats: the BraTS "
+MASK_CHANNELS = 3  # the whole-head model's label channels: the embedded data's CSF, grey and white matter
+DEVICE_HELP = "cpu, cuda or cuda:N (default: cuda if present, else cpu)"
+
+
+def add_device_arg(p) -> None:
+    p.add_argument("--device", metavar="DEV", help=DEVICE_HELP)
+
+
+def add_model_args(p: argparse.ArgumentParser, *, mask_default: int | None = MASK_CHANNELS) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--preset", choices=PRESET_NAMES, help="the model of a measurement preset (brats: the BraTS "
                                                           "setting); --size and --base-channels override it")
-    p.add_argument("--size", type=size_arg, help="input size in voxels: N for a cube or DxHxW (default 128)")
-    p.add_argument("--mask-channels", type=positive, default=None,
-                   help="label classes without background" + (f" (default {mask_default})" if mask_default else ""))
-    p.add_argument("--base-channels", type=positive)
+    g.add_argument("--size", type=size_arg, metavar="N|DxHxW", help="input size in voxels: N for a cube or DxHxW (default 128)")
+    g.add_argument("--mask-channels", type=positive, default=None, metavar="N",
+                   help="label channels, background not counted " + (
+                       f"(default {mask_default}: CSF, grey and white matter; 2 is the reference's whole-head width)"
+                       if mask_default else "(default: the data's label classes)"))
+    g.add_argument("--base-channels", type=positive, metavar="N", help="channels of the U-Net's first level (default 64)")
     p.set_defaults(mask_default=mask_default)
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default="baseline", help=f"named configuration: {', '.join(CONFIGS)}")
-    g = p.add_argument_group("override single switches of the configuration")
-    g.add_argument("--precision", choices=get_args(Precision))
-    for flag in ("channels-last", "compile", "cuda-graphs", "fused-adam", "recompute-attention"):
-        g.add_argument(f"--{flag}", type=bool_arg, metavar="BOOL")
-    g.add_argument("--attention", choices=get_args(AttentionKind))
-    g.add_argument("--upsample", choices=get_args(UpsampleKind))
-    g.add_argument("--group-norm", choices=get_args(GroupNormKind), help="chunked: statistics per channel over voxel "
-                   "chunks, then per group (fast for compiled channels-last 3D); fused: those, with the SiLU after "
-                   "it and a hand-written backward")
+    p.add_argument("--config", default="baseline", metavar="NAME",
+                   help="a named configuration (python -m medddpm configs lists them), or NAME+switch=value")
+    # One switch each, apart from the common options: the named configurations already set them together.
+    g = p.add_argument_group("expert: one switch of --config at a time",
+                             "each sets one switch of the configuration (configs --wide shows them all)")
+    g.add_argument("--precision", choices=get_args(Precision), help="arithmetic of convolutions and matmuls")
+    g.add_argument("--channels-last", type=bool_arg, metavar="BOOL", help="channels-last 3D layout")
+    g.add_argument("--compile", type=bool_arg, metavar="BOOL", help="torch.compile the training step")
+    g.add_argument("--cuda-graphs", type=bool_arg, metavar="BOOL", help="replay the step as one CUDA graph")
+    g.add_argument("--fused-adam", type=bool_arg, metavar="BOOL", help="Adam as one fused kernel")
+    g.add_argument("--recompute-attention", type=bool_arg, metavar="BOOL",
+                   help="recompute attention in the backward, not store it")
+    g.add_argument("--attention", choices=get_args(AttentionKind), help="attention kernel")
+    g.add_argument("--upsample", choices=get_args(UpsampleKind), help="how the decoder upsamples")
+    g.add_argument("--group-norm", choices=get_args(GroupNormKind),
+                   help="GroupNorm kernel: chunked statistics, or those fused with the SiLU after it")
     g.add_argument("--pad-channels", type=bool_arg, metavar="BOOL",
-                   help="stem and output convolutions zero-padded to 8 channels (the same numbers)")
-    g.add_argument("--tap-gemm", type=bool_arg, metavar="BOOL",
-                   help="the output convolution as a GEMM and a sum of its 27 shifted taps, not cuDNN (the same numbers)")
+                   help="narrow stem and output convolutions padded to 8 channels")
+    g.add_argument("--tap-gemm", type=bool_arg, metavar="BOOL", help="the output convolution as a GEMM of 27 taps")
     g.add_argument("--recompute-pointwise", type=bool_arg, metavar="BOOL",
-                   help="compiled graphs: a reused pointwise result is recomputed in each kernel that reads it, "
-                        "not stored in float32")
+                   help="compiled: recompute reused pointwise results, not store them")
     g.add_argument("--checkpointing", type=bool_arg, metavar="BOOL", help="activation checkpointing per U-Net block")
     g.add_argument("--store-skip-grad", type=bool_arg, metavar="BOOL",
-                   help="each skip connection's gradient written out as soon as its decoder block computed it")
+                   help="write each skip gradient out as soon as it is computed")
     g.add_argument("--narrow-checkpoints", type=bool_arg, metavar="BOOL",
-                   help="with checkpointing: the stem and each decoder upsampling recomputed in the checkpoints after "
-                        "them, which keep their narrow inputs")
+                   help="with checkpointing: recompute stem and upsamplings in later checkpoints")
     g.add_argument("--pin-layout", type=bool_arg, metavar="BOOL",
-                   help="compiled graphs: channels-last 3D pinned at every convolution input")
+                   help="compiled: pin channels-last 3D at every convolution input")
 
 
 OVERRIDES = ("precision", "channels_last", "compile", "cuda_graphs", "fused_adam", "recompute_attention", "attention",
@@ -131,6 +145,7 @@ def open_data(args):
 
     preset = preset_from(args)
     source = args.data or (preset.data if preset else "mni")
-    return open_dataset(source, size=preset.size if preset else args.size or 128, n=args.pairs, seed=args.seed)
+    return open_dataset(source, size=preset.size if preset else args.size or 128, n=args.pairs, seed=args.seed,
+                        mask_channels=args.mask_channels)
 
 

@@ -13,7 +13,10 @@ from medddpm.model.unet import format_size
 from medddpm.measure.ncu import BOTH, COVERAGE, PASSES
 from medddpm.store.schema import PHASES
 from medddpm.store.storage import atomic_write
-from medddpm.cli.args import (PRESET_NAMES, add_config_args, add_model_args, config_from, fraction, open_data, phases_arg, positive, size_arg, spec_from)
+from medddpm.cli.args import (DEVICE_HELP, PRESET_NAMES, add_config_args, add_device_arg, add_model_args, config_from,
+                              fraction, open_data, phases_arg, positive, size_arg, spec_from)
+
+WIDTH = 100  # terminal columns the plain listings fit
 
 
 def cmd_info(args) -> None:
@@ -80,13 +83,28 @@ def cmd_configs(args) -> None:
     if args.json:
         print(json.dumps(rows, indent=2))
         return
-    keys = list(CONFIGS["baseline"].flags)
-    print(f"{'name':<10}" + "".join(f"{k:<20}" for k in keys))
+    if args.wide:  # every switch a column: wider than a terminal, for a pager or a file
+        keys = list(CONFIGS["baseline"].flags)
+        print(f"{'name':<12}" + "".join(f"{k:<20}" for k in keys))
+        for r in rows:
+            print(f"{r['name']:<12}" + "".join(f"{str(r[k]):<20}" for k in keys))
+            print(f"{'':<12}{r['description']}")
+            for flag, why in r["not_applicable_here"].items():
+                print(f"{'':<12}not applicable on {device.type}: {flag}: {why}")
+        return
+    import textwrap
+
+    name_w = max(len(r["name"]) for r in rows) + 2
+    indent = " " * (name_w + 11)
+    print(f"{'name':<{name_w}}{'precision':<11}what it is")
     for r in rows:
-        print(f"{r['name']:<10}" + "".join(f"{str(r[k]):<20}" for k in keys))
-        print(f"{'':<10}{r['description']}")
-        for flag, why in r["not_applicable_here"].items():
-            print(f"{'':<10}not applicable on {device.type}: {flag}: {why}")
+        lines = textwrap.wrap(r["description"], WIDTH - len(indent), max_lines=2, placeholder=" ...")
+        if r["not_applicable_here"]:
+            lines.append(f"(not applicable on {device.type}: {', '.join(r['not_applicable_here'])})")
+        print(f"{r['name']:<{name_w}}{r['precision']:<11}{lines[0]}")
+        for line in lines[1:]:
+            print(indent + line)
+    print(f"\nEvery switch of each: configs --wide (or --json); one switch changed: NAME+switch=value")
 
 
 def cmd_claims(args) -> None:
@@ -98,14 +116,16 @@ def cmd_claims(args) -> None:
 
     if args.data is not None and not Path(args.data).is_dir():
         raise FileNotFoundError(f"--data {args.data}: no such folder (a data tree such as data/)")
-    table = claims.verdicts(report.load_all(args.data))
+    data = report.load_all(args.data)
+    table = claims.verdicts(data)
     if args.json:
         print(claims.as_json(table))
         return
+    cpus = set(data.run.loc[data.run["gpu_type"] == "cpu", "gpu_slug"])  # every CPU label: cpu, cpu-<host>
     for slug, rows in table.groupby("gpu_slug", sort=False):
         counts = rows["verdict"].value_counts()
         print(f"{slug}: " + ", ".join(f"{counts.get(v, 0)} {v}" for v in claims.VERDICTS))
-        if slug == "cpu":
+        if slug in cpus:
             print(f"  {claims.ON_CPU}")
             continue
         for r in rows.itertuples():
@@ -257,8 +277,8 @@ def cmd_sweep(args) -> None:
     from medddpm.measure.sweep import sweep
 
     configs = parse_config_list(args.configs)  # every name checked before any work
-    params = {k: getattr(args, k) for k in ("steps", "warmup", "sample_steps", "size", "batch", "data", "ncu_timeout",
-                                            "time_limit") if getattr(args, k) is not None}
+    params = {k: getattr(args, k) for k in ("steps", "warmup", "sample_steps", "size", "batch", "mask_channels", "data",
+                                            "ncu_timeout", "time_limit") if getattr(args, k) is not None}
     if "size" in params:  # as text: a papermill parameter and a command-line argument alike
         params["size"] = format_size(params["size"])
     params["phases"] = args.phases
@@ -289,6 +309,12 @@ def cmd_sweep(args) -> None:
                         force=args.force, params=params)
     for r in results:
         print(f"{r['config']:<12}{r['status']:<14}{r['seconds']:>8.0f} s  {r['folder']}")
+
+
+def cmd_summary(args) -> None:
+    from medddpm.measure.sweep import summary
+
+    print(summary(args.out, device=args.device, gpu_label=args.gpu_label, book=args.book))
 
 
 def cmd_ablation(args) -> None:
@@ -328,35 +354,64 @@ def cmd_counters(args) -> None:
         tqdm.write(f"{run}: ncu {status['status']}: {status['message']}; kept {status['kept']}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m medddpm", description="Med-DDPM training and profiling")
-    sub = parser.add_subparsers(dest="command", required=True)
+LABEL_HELP = ("the folder under OUT for this machine's runs (default: the device type, e.g. nvidia-h200, or "
+              "<type>-<host> where OUT holds rows of the type measured elsewhere)")
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Help in at most WIDTH columns, option names in a column wide enough for most of them."""
+
+    def __init__(self, prog, **kw):
+        import shutil
+
+        super().__init__(prog, **kw | {"width": min(WIDTH, shutil.get_terminal_size().columns),
+                                        "max_help_position": 30})
+
+    def _split_lines(self, text, width):  # names such as mni-brats and channels-last stay whole
+        import textwrap
+
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
+class Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **{"formatter_class": HelpFormatter} | kw)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="python -m medddpm", description="Med-DDPM training and profiling: python -m medddpm "
+                                                          "COMMAND --help says more of each")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser, metavar="COMMAND")
 
     p = sub.add_parser("info", help="model summary: parameters and FLOPs (meta device, no memory)")
-    add_model_args(p, mask_default=2)
+    add_model_args(p)
     p.add_argument("--json", action="store_true", help="print a JSON object")
     p.set_defaults(func=cmd_info)
 
-    p = sub.add_parser("configs", help="list the named configurations and their switches")
+    p = sub.add_parser("configs", help="list the named configurations: name, precision and what each is")
     p.add_argument("--device", help="say which switches apply on this device (default: cuda if present)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--wide", action="store_true", help="every switch of each configuration, a column each")
+    p.add_argument("--json", action="store_true", help="a JSON list: every switch, description and what does not "
+                                                       "apply on the device")
     p.set_defaults(func=cmd_configs)
 
-    p = sub.add_parser("train", help="train Med-DDPM; resumes from OUT/checkpoint.pt if present")
+    p = sub.add_parser("train", help="train Med-DDPM; resumes from OUT/checkpoint.pt if present",
+                       usage="%(prog)s --out DIR [--config NAME] [--steps N] [options]")
+    p.add_argument("--out", required=True, metavar="DIR", help="folder for checkpoint.pt and loss.jsonl")
     add_model_args(p, mask_default=None)
     add_config_args(p)
+    p.add_argument("--steps", type=positive, default=100, metavar="N", help="optimizer steps (default 100)")
     p.add_argument("--data", help="'mni' (embedded templates; the default), 'mni-brats' (synthetic BraTS-like cases; "
                                   "the default with --preset brats), or a folder with mask/ and image/, or with "
                                   "seg/, t1/, t1ce/, t2/ and flair/ (BraTS)")
-    p.add_argument("--pairs", type=positive, default=8, help="number of embedded training pairs (embedded data)")
-    p.add_argument("--steps", type=positive, default=100, help="optimizer steps")
-    p.add_argument("--grad-accum", type=positive, default=2)
-    p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--save-every", type=positive, default=500)
-    p.add_argument("--log-every", type=positive, default=10)
-    p.add_argument("--device")
-    p.add_argument("--out", required=True, help="folder for checkpoint.pt and loss.jsonl")
+    p.add_argument("--pairs", type=positive, default=8, metavar="N", help="embedded training pairs (default 8)")
+    p.add_argument("--grad-accum", type=positive, default=2, metavar="N",
+                   help="micro-steps per optimizer step (default 2)")
+    p.add_argument("--lr", type=float, default=1e-5, help="Adam learning rate (default 1e-5, the reference's)")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the weights, the data and the noise")
+    p.add_argument("--save-every", type=positive, default=500, metavar="N", help="optimizer steps between checkpoints")
+    p.add_argument("--log-every", type=positive, default=10, metavar="N", help="optimizer steps between loss lines")
+    add_device_arg(p)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("sample", help="generate volumes for label maps and write NIfTI files")
@@ -366,21 +421,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compiled", action="store_true",
                    help="keep the checkpoint's torch.compile and CUDA-graph switches: the first sample waits for "
                         "compilation (about 40 s at 128^3 on an H200), later ones run at the compiled speed")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device")
-    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0, help="noise seed of the first sample; the next ones count up")
+    add_device_arg(p)
+    p.add_argument("--out", required=True, help="writes OUT/image/sample_NNN.nii.gz and OUT/mask/sample_NNN.nii.gz")
     p.set_defaults(func=cmd_sample)
 
     p = sub.add_parser("bench", help="time training micro-steps (fwd + bwd + Adam) or denoising steps "
                                      "per configuration")
     add_model_args(p)
     p.add_argument("--configs", default="paper", help="paper, all, or comma-separated names")
-    p.add_argument("--warmup", type=positive, default=5)
-    p.add_argument("--steps", type=positive, default=30)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device")
+    p.add_argument("--warmup", type=positive, default=5, help="untimed steps first (default 5)")
+    p.add_argument("--steps", type=positive, default=30, help="timed steps (default 30)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the embedded batch (default 0)")
+    add_device_arg(p)
     p.add_argument("--reference", help="path to a clone of the reference mobaidoctor/med-ddpm, timed alongside")
-    p.add_argument("--reference-precisions", default="fp32,tf32")
+    p.add_argument("--reference-precisions", default="fp32,tf32",
+                   help="the reference's runs, comma-separated: fp32 (strict), tf32 (default: both)")
     p.add_argument("--phase", choices=("train", "sample"), default="train",
                    help="train: forward + backward + Adam; sample: one denoising step (a full sample is 250)")
     p.add_argument("--kernels", type=positive, metavar="N",
@@ -413,19 +469,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=positive, default=12, help="origins to list, largest first")
     p.set_defaults(func=cmd_peak)
 
-    p = sub.add_parser("sweep", help="run the producer notebook for each configuration into data/<gpu>/<config>/")
+    p = sub.add_parser("sweep", help="run the producer notebook for each configuration into data/<label>/<config>/")
     p.add_argument("--configs", default="paper", help="paper, all, or comma-separated names")
     p.add_argument("--preset", choices=PRESET_NAMES, default="smoke",
                    help="smoke (tiny, CPU), paper (whole-head 128^3) or brats (192x192x144, four modalities)")
-    p.add_argument("--out", default="data")
-    p.add_argument("--force", action="store_true", help="redo configurations already measured")
-    p.add_argument("--device")
-    p.add_argument("--gpu-label", help="name the device differently in data/<gpu-slug>/")
+    p.add_argument("--out", default="data", help="the data tree (default data): writes OUT/<label>/<config>/")
+    p.add_argument("--force", action="store_true", help="redo configurations already measured under the label")
+    add_device_arg(p)
+    p.add_argument("--gpu-label", metavar="LABEL", help=LABEL_HELP)
     p.add_argument("--size", type=size_arg, help="override the preset's input size: N or DxHxW")
     p.add_argument("--batch", type=positive, help="volumes per micro-step (default 1; other batches are kept in "
                                                      "data/<gpu>/<config>@<preset>-b<batch>/)")
+    p.add_argument("--mask-channels", type=positive, metavar="N",
+                   help="label channels (default: the data's own, 3 on the embedded data; 2, the reference's "
+                        "whole-head width, is kept in data/<gpu>/<config>@<preset>-m2/)")
     p.add_argument("--steps", type=positive, help="timed micro-steps (default: the preset's)")
-    p.add_argument("--warmup", type=positive)
+    p.add_argument("--warmup", type=positive, help="untimed micro-steps first (default: the preset's)")
     p.add_argument("--sample-steps", type=positive, metavar="N",
                    help="denoising steps of the timed sample (default: the preset's; the book takes a full sample as "
                         "250 times their median)")
@@ -449,11 +508,11 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--gpu-type", help="slurm GPU type(s) for --gres=gpu:TYPE:1, comma-separated "
                                       "(one job per type and configuration; default: any GPU)")
     g.add_argument("--time-min", type=positive, default=120, help="slurm time limit per job, minutes")
-    g.add_argument("--cpus-per-task", type=positive, default=8)
+    g.add_argument("--cpus-per-task", type=positive, default=8, help="slurm CPU cores per job (default 8)")
     g.add_argument("--mem-gb", type=int, default=64, help="slurm memory per job (0: the partition's default)")
-    g.add_argument("--account")
-    g.add_argument("--qos")
-    g.add_argument("--constraint")
+    g.add_argument("--account", help="slurm account to charge")
+    g.add_argument("--qos", help="slurm quality of service")
+    g.add_argument("--constraint", help="slurm node features, e.g. 'h100|a100'")
     g.add_argument("--python", help="how a job starts Python, e.g. 'apptainer exec --nv medddpm.sif python' "
                                     "(default: this interpreter)")
     g.add_argument("--slurm-folder", default="runs/slurm", help="submitit's job files and logs")
@@ -462,14 +521,23 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("ablation", help="what each lever buys: a configuration and it without each of its levers, "
                                         "timed alone into data/<gpu>/ablation/<config>/")
     p.add_argument("--base", default="best", help="the configuration whose levers are taken away one at a time")
-    p.add_argument("--preset", choices=PRESET_NAMES, default="paper")
-    p.add_argument("--out", default="data")
+    p.add_argument("--preset", choices=PRESET_NAMES, default="paper", help="the model and sizes (default paper)")
+    p.add_argument("--out", default="data", help="the data tree (default data): writes OUT/<label>/ablation/")
     p.add_argument("--force", action="store_true", help="redo configurations already measured")
-    p.add_argument("--device")
-    p.add_argument("--gpu-label", help="name the device differently in data/<gpu-slug>/")
+    add_device_arg(p)
+    p.add_argument("--gpu-label", metavar="LABEL", help=LABEL_HELP)
     p.add_argument("--steps", type=positive, help="timed micro-steps (default: the preset's)")
-    p.add_argument("--warmup", type=positive)
+    p.add_argument("--warmup", type=positive, help="untimed micro-steps first (default: the preset's)")
     p.set_defaults(func=cmd_ablation)
+
+    p = sub.add_parser("summary", help="what this machine measured, its fastest configuration against the "
+                                       "committed rows of its device type, and where the book is")
+    p.add_argument("--out", default="data", help="the data tree (default data)")
+    add_device_arg(p)
+    p.add_argument("--gpu-label", metavar="LABEL", help="the label the sweep wrote under (default: as the sweep "
+                                                        "derives it on this machine)")
+    p.add_argument("--book", metavar="HTML", help="the built book's first page, to say where it is")
+    p.set_defaults(func=cmd_summary)
 
     p = sub.add_parser("study", help="convergence study: train configurations from the same seeds, weights, data "
                                      "and noise, sample their EMA weights and score the samples into "
@@ -479,10 +547,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=seeds_arg, default=[0, 1, 2], help="a count (3: seeds 0, 1, 2) or a list (0,4,7)")
     p.add_argument("--steps", type=positive, default=2000, help="optimizer steps per run")
     p.add_argument("--size", type=positive, default=64, help="voxels per side of the cubic input")
-    p.add_argument("--base-channels", type=positive, default=64)
+    p.add_argument("--base-channels", type=positive, default=64, help="channels of the U-Net's first level")
     p.add_argument("--pairs", type=positive, default=32, help="embedded training pairs")
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--grad-accum", type=positive, default=1)
+    p.add_argument("--lr", type=float, default=1e-4, help="Adam learning rate")
+    p.add_argument("--grad-accum", type=positive, default=1, help="micro-steps per optimizer step")
     p.add_argument("--samples", type=positive, default=4, help="samples per run, spread over the label maps")
     p.add_argument("--label-maps", type=positive, default=2, help="held-out subjects whose label maps are sampled")
     p.add_argument("--sample-steps", type=positive, default=250,
@@ -490,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="data", help="writes OUT/<gpu-slug>/convergence/")
     p.add_argument("--work", default="runs/convergence", help="checkpoints and loss logs of the runs (resume)")
     p.add_argument("--jobs", type=positive, default=1, help="runs trained at once, each in its own process")
-    p.add_argument("--device")
+    p.add_argument("--device", help=DEVICE_HELP)
     p.add_argument("--devices", help="comma-separated devices the parallel runs take in turn, e.g. cuda:0,cuda:1")
     p.add_argument("--gpu-label", help="name the device differently in OUT/<gpu-slug>/")
     p.add_argument("--time-limit", type=positive, metavar="S",
@@ -503,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("scale", help="data-parallel scaling: time one configuration on 1, 2, ... ranks (torchrun)")
     p.add_argument("--config", default="sdpa", help="a configuration without CUDA graphs (DDP cannot capture them)")
     p.add_argument("--world-sizes", default="1,2", help="comma-separated rank counts, e.g. 1,2,4")
-    p.add_argument("--preset", choices=["smoke", "paper"], default="smoke")
+    p.add_argument("--preset", choices=["smoke", "paper"], default="smoke", help="the model and sizes (default smoke)")
     p.add_argument("--out", default="data", help="writes OUT/<gpu-slug>/scaling/<config>.parquet")
     p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda if present (one GPU per rank)")
     p.add_argument("--steps", type=positive, help="timed micro-steps per rank (default: the preset's)")
@@ -535,13 +603,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="only check that every folder can be given counters here")
     p.set_defaults(func=cmd_counters)
 
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         args.func(args)
     except (ConfigError, DataError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        release()
     return 0
+
+
+def release() -> None:
+    """Stop what a command's work leaves running, so that the process ends with its work: Inductor's pool of
+    compile workers (subprocesses that a compiled configuration starts and the interpreter would wait for at
+    exit) and a profiler left attached by an error inside its context."""
+    if "torch._inductor.async_compile" in sys.modules:
+        from torch._inductor.async_compile import shutdown_compile_workers
+
+        shutdown_compile_workers()
+    if "torch" in sys.modules:
+        import torch
+
+        if torch.autograd.profiler._is_profiler_enabled:
+            torch.autograd._disable_profiler()
 
 
 if __name__ == "__main__":

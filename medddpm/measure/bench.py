@@ -14,7 +14,7 @@ import torch
 
 from medddpm.configs import Config, get_config
 from medddpm.train.data import one_hot_condition
-from medddpm.train.synthetic import make_brats_case, make_mni_pair
+from medddpm.train.synthetic import make_brats_case, make_mni_pair, mni_labels
 from medddpm.model.diffusion import TIMESTEPS
 from medddpm.train.engine import Engine
 from medddpm.model.unet import ModelSpec
@@ -44,8 +44,13 @@ def sample_step_summary(step_ms: list[float]) -> dict[str, float]:
 
 def real_batch(spec: ModelSpec, *, seed: int = 0, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch of embedded pairs (never zeros: they time faster than real data): whole-head MNI
-    pairs for a 1-image, 3-label model, synthetic BraTS-like cases for a 4-image, 4-label one."""
-    kinds = {(1, 3): make_mni_pair, (4, 4): make_brats_case}
+    pairs for a 1-image, 3-label model (CSF, grey and white matter) or a 1-image, 2-label one (the
+    reference's width: CSF and brain tissue), synthetic BraTS-like cases for a 4-image, 4-label one."""
+    def mni(seed: int, *, size):
+        image, labels = make_mni_pair(seed, size=size)
+        return image, mni_labels(labels, spec.mask_channels)
+
+    kinds = {(1, 3): mni, (1, 2): mni, (4, 4): make_brats_case}
     make = kinds.get((spec.image_channels, spec.mask_channels))
     if make is None:
         raise ValueError(f"no embedded data for {spec.image_channels} image and {spec.mask_channels} label channels; "

@@ -2,8 +2,9 @@
 
 Both backends go through `submitit`. Each job calls `medddpm.sweep.sweep` on its share of the
 configurations, so the results land in the same `data/<gpu-slug>/<config>/` layout as a plain
-sweep, with the same skip / resume / one-failure-does-not-stop-the-rest behaviour; the GPU slug is
-the one of the device the job actually ran on.
+sweep, with the same skip / resume / one-failure-does-not-stop-the-rest behaviour; the label is derived
+by each job from the device it actually ran on (`sweep.machine_label`). Jobs on several hosts of a device type
+that the data already holds rows of would each take their own host's label: name one with `gpu_label`.
 
 - `slurm`: one job per (GPU type, configuration), each asking for one GPU (`--gres=gpu:TYPE:1`,
   or `--gpus-per-node=1` when no type is named). `dry_run` renders the sbatch scripts exactly as

@@ -6,6 +6,7 @@ import datetime as dt
 import os
 import platform
 import re
+import socket
 import subprocess
 from collections import Counter
 from pathlib import Path
@@ -31,6 +32,16 @@ def gpu_slug(name: str) -> str:
 
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def device_type(device: torch.device) -> str:
+    """The device's type as a folder name: 'nvidia-h200', 'cpu' (every CPU is one type)."""
+    return gpu_slug(device_name(device))
+
+
+def host_name() -> str:
+    """This machine's short host name as a folder-name part: 'Node-7.cluster.org' -> 'node-7'."""
+    return gpu_slug(socket.gethostname().split(".")[0]) or "host"
 
 
 def git_commit() -> str:

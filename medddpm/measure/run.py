@@ -29,7 +29,7 @@ from medddpm.measure.bench import sample_step_summary, train_summary
 from medddpm.configs import Config, get_config
 from medddpm.train.data import EMBEDDED, open_dataset
 from medddpm.train.engine import Engine
-from medddpm.measure.env import compile_cache_counts, environment, gpu_slug, pick_device
+from medddpm.measure.env import compile_cache_counts, environment, gpu_slug, host_name, pick_device
 from medddpm.model.flops import count
 from medddpm.model.unet import ModelSpec, format_size, parse_size
 from medddpm.store.storage import atomic_write
@@ -124,10 +124,12 @@ class Measurement:
                  steps: int | None = None, warmup: int | None = None, sample_steps: int | None = None,
                  out: str = "data",
                  stage: str | None = None, seed: int = 0, phases: tuple[str, ...] = PHASES, group: str = "",
-                 ncu_timeout: int = 420, time_limit: int | None = None):
+                 ncu_timeout: int = 420, time_limit: int | None = None, mask_channels: int | None = None):
         # Every parameter is checked here, before any GPU work.
         self.config = get_config(config)
         self.preset = get_preset(preset)
+        if mask_channels is not None:
+            _check("mask_channels", mask_channels, int, minimum=1)
         for name, value, minimum in (("pairs", pairs, 1), ("batch", batch, 1), ("seed", seed, 0)):
             _check(name, value, int, minimum=minimum)
         if steps is not None:
@@ -157,16 +159,21 @@ class Measurement:
         self.batch, self.seed, self.phases = batch, seed, tuple(phases)
         data = data or self.preset.data
         self.data = open_dataset(data, size=self.preset.size, n=pairs, seed=seed)
+        # another width than the data's own label channels (2 on the 3-tissue MNI data): a variant of its own
+        self.mask_variant = mask_channels if mask_channels not in (None, self.data.mask_channels) else None
+        if self.mask_variant is not None:
+            self.data = open_dataset(data, size=self.preset.size, n=pairs, seed=seed, mask_channels=mask_channels)
         self.data_id = f"{data}{pairs}" if data in EMBEDDED else re.sub(r"[^A-Za-z0-9]+", "_", str(Path(data).resolve()))
+        self.data_id += f"-m{self.mask_variant}" if self.mask_variant is not None else ""
         self.spec = self.preset.spec(mask_channels=self.data.mask_channels,
                                      image_channels=getattr(self.data, "image_channels", 1))
         info = count(self.spec)  # meta device: no memory, no GPU work
         self.summary: dict = {"parameters": info["parameters"], "forward_flops": float(info["forward_flops"]),
                               "flops_per_step": float(info["train_flops"])}
         self.env = environment(self.device)
-        self.gpu_name = gpu_label or self.env["gpu_name"]
-        self.slug = gpu_slug(self.gpu_name)
-        self.folder = schema.run_folder(self.config.name, self.preset.name, batch)
+        self.gpu_name = self.env["gpu_name"]  # the device's own name; the label names its folder only
+        self.slug = gpu_slug(gpu_label or self.gpu_name)
+        self.folder = schema.run_folder(self.config.name, self.preset.name, batch, self.mask_variant)
         self.group = group
         self.final_dir = Path(out) / self.slug / group / self.folder
         self.dir = Path(stage) if stage else self.final_dir
@@ -431,8 +438,9 @@ class Measurement:
 
     def finish(self) -> pd.DataFrame:
         """Write run.parquet (last: its presence marks the run finished)."""
-        row = run_row(self.config, self.preset.name, env=self.env, gpu_name=self.gpu_name, status=self.status,
-                      message=self.message, group=self.group) | {
+        row = run_row(self.config, self.preset.name, env=self.env, gpu_name=self.gpu_name, label=self.slug,
+                      status=self.status, message=self.message, batch=self.batch, group=self.group,
+                      mask_variant=self.mask_variant) | {
             "run_id": self.run_id, "precision_used": self.summary.get("precision_used", ""),
             "not_applicable": json.dumps(self.summary.get("not_applicable", {})),
             "backend_flags": json.dumps(self.summary.get("backend_flags", {})),
@@ -448,27 +456,32 @@ class Measurement:
 
 
 def run_row(config: Config, preset: str, *, env: dict, gpu_name: str, status: str, message: str,
-            batch: int = 1, group: str = "") -> dict:
+            batch: int = 1, group: str = "", label: str | None = None, mask_variant: int | None = None) -> dict:
     """A run.parquet row with the environment and switches filled in and every measured column at its
-    missing value (NaN, -1 or ''), for phases that did not run."""
+    missing value (NaN, -1 or ''), for phases that did not run. `label`: the folder's name under data/
+    (default: the device type); `mask_variant`: label channels other than the data's own (`schema.run_folder`)."""
     now = dt.datetime.now(dt.timezone.utc)
-    folder = schema.run_folder(config.name, preset, batch)
-    row = {"run_id": f"{gpu_slug(gpu_name)}/{group + '/' if group else ''}{folder}/{now.strftime('%Y%m%dT%H%M%SZ')}", "status": status,
+    folder = schema.run_folder(config.name, preset, batch, mask_variant)
+    slug = gpu_slug(label or gpu_name)
+    row = {"run_id": f"{slug}/{group + '/' if group else ''}{folder}/{now.strftime('%Y%m%dT%H%M%SZ')}", "status": status,
            "message": message, **{k: env[k] for k in ("gpu_count", "driver", "cuda", "cudnn", "torch", "python",
                                                        "cpu", "host_threads", "git_commit", "container")},
-           "gpu_name": gpu_name, "gpu_slug": gpu_slug(gpu_name), "config": config.name, **config.flags,
+           "gpu_name": gpu_name, "gpu_slug": slug, "gpu_type": gpu_slug(gpu_name), "host": host_name(),
+           "config": config.name, **config.flags,
            "preset": preset, "batch": batch, "start_time": now.isoformat(timespec="seconds")}
+    if mask_variant is not None:
+        row["mask_channels"] = mask_variant
     for name, (typ, _) in schema.TABLES["run"].items():
         row.setdefault(name, -1 if typ == schema.I else math.nan if typ == schema.F else "")
     return row
 
 
 def write_failed_run(config: Config, preset: str, folder: Path, *, device: torch.device, gpu_label: str | None,
-                     message: str, batch: int = 1, group: str = "") -> None:
+                     message: str, batch: int = 1, group: str = "", mask_variant: int | None = None) -> None:
     """run.parquet for a measurement that died before writing its own (status error, and why)."""
     env = environment(device)
-    row = run_row(config, preset, env=env, gpu_name=gpu_label or env["gpu_name"], status="error", message=message,
-                  batch=batch, group=group)
+    row = run_row(config, preset, env=env, gpu_name=env["gpu_name"], label=gpu_label, status="error", message=message,
+                  batch=batch, group=group, mask_variant=mask_variant)
     schema.write_table(pd.DataFrame([row]), Path(folder) / "run.parquet", "run")
 
 

@@ -2,7 +2,7 @@
 
 Layout: ``data/<gpu-slug>/<run>/{run,steps,kernels,ncu,quality}.parquet`` plus the executed
 producer notebook, where ``<run>`` is the configuration's name for the main presets (smoke, paper)
-at batch 1, and ``<config>@<preset>[-b<batch>]`` otherwise (`run_folder`). ``run.parquet`` is
+at batch 1, and ``<config>@<preset>[-b<batch>][-m<label channels>]`` otherwise (`run_folder`). ``run.parquet`` is
 written last: its presence marks a finished run. ``data/<gpu-slug>/scaling/<config>.parquet`` holds every
 rank's step times (`python -m medddpm scale`), ``data/<gpu-slug>/reference/bench.parquet`` the bench timings of
 ours and the reference implementation (`python -m medddpm bench --out`), and ``data/partition.parquet`` what
@@ -29,7 +29,10 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "status": (S, "ok | oom | error | skipped"),
         "message": (S, "why, when status is not ok; notes otherwise"),
         "gpu_name": (S, "torch.cuda.get_device_name, or 'cpu'"),
-        "gpu_slug": (S, "gpu_name lower-cased, other characters as hyphens"),
+        "gpu_slug": (S, "the label of the folder data/<gpu-slug>/: gpu_type, or <gpu_type>-<host> where the device "
+                        "type's rows in data/ were measured on another machine, or the sweep's --gpu-label"),
+        "gpu_type": (S, "the device type: gpu_name lower-cased, other characters as hyphens"),
+        "host": (S, "short host name of the machine that measured ('' where not recorded)"),
         "gpu_count": (I, "visible CUDA devices"),
         "driver": (S, "NVIDIA driver version (NVML)"),
         "cuda": (S, "CUDA version torch was built with"),
@@ -291,6 +294,9 @@ ADDED: dict[str, dict[str, object]] = {
         "store_skip_grad": False,  # rows written before the switch existed ran without it
         "narrow_checkpoints": False,  # rows written before the switch existed ran without it
         "skipped_steps": 0,  # rows written before it was recorded: no configuration had a loss scaler
+        # rows written before labels existed sit in the folder of their device type; their host is unknown
+        "gpu_type": lambda t: t.column("gpu_slug").to_pylist(),
+        "host": "",
     },
     "kernels": {"op": ""},  # which operator launched a kernel: unknown in tables written before it was recorded
 }
@@ -320,13 +326,16 @@ MAIN_PRESETS = ("smoke", "paper")  # a device's own preset: its runs sit in data
 PHASES = ("sample", "torch", "quality", "ncu")
 
 
-def run_folder(config: str, preset: str, batch: int = 1) -> str:
+def run_folder(config: str, preset: str, batch: int = 1, mask_channels: int | None = None) -> str:
     """Folder name of a run under data/<gpu-slug>/: the configuration for the main presets at batch 1
     (the layout every page reads), ``<config>@<preset>`` and ``-b<batch>`` otherwise, so that one
-    device can hold the same configuration measured on another model or batch beside it."""
-    if preset in MAIN_PRESETS and batch == 1:
+    device can hold the same configuration measured on another model or batch beside it. `mask_channels`:
+    a model narrower or wider than its data's own label channels (the reference's whole-head width, 2, on
+    the 3-tissue embedded data) adds ``-m<mask_channels>``."""
+    if preset in MAIN_PRESETS and batch == 1 and mask_channels is None:
         return config
-    return f"{config}@{preset}" + (f"-b{batch}" if batch != 1 else "")
+    return (f"{config}@{preset}" + (f"-b{batch}" if batch != 1 else "")
+            + (f"-m{mask_channels}" if mask_channels is not None else ""))
 
 
 class SchemaError(ValueError):

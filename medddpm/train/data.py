@@ -25,8 +25,8 @@ from medddpm.store.storage import atomic_write
 from medddpm.train.nifti import DataError  # noqa: F401 - what open_dataset raises, for its callers
 from medddpm.train.nifti import (check_image, check_labels, default, exists, fail, nifti_name, normalize,
                                  numbered_files, read_volume, resize, shape3, volume_shape)
-from medddpm.train.synthetic import (BRATS_LABELS, BRATS_MODALITIES, BRATS_SHAPE, BRATS_VERSION, LABELS, MNI_VERSION,
-                                     make_brats_case, make_mni_pair)
+from medddpm.train.synthetic import (BRATS_LABELS, BRATS_MODALITIES, BRATS_SHAPE, BRATS_VERSION, LABELS, LABELS_2,
+                                     MNI_VERSION, make_brats_case, make_mni_pair, mni_labels)
 
 
 def one_hot_condition(labels: np.ndarray | torch.Tensor, *, num_classes: int) -> torch.Tensor:
@@ -58,16 +58,18 @@ def _size_name(size: int | tuple[int, int, int]) -> str:
 
 
 class MNIPairs(Dataset):
-    """n synthetic subjects (seeds seed .. seed + n - 1), generated once and cached on disk."""
+    """n synthetic subjects (seeds seed .. seed + n - 1), generated once and cached on disk; `mask_channels` 3
+    (CSF, grey and white matter) or 2 (CSF and brain tissue: the reference's whole-head width)."""
 
-    mask_channels = len(LABELS) - 1
     image_channels = 1
 
     def __init__(self, n: int, *, size: int | tuple[int, int, int] = 128, cache_dir: str | os.PathLike | None = None,
-                 seed: int = 0, progress: bool = True):
+                 seed: int = 0, progress: bool = True, mask_channels: int = len(LABELS) - 1):
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
+        mni_labels(np.zeros(1, np.uint8), mask_channels)  # 2 or 3, checked before any volume is made
         self.n, self.size, self.seed, self.progress = n, size, seed, progress
+        self.mask_channels = mask_channels
         self.cache_dir = Path(default(cache_dir, default_cache_dir()))
 
     def __len__(self) -> int:
@@ -99,8 +101,9 @@ class MNIPairs(Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= i < self.n:  # also ends plain iteration
             raise IndexError(f"index {i} out of range for {self.n} pairs")
-        image, labels = self._pair(i)
-        return torch.from_numpy(image)[None], one_hot_condition(labels, num_classes=self.mask_channels)
+        image, labels = self._pair(i)  # the cache holds the three tissues; a narrower model merges them here
+        return torch.from_numpy(image)[None], one_hot_condition(mni_labels(labels, self.mask_channels),
+                                                                 num_classes=self.mask_channels)
 
 
 class NiftiPairs(Dataset):
@@ -294,12 +297,24 @@ EMBEDDED = ("mni", "mni-brats")
 
 
 def open_dataset(source: str, *, size: int | tuple[int, int, int], n: int = 8,
-                 cache_dir: str | os.PathLike | None = None, seed: int = 0) -> Dataset:
+                 cache_dir: str | os.PathLike | None = None, seed: int = 0,
+                 mask_channels: int | None = None) -> Dataset:
     """"mni": synthetic whole-head pairs; "mni-brats": synthetic four-modality BraTS-like cases (both
     from the embedded MNI templates); anything else is a folder in the Med-DDPM layout (image/, mask/)
-    or the BraTS layout (seg/, t1/, t1ce/, t2/, flair/)."""
+    or the BraTS layout (seg/, t1/, t1ce/, t2/, flair/). `mask_channels`: the label channels asked for
+    (None: the data's own); only "mni" has a choice, 3 or 2 (grey and white matter as one label)."""
     if source == "mni":
-        return MNIPairs(n, size=size, cache_dir=cache_dir, seed=seed)
+        if mask_channels not in (None, len(LABELS) - 1, len(LABELS_2) - 1):
+            raise fail(source, f"the embedded MNI data has 2 or 3 label channels, not {mask_channels}")
+        return MNIPairs(n, size=size, cache_dir=cache_dir, seed=seed, mask_channels=mask_channels or len(LABELS) - 1)
+    data = _open(source, size=size, n=n, cache_dir=cache_dir, seed=seed)
+    if mask_channels is not None and mask_channels != data.mask_channels:
+        raise fail(source, f"has {data.mask_channels} label channels, not {mask_channels} (only the embedded 'mni' "
+                           "data comes in 2 or 3)")
+    return data
+
+
+def _open(source: str, *, size: int | tuple[int, int, int], n: int, cache_dir, seed: int) -> Dataset:
     if source == "mni-brats":
         return MNIBratsCases(n, size=size, cache_dir=cache_dir, seed=seed)
     root = Path(source)

@@ -23,6 +23,8 @@ from scipy.spatial.transform import Rotation
 from medddpm.train.nifti import DataError, default, exists, shape3
 
 LABELS = {0: "background", 1: "CSF", 2: "GM", 3: "WM"}
+# The same anatomy at the reference's whole-head width, two label channels: grey and white matter as one label
+LABELS_2 = {0: "background", 1: "CSF", 2: "brain tissue (GM + WM)"}
 
 # bump when make_mni_pair changes its output, so stale cache files are never read
 MNI_VERSION = "mni1"
@@ -163,6 +165,16 @@ def make_mni_pair(seed: int, *, size: int | tuple[int, int, int] = 128,
     x += rng.normal(0, noise_std, x.shape).astype(np.float32)
     image = np.where(brain, 2 * np.clip(x, 0, 1) - 1, -1).astype(np.float32)
     return image, labels
+
+
+def mni_labels(labels: np.ndarray, mask_channels: int) -> np.ndarray:
+    """`make_mni_pair`'s labels for a model of `mask_channels` label channels: 3 as they are (`LABELS`), 2 with
+    grey and white matter as one label (`LABELS_2`), the width of the reference's whole-head model."""
+    if mask_channels == len(LABELS) - 1:
+        return labels
+    if mask_channels == len(LABELS_2) - 1:
+        return np.minimum(labels, 2).astype(labels.dtype)
+    raise ValueError(f"the embedded MNI data has 2 or 3 label channels, not {mask_channels}")
 
 
 # Synthetic BraTS-like cases. Labels as the reference's BraTS preprocessing writes them
