@@ -32,7 +32,7 @@ def test_info_json_reports_the_reference_figures():
 def test_one_model_width_everywhere():
     """info, bench and saved build the whole-head model at the book's width, 3 label channels, by default."""
     from medddpm.cli.args import spec_from
-    from medddpm.cli.main import build_parser
+    from medddpm.cli.parser import build_parser
 
     info = json.loads(run("info", "--size", "128", "--json").stdout)
     assert info["parameters"] == 40_228_161 and info["in_channels"] == 4
@@ -74,7 +74,7 @@ def test_bench_times_the_reference_width(capsys):
 def _subcommands():
     import argparse
 
-    from medddpm.cli.main import build_parser
+    from medddpm.cli.parser import build_parser
 
     (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
     return sub.choices
@@ -132,7 +132,7 @@ def test_info_shows_the_brats_model():
 
 
 def test_preset_names_match_the_presets():
-    from medddpm.cli.main import PRESET_NAMES
+    from medddpm.cli.args import PRESET_NAMES
     from medddpm.measure.run import PRESETS
 
     assert PRESET_NAMES == tuple(PRESETS)

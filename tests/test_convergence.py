@@ -205,7 +205,7 @@ def test_old_run_tables_read_with_no_skipped_steps():
 
 
 def test_the_command_line_parses_seeds():
-    from medddpm.cli.main import seeds_arg
+    from medddpm.cli.args import seeds_arg
 
     assert seeds_arg("3") == [0, 1, 2] and seeds_arg("0,4,7") == [0, 4, 7] and seeds_arg("5,") == [5]
     import argparse

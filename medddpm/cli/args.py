@@ -1,4 +1,4 @@
-"""The command line's shared arguments and their parsers: used by `medddpm.cli.main` and by the
+"""The command line's shared arguments and their parsers: used by `medddpm.cli.parser` and by the
 data-parallel worker (`medddpm.measure.distributed`), which takes the same model and configuration switches."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 from typing import get_args
 
-from medddpm.configs import (CONFIGS, AttentionKind, GroupNormKind, Precision, UpsampleKind, get_config)
+from medddpm.configs import (AttentionKind, GroupNormKind, Precision, UpsampleKind, get_config)
 from medddpm.model.unet import ModelSpec, parse_size
 from medddpm.store.schema import PHASES
 
@@ -56,6 +56,7 @@ def fraction(text: str) -> float:
     return value
 
 
+WIDTH = 100  # terminal columns that help and the plain listings fit
 MASK_CHANNELS = 3  # the whole-head model's label channels: the embedded data's CSF, grey and white matter
 DEVICE_HELP = "cpu, cuda or cuda:N (default: cuda if present, else cpu)"
 
@@ -149,3 +150,14 @@ def open_data(args):
                         mask_channels=args.mask_channels)
 
 
+def seeds_arg(text: str) -> list[int]:
+    """'3': seeds 0, 1, 2; '0,4,7': those seeds."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count (3) or a list of seeds (0,4,7), got {text!r}") from None
+    if len(values) == 1 and "," not in text:
+        values = list(range(values[0]))
+    if not values or min(values) < 0 or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"expected a positive count or distinct non-negative seeds, got {text!r}")
+    return values
