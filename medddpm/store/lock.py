@@ -1,0 +1,137 @@
+"""One writer per output folder: a second sweep or training into a folder in use fails at once.
+
+    from medddpm.store.lock import output_lock, FolderInUse
+
+    with output_lock(folder, what="sweep"):
+        ...  # only this process writes under `folder` until the block ends
+
+The lock is an advisory `flock` on `<folder>/.medddpm.lock`, so the kernel releases it when its holder
+ends in any way (killed, out of memory, power lost on a local disk): a lock left by a dead process never
+blocks. The file holds the holder's pid, host, start time and what it does, for the one-line message a
+second writer gets (`FolderInUse`, a ValueError: the command line prints it as `error: ...`, exit code 2).
+The file stays in the folder when the lock is released (removing it would let two writers lock two
+different files of one name); it is hidden, and the loaders read only the files they know.
+
+Within one process the lock is re-entrant: a sweep that holds its folder may call code that locks it again.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+LOCK_NAME = ".medddpm.lock"
+
+_held: dict[Path, int] = {}  # folders this process holds, with their nesting depth
+_guard = threading.Lock()
+
+
+class FolderInUse(ValueError):
+    """Another process holds the folder's lock; the message is one line naming it (pid, host, since when)."""
+
+    def __init__(self, folder: Path, what: str, holder: dict):
+        self.folder, self.what, self.holder = folder, what, holder
+        if holder:
+            who = (f"{holder.get('what') or 'another process'} (pid {holder.get('pid', '?')} on host "
+                   f"{holder.get('host', '?')}, since {holder.get('since', '?')})")
+        else:
+            who = "another process (it has not yet said which)"
+        super().__init__(f"{folder} is in use by {who}; this {what} does not write into it "
+                         f"(wait for that one to end, or choose another folder)")
+
+
+def lock_holder(folder: str | os.PathLike) -> dict:
+    """What the lock file of `folder` says of its current or last holder: pid, host, since, what ({} if none).
+    Whether the lock is held is known only by trying to take it (`output_lock`)."""
+    try:
+        text = (Path(folder) / LOCK_NAME).read_text(errors="replace")
+    except OSError:
+        return {}
+    info = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key in ("pid", "host", "since", "what"):
+            info[key] = value.strip()
+    return info
+
+
+def _open(folder: Path) -> int:
+    """The lock file's descriptor, with one-line errors for a folder that cannot hold it."""
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{folder} is a file, not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        return os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o666)
+    except FileExistsError:  # a parent is a file
+        raise ValueError(f"{folder}: a part of this path is a file, not a folder") from None
+    except NotADirectoryError:
+        raise ValueError(f"{folder}: a part of this path is a file, not a folder") from None
+    except PermissionError:
+        raise ValueError(f"{folder}: permission denied (cannot write into this folder)") from None
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise ValueError(f"{folder}: the disk is full (no space left on device)") from None
+        if e.errno == errno.EROFS:
+            raise ValueError(f"{folder}: the file system is read-only") from None
+        raise
+
+
+@contextmanager
+def output_lock(folder: str | os.PathLike, what: str = "sweep") -> Iterator[Path]:
+    """Hold `folder`'s lock for the block (creating the folder); raise `FolderInUse` at once if another
+    process holds it. `what` names this writer in the message another one gets ("sweep", "training")."""
+    folder = Path(folder)
+    key = folder.resolve()
+    with _guard:
+        if key in _held:
+            _held[key] += 1
+            reentered = True
+        else:
+            reentered = False
+    if reentered:
+        try:
+            yield folder
+        finally:
+            with _guard:
+                _held[key] -= 1
+        return
+
+    fd = _open(folder)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = lock_holder(folder)
+            if not holder:  # taken an instant ago: its holder is writing its name
+                time.sleep(0.05)
+                holder = lock_holder(folder)
+            raise FolderInUse(folder, what, holder) from None
+        # Written in place, not through atomic_write: the lock is on this file's inode, so the file is
+        # never replaced; its text only informs a second writer.
+        since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+        text = f"pid={os.getpid()}\nhost={socket.gethostname()}\nsince={since}\nwhat={what}\n".encode()
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, text, 0)
+        except OSError:
+            pass  # a full disk: the lock holds all the same, a second writer's message just names no holder
+        with _guard:
+            _held[key] = 1
+        try:
+            yield folder
+        finally:
+            with _guard:
+                _held.pop(key, None)
+            try:
+                os.ftruncate(fd, 0)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)  # releases the flock
