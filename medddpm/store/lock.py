@@ -9,14 +9,16 @@ The lock is an advisory `flock` on `<folder>/.medddpm.lock`, so the kernel relea
 ends in any way (killed, out of memory, power lost on a local disk): a lock left by a dead process never
 blocks. The file holds the holder's pid, host, start time and what it does, for the one-line message a
 second writer gets (`FolderInUse`, a ValueError: the command line prints it as `error: ...`, exit code 2).
-The file stays in the folder when the lock is released (removing it would let two writers lock two
-different files of one name); it is hidden, and the loaders read only the files they know.
+The holder removes the file as it releases the lock; a writer that locked a file removed meanwhile (its
+path now names another file, or none) drops it and tries again, so two writers never hold two files of one
+name. `lock_file` puts the file elsewhere than in the folder: beside a folder that is replaced as a whole.
 
 Within one process the lock is re-entrant: a sweep that holds its folder may call code that locks it again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -47,11 +49,11 @@ class FolderInUse(ValueError):
                          f"(wait for that one to end, or choose another folder)")
 
 
-def lock_holder(folder: str | os.PathLike) -> dict:
-    """What the lock file of `folder` says of its current or last holder: pid, host, since, what ({} if none).
-    Whether the lock is held is known only by trying to take it (`output_lock`)."""
+def lock_holder(folder: str | os.PathLike, lock_file: str | os.PathLike | None = None) -> dict:
+    """What the lock file of `folder` says of its holder: pid, host, since, what ({} if none). Whether the
+    lock is held is known only by trying to take it (`output_lock`)."""
     try:
-        text = (Path(folder) / LOCK_NAME).read_text(errors="replace")
+        text = Path(lock_file or Path(folder) / LOCK_NAME).read_text(errors="replace")
     except OSError:
         return {}
     info = {}
@@ -62,13 +64,14 @@ def lock_holder(folder: str | os.PathLike) -> dict:
     return info
 
 
-def _open(folder: Path) -> int:
+def _open(folder: Path, lock_file: Path) -> int:
     """The lock file's descriptor, with one-line errors for a folder that cannot hold it."""
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"{folder} is a file, not a folder")
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        return os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o666)
+        lock_file.parent.mkdir(parents=True, exist_ok=True)
+        return os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o666)
     except FileExistsError:  # a parent is a file
         raise ValueError(f"{folder}: a part of this path is a file, not a folder") from None
     except NotADirectoryError:
@@ -84,11 +87,14 @@ def _open(folder: Path) -> int:
 
 
 @contextmanager
-def output_lock(folder: str | os.PathLike, what: str = "sweep") -> Iterator[Path]:
+def output_lock(folder: str | os.PathLike, what: str = "sweep", *,
+                lock_file: str | os.PathLike | None = None) -> Iterator[Path]:
     """Hold `folder`'s lock for the block (creating the folder); raise `FolderInUse` at once if another
-    process holds it. `what` names this writer in the message another one gets ("sweep", "training")."""
+    process holds it. `what` names this writer in the message another one gets ("sweep", "training");
+    `lock_file`: where the lock lives (default `<folder>/.medddpm.lock`)."""
     folder = Path(folder)
-    key = folder.resolve()
+    lock_file = Path(lock_file) if lock_file is not None else folder / LOCK_NAME
+    key = lock_file.resolve()
     with _guard:
         if key in _held:
             _held[key] += 1
@@ -103,22 +109,31 @@ def output_lock(folder: str | os.PathLike, what: str = "sweep") -> Iterator[Path
                 _held[key] -= 1
         return
 
-    fd = _open(folder)
-    try:
+    while True:
+        fd = _open(folder, lock_file)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = lock_holder(folder)
+            os.close(fd)
+            holder = lock_holder(folder, lock_file)
             if not holder:  # taken an instant ago: its holder is writing its name
                 time.sleep(0.05)
-                holder = lock_holder(folder)
+                holder = lock_holder(folder, lock_file)
             raise FolderInUse(folder, what, holder) from None
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(lock_file))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # its holder removed it as we opened it: lock the file the path names now
+    try:
         # Written in place, not through atomic_write: the lock is on this file's inode, so the file is
         # never replaced; its text only informs a second writer.
         since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
         text = f"pid={os.getpid()}\nhost={socket.gethostname()}\nsince={since}\nwhat={what}\n".encode()
         try:
-            os.ftruncate(fd, 0)
+            os.ftruncate(fd, 0)  # a killed holder's text may still be there
             os.pwrite(fd, text, 0)
         except OSError:
             pass  # a full disk: the lock holds all the same, a second writer's message just names no holder
@@ -129,9 +144,7 @@ def output_lock(folder: str | os.PathLike, what: str = "sweep") -> Iterator[Path
         finally:
             with _guard:
                 _held.pop(key, None)
-            try:
-                os.ftruncate(fd, 0)
-            except OSError:
-                pass
+            with contextlib.suppress(OSError):
+                os.unlink(lock_file)  # while still locked: see the module's docstring
     finally:
         os.close(fd)  # releases the flock
