@@ -12,6 +12,12 @@ from medddpm.train.nifti import DataError
 from medddpm.train.synthetic import make_mni_pair
 
 
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    """The volume cache of every data set opened here in the test's own folder."""
+    monkeypatch.setenv("MEDDDPM_CACHE", str(tmp_path / "volume-cache"))
+
+
 # make_mni_pair
 
 @pytest.mark.parametrize("size", [16, 24, 32])
@@ -138,11 +144,15 @@ def test_mni_pairs_default_cache_dir(tmp_path, monkeypatch):
     assert ds.path(0).parent == tmp_path / "cache" and ds.path(0).is_file()
 
 
-def test_mni_pairs_unreadable_cache_file(tmp_path):
+@pytest.mark.parametrize("content", [b"not a zip", b"PK\x03\x04" + b"\0" * 40, b""])
+def test_mni_pairs_unreadable_cache_file_is_generated_again(tmp_path, content):
     ds = MNIPairs(1, size=16, cache_dir=tmp_path, progress=False)
-    ds.path(0).write_bytes(b"not a zip")
-    with pytest.raises(DataError, match=ds.path(0).name):
-        ds[0]
+    image, cond = ds[0]
+    ds.path(0).write_bytes(content)  # overwritten, truncated or emptied
+    again, cond_again = ds[0]
+    assert torch.equal(image, again) and torch.equal(cond, cond_again)
+    with np.load(ds.path(0)) as f:  # and written back whole
+        assert torch.equal(torch.from_numpy(f["image"])[None], image)
 
 
 # NiftiPairs
@@ -284,7 +294,10 @@ def test_nifti_pairs_label_out_of_range(root):
     _put(root, "mask/seg_2.nii.gz", _one(5, np.uint8))
     with pytest.raises(DataError, match="seg_2.nii.gz"):
         NiftiPairs(root, size=16, num_classes=3)
-    assert NiftiPairs(root, size=16).num_classes == 5  # inferred from the largest label
+    with pytest.raises(DataError, match=r"seg_2.nii.gz: unexpected label 5 \(5,760 voxels\).* 0..3"):
+        NiftiPairs(root, size=16)  # inferred: 4 is missing, so 5 is not one of the data set's classes
+    _put(root, "mask/seg_2.nii.gz", (np.arange(np.prod(SHAPE)).reshape(SHAPE) % 6).astype(np.uint8))
+    assert NiftiPairs(root, size=16).num_classes == 5  # inferred: 0..5, contiguous
 
 
 def test_nifti_pairs_shape_mismatch_names_both(root):

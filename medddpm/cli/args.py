@@ -145,7 +145,8 @@ def open_data(args):
     from medddpm.train.data import open_dataset
 
     preset = preset_from(args)
-    source = args.data or (preset.data if preset else "mni")
+    # an empty --data is a mistake (an unset shell variable), never the embedded data: open_dataset refuses it
+    source = args.data if args.data is not None else (preset.data if preset else "mni")
     return open_dataset(source, size=preset.size if preset else args.size or 128, n=args.pairs, seed=args.seed,
                         mask_channels=args.mask_channels)
 

@@ -333,3 +333,10 @@ def cmd_counters(args) -> None:
         status = add_counters(run, timeout_s=min(args.timeout, left), coverage=args.coverage, force=args.force,
                               passes=tuple(args.passes), merge=args.merge, from_backward=args.from_backward)
         tqdm.write(f"{run}: ncu {status['status']}: {status['message']}; kept {status['kept']}")
+
+
+def cmd_export_data(args) -> None:
+    from medddpm.train.export import export_folder
+
+    files = export_folder(args.out, pairs=args.pairs, layout=args.layout, size=args.size, seed=args.seed)
+    print(f"wrote {len(files)} files ({args.layout} layout) under {args.out}")

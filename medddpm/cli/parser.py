@@ -10,6 +10,7 @@ from medddpm.store.schema import PHASES
 from medddpm.cli.args import (DEVICE_HELP, PRESET_NAMES, WIDTH, add_config_args, add_device_arg, add_model_args,
                               fraction, phases_arg, positive, seeds_arg, size_arg)
 from medddpm.cli.commands import (cmd_ablation, cmd_bench, cmd_claims, cmd_configs, cmd_counters, cmd_info, cmd_peak, cmd_sample, cmd_saved, cmd_scale, cmd_study, cmd_summary, cmd_sweep, cmd_train)
+from medddpm.cli.commands import cmd_export_data
 
 
 LABEL_HELP = ("the folder under OUT for this machine's runs (default: the device type, e.g. nvidia-h200, or "
@@ -260,5 +261,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "ncu.parquet; eager configurations): with --merge, for counters that stopped before it")
     p.add_argument("--check", action="store_true", help="only check that every folder can be given counters here")
     p.set_defaults(func=cmd_counters)
+
+    p = sub.add_parser("export-data", help="write the embedded synthetic subjects as a NIfTI folder (gzip, int16 or "
+                                           "float64, scanner orientation): a data set for --data")
+    p.add_argument("--out", required=True, metavar="DIR", help="a new or empty folder")
+    p.add_argument("--pairs", type=positive, required=True, metavar="N", help="subjects to write")
+    p.add_argument("--layout", choices=["reference", "brats", "brats2023"], default="reference",
+                   help="reference: image/ and mask/; brats: seg/, t1/, t1ce/, t2/, flair/; brats2023: the same with "
+                        "t1n, t1c, t2w, t2f (default reference)")
+    p.add_argument("--size", type=size_arg, metavar="N|DxHxW",
+                   help="voxels on disk (default 128 for reference, 240x240x155 for brats)")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="the first subject's seed")
+    p.set_defaults(func=cmd_export_data)
 
     return parser

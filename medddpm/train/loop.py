@@ -11,6 +11,7 @@ from tqdm import tqdm  # text bars: tqdm.auto draws ipywidgets bars, a message p
 
 from medddpm.configs import Config
 from medddpm.train.engine import Engine
+from medddpm.train.loader import DeviceLoader
 from medddpm.model.unet import ModelSpec
 from medddpm.store.storage import atomic_write
 from medddpm.train.timing import StepTimer
@@ -123,11 +124,16 @@ def train(spec: ModelSpec, config: Config | str, dataset, *, out_dir: str | os.P
 
     bar = tqdm(range(start, steps), initial=start, total=steps, desc=f"train {engine.config.name}",
                disable=not (progress and main))
+    # items read ahead by worker processes, in the order batch_indices gives (the loader shuts them down when the
+    # loop ends, by an error or Ctrl-C too)
+    order = (batch_indices(len(dataset), s, rank * grad_accum + m, seed=seed) for s in range(start, steps)
+             for m in range(grad_accum))
+    items = iter(DeviceLoader(dataset, order, device=engine.device))
     for step in bar:
         batches = []
         for micro in range(grad_accum):
-            image, cond = dataset[batch_indices(len(dataset), step, rank * grad_accum + micro, seed=seed)]
-            batch = (engine.prepare(image[None]), engine.prepare(cond[None]))
+            image, cond = next(items)
+            batch = (engine.prepare(image), engine.prepare(cond))
             if fixed_noise:
                 batch += step_noise(batch[0].shape, engine.diffusion.timesteps, step, rank * grad_accum + micro,
                                     seed=seed, device=engine.device)

@@ -1,14 +1,17 @@
 """Reading the user's NIfTI volumes, and the checks and scaling applied to them.
 
 Every problem with input data is a `DataError`, one line naming the offending file (`fail`). NIfTI files
-are found in a folder and paired by number (`numbered_files`), read with trailing singleton axes dropped
-(`volume_shape` from the header alone, `read_volume`), checked (`check_image`, `check_labels`), scaled to
-[-1, 1] per volume (`normalize`) and resized (`resize`).
+are found in a folder and paired by number (`numbered_files`), their headers checked before any voxel is read
+(`volume_shape`: one real value per voxel, 3-D once trailing singleton axes are dropped, at most `MAX_VOXELS`),
+read in the closest canonical (RAS) orientation (`read_volume`), checked (`check_image`, `check_labels`), scaled
+to [-1, 1] per volume (`normalize`) and resized (`resize`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import math
 import os
 import re
 import zlib
@@ -22,6 +25,9 @@ from nibabel.filebasedimages import ImageFileError
 from nibabel.spatialimages import HeaderDataError
 
 _READ_ERRORS = (ImageFileError, HeaderDataError, OSError, EOFError, ValueError, zlib.error)
+# The largest volume read: 512^3 voxels (0.5 GB as float32) is several times any MRI (BraTS is 240x240x155), so a
+# header claiming more is corrupt or not a scan, and is refused before nibabel allocates it.
+MAX_VOXELS = 512 ** 3
 
 
 class DataError(ValueError):
@@ -57,18 +63,38 @@ def nifti_name(path: Path) -> str | None:
     return m.group(1) if m else None
 
 
+def missing_why(path: Path) -> str | None:
+    """Why `path` cannot be opened as a file or folder (a symlink loop, a dangling symlink), or None if it can."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "symlink loop"
+        if path.is_symlink():
+            return f"broken symlink (to {os.readlink(path)})"
+        return None
+    return None
+
+
+def check_file(path: Path) -> None:
+    """A folder entry that should be a NIfTI file: an error naming it if it is not."""
+    if (why := missing_why(path)) is not None:
+        raise fail(path, why)
+    if nifti_name(path) is None or not path.is_file():
+        raise fail(path, "not a NIfTI file (.nii or .nii.gz)")
+
+
 def numbered_files(folder: Path) -> dict[int, Path]:
     """{number: file} for the NIfTI files of a folder, keyed by the last integer in the name."""
     if not folder.is_dir():
-        raise fail(folder, "missing folder (expected <root>/image and <root>/mask)")
+        raise fail(folder, missing_why(folder) or "missing folder (expected <root>/image and <root>/mask)")
     files = sorted(p for p in folder.iterdir() if not p.name.startswith("."))  # skip .DS_Store & co
     if not files:
         raise fail(folder, "empty folder")
     numbered: dict[int, Path] = {}
     for path in files:
+        check_file(path)
         stem = nifti_name(path)
-        if stem is None or not path.is_file():
-            raise fail(path, "not a NIfTI file (.nii or .nii.gz)")
         numbers = re.findall(r"\d+", stem)
         if not numbers:
             raise fail(path, "no number in the file name to pair image and mask by")
@@ -96,15 +122,39 @@ def _squeeze3(shape: tuple[int, ...], path: Path) -> tuple[int, ...]:
     return shape
 
 
-def volume_shape(path: Path) -> tuple[int, ...]:
+def _checked_header(path: Path):
+    """The image object, its header checked: voxels of one real value, 3-D, at most `MAX_VOXELS`; nothing read."""
     with _reading(path):
-        shape = tuple(nib.load(path).shape)  # header only
-    return _squeeze3(shape, path)
+        img = nib.load(path)
+        dtype = img.get_data_dtype()
+    if dtype.fields:  # RGB24 / RGBA32: a colour image, three or four values per voxel
+        raise fail(path, f"colour image ({'/'.join(dtype.names)} per voxel): expected one grey value per voxel")
+    if dtype.kind == "c":
+        raise fail(path, f"complex-valued image ({dtype}): expected real values (magnitude images)")
+    if dtype.kind not in "biuf":
+        raise fail(path, f"unsupported voxel type {dtype}")
+    shape = _squeeze3(tuple(img.shape), path)
+    if (voxels := math.prod(shape)) > MAX_VOXELS:
+        raise fail(path, f"header claims a {'x'.join(map(str, shape))} volume ({voxels / 1e6:,.0f} M voxels), more "
+                         f"than the {MAX_VOXELS / 1e6:,.0f} M voxels of any MRI: a corrupt header?")
+    if nifti_name(path) and not path.name.lower().endswith(".gz"):  # uncompressed: the file must hold the voxels
+        need = int(img.header.get("vox_offset", 0)) + voxels * dtype.itemsize
+        if (have := path.stat().st_size) < need:
+            raise fail(path, f"truncated: the header needs {need:,} bytes, the file has {have:,}")
+    return img
+
+
+def volume_shape(path: Path) -> tuple[int, ...]:
+    """The shape from the header alone, after the header's checks."""
+    return _squeeze3(tuple(_checked_header(path).shape), path)
 
 
 def read_volume(path: Path) -> np.ndarray:
+    """The voxels in the closest canonical orientation (RAS+: axes as nibabel.as_closest_canonical orders and
+    flips them), so that scanners' differing storage orders give one anatomy; the stored dtype is kept."""
+    img = _checked_header(path)
     with _reading(path):
-        data = np.asarray(nib.load(path).dataobj)
+        data = np.asarray(nib.as_closest_canonical(img).dataobj)
     return data.reshape(_squeeze3(data.shape, path))
 
 
@@ -115,18 +165,56 @@ def check_image(x: np.ndarray, path: Path) -> None:
         raise fail(path, f"constant image (every voxel is {x.flat[0]})")
 
 
-def check_labels(y: np.ndarray, path: Path, num_classes: int | None) -> int:
-    """Validate a label map; returns its largest label."""
+# Labels are stored as uint8 once read, and a model has one input channel per label: a data set with more label
+# classes than this is refused unless declared (a stray value such as 255 or 60000 would otherwise size the model).
+MAX_INFERRED_LABEL = 32
+MAX_LABEL = 255
+
+
+def label_counts(y: np.ndarray, path: Path, num_classes: int | None = None) -> dict[int, int]:
+    """Validate a label map (integers from 0, at most `num_classes` or `MAX_LABEL`); {label: voxel count}."""
     if y.dtype.kind not in "biuf":
         raise fail(path, f"labels must be integers, got dtype {y.dtype}")
     if y.dtype.kind == "f" and not (np.isfinite(y).all() and (y == np.round(y)).all()):
         raise fail(path, "labels must be integers, found non-integer or NaN/inf values")
-    lo, hi = int(y.min()), int(y.max())
-    if lo < 0:
-        raise fail(path, f"negative label {lo}")
-    if exists(num_classes) and hi > num_classes:
-        raise fail(path, f"label {hi} out of range (num_classes={num_classes})")
-    return hi
+    values, counts = np.unique(y, return_counts=True)
+    found = {int(v): int(c) for v, c in zip(values, counts)}
+    if (lo := min(found)) < 0:
+        raise fail(path, f"negative label {lo} ({_voxels(found[lo])})")
+    limit = default(num_classes, MAX_LABEL)
+    if (hi := max(found)) > limit:
+        raise fail(path, f"label {hi} ({_voxels(found[hi])}) out of range ("
+                         + (f"num_classes={num_classes})" if exists(num_classes) else f"labels go up to {MAX_LABEL})"))
+    return found
+
+
+def _voxels(n: int) -> str:
+    return f"{n:,} voxel{'s' if n != 1 else ''}"
+
+
+def check_label_set(counts: list[tuple[Path, dict[int, int]]], num_classes: int | None = None) -> int:
+    """The data set's label classes (background not counted), from each file's `label_counts`.
+
+    Declared (`num_classes`): every label lies in 0..num_classes. Inferred: the labels found must be contiguous from
+    0 and at most `MAX_INFERRED_LABEL`; a value beyond a gap (one stray voxel of 7 among 0..3) is an error naming its
+    file, the value and its voxel count, never a wider model."""
+    if exists(num_classes):
+        for path, found in counts:
+            if (hi := max(found)) > num_classes:
+                raise fail(path, f"label {hi} ({_voxels(found[hi])}) out of range (num_classes={num_classes})")
+        return num_classes
+    present = set().union(*(found.keys() for _, found in counts)) if counts else {0}
+    top = 0
+    while top + 1 in present:
+        top += 1
+    stray = sorted(v for v in present if v > top)
+    if stray or top > MAX_INFERRED_LABEL:
+        value = stray[0] if stray else top
+        path, n = min(((p, f[value]) for p, f in counts if value in f), key=lambda pn: pn[1])
+        why = (f"unexpected label {value} ({_voxels(n)}): the data set's other labels are 0..{top}" if stray else
+               f"label {value} ({_voxels(n)}): more than {MAX_INFERRED_LABEL} label classes")
+        raise fail(path, why + "; fix the label map, or declare the classes with --mask-channels")
+    return top
 
 
 def normalize(x: np.ndarray) -> np.ndarray:

@@ -1,0 +1,83 @@
+"""Writing the embedded synthetic subjects as a NIfTI folder, as a scanner's export would hold them.
+
+`export_folder` writes gzip NIfTI files in the reference's layout (image/, mask/: int16 intensities as scanners
+store magnitude images, uint8 labels) or the BraTS layout (seg/, t1/, t1ce/, t2/, flair/, or the BraTS 2023 names:
+float64 volumes, as the preprocessed BraTS files are often stored). The voxels are stored in another orientation
+than the canonical one (the affine says which), so that a reader must reorient them to see the anatomy the
+generator made. A folder for the tests and for timing training on files, without downloaded data.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+
+from medddpm.store.storage import atomic_write
+from medddpm.train.nifti import DataError, shape3
+from medddpm.train.synthetic import BRATS_MODALITIES, BRATS_SPACING_MM, make_brats_case, make_mni_pair
+
+LAYOUTS = ("reference", "brats", "brats2023")
+# Storage orientations (nibabel axis codes): a sagittal-first order for whole heads, the LPS order of DICOM-derived
+# BraTS files; neither is RAS, so reading them unreoriented would give another anatomy.
+ORIENTATION = {"reference": ("P", "S", "L"), "brats": ("L", "P", "S"), "brats2023": ("L", "P", "S")}
+BRATS_ON_DISK = (240, 240, 155)  # BraTS' 1 mm grid, cropped to the preset's 192 x 192 x 144 as the reference does
+_2023 = {"t1": "t1n", "t1ce": "t1c", "t2": "t2w", "flair": "t2f"}
+
+
+def _image(array: np.ndarray, spacing: float, axcodes: tuple[str, str, str], dtype) -> nib.Nifti1Image:
+    """`array` (RAS axes, isotropic `spacing` mm, centred on the origin) stored in the orientation `axcodes`."""
+    shape = np.array(array.shape)
+    affine = np.diag([spacing, spacing, spacing, 1.0])
+    affine[:3, 3] = -spacing * (shape - 1) / 2
+    canonical = nib.Nifti1Image(np.asarray(array, dtype=dtype), affine)
+    ornt = nib.orientations.ornt_transform(nib.orientations.axcodes2ornt(("R", "A", "S")),
+                                           nib.orientations.axcodes2ornt(axcodes))
+    img = canonical.as_reoriented(ornt)
+    img.header.set_xyzt_units("mm", "sec")
+    img.set_qform(img.affine, code=1)  # scanner coordinates, as a converted DICOM series says
+    img.set_sform(img.affine, code=1)
+    return img
+
+
+def _save(img: nib.Nifti1Image, path: Path) -> Path:
+    # mtime=0: the same subject gives the same bytes, so the files' hashes say whether anything changed
+    return atomic_write(path, lambda f: f.write(gzip.compress(img.to_bytes(), compresslevel=6, mtime=0)))
+
+
+def export_folder(out: str | os.PathLike, *, pairs: int, layout: str = "reference",
+                  size: int | tuple[int, int, int] | None = None, seed: int = 0) -> list[Path]:
+    """Write `pairs` subjects (seeds seed .. seed + pairs - 1) under `out`; returns the files written.
+
+    `size`: voxels on disk (default 128^3 whole heads, 240x240x155 BraTS). `out` must be empty or new."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if not isinstance(pairs, int) or pairs < 1:
+        raise ValueError(f"pairs must be a positive integer, got {pairs!r}")
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise DataError(f"{out}: {'not a folder' if not out.is_dir() else 'not empty'}; export-data writes a new "
+                        "folder")
+    axcodes, written = ORIENTATION[layout], []
+    for k in range(seed, seed + pairs):
+        if layout == "reference":
+            shape = shape3(size or 128)
+            image, labels = make_mni_pair(k, size=shape)
+            spacing = 1.6 * 128 / max(shape)
+            scanner = np.rint((image + 1) * 500).astype(np.int16)  # 0 .. 1000, background 0
+            written.append(_save(_image(scanner, spacing, axcodes, np.int16), out / "image" / f"img_{k:03d}.nii.gz"))
+            written.append(_save(_image(labels, spacing, axcodes, np.uint8), out / "mask" / f"mask_{k:03d}.nii.gz"))
+            continue
+        shape = shape3(size or BRATS_ON_DISK)
+        image, labels = make_brats_case(k, size=shape, spacing_mm=BRATS_SPACING_MM)
+        new = layout == "brats2023"
+        case = f"BraTS-GLI-{k:05d}-000" if new else f"BraTS2021_{k:05d}"
+        sep = "-" if new else "_"
+        volumes = {"seg": labels, **dict(zip(BRATS_MODALITIES, image))}
+        for m, volume in volumes.items():
+            name = _2023.get(m, m) if new else m
+            written.append(_save(_image(volume, BRATS_SPACING_MM, axcodes, np.float64), out / name / f"{case}{sep}{name}.nii.gz"))
+    return written
