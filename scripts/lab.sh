@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Open book pages (MyST text notebooks, book/*.md) as notebooks in JupyterLab:
 #   bash scripts/lab.sh book/explorers.md [book/workshop.md ...] [-- jupyter lab arguments]
-# Each page becomes runs/lab/<page>.ipynb (jupytext); a notebook there that is newer than its page
-# (edited in JupyterLab) is kept. JupyterLab then opens the first one, with the package importable
-# and the data tree the book reads.
+# Each page becomes runs/lab/<page>.ipynb (jupytext, then scripts/lab_notebook.py folds the exercises'
+# solutions); a notebook there that is newer than its page (edited in JupyterLab) is kept. JupyterLab
+# then opens the first one, with the package importable and the data tree the book reads; MyST
+# directives render through the jupyterlab-myst extension.
+# As root (a container) it adds --allow-root, which jupyter lab otherwise demands. From outside a
+# container or a remote machine: bash scripts/lab.sh book/PAGE.md -- --ip 0.0.0.0 --no-browser
 #   LAB_SKIP_SETUP=1     skip scripts/setup.sh (the environment is already set up)
 #   LAB_CONVERT_ONLY=1   write the notebooks and print the JupyterLab command, do not start it
 #   LAB_OUT              folder for the notebooks (default: runs/lab)
@@ -34,7 +37,7 @@ for page in "${pages[@]}"; do
   if [ -f "$nb" ] && [ "$nb" -nt "$page" ]; then
     echo "lab: keeping $nb (newer than $page; delete it to start again from the page)"
   else
-    .venv/bin/jupytext --quiet --to ipynb --output "$nb" "$page"
+    .venv/bin/python scripts/lab_notebook.py "$page" "$nb"
     echo "lab: $page -> $nb"
   fi
   notebooks+=("$nb")
@@ -42,8 +45,11 @@ done
 data=${MEDDDPM_DATA:-$repo/data}
 # MEDDDPM_LAB=1: charts render as offline JupyterCharts (medddpm.report.charts.setup), not CDN-loading HTML.
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" MEDDDPM_DATA="$(cd "$data" && pwd)" MEDDDPM_LAB=1
+args=("$@")
+# jupyter refuses to run as root unless told; root is the usual user in a container.
+if [ "$(id -u)" = 0 ]; then args+=(--allow-root); fi
 if [ "${LAB_CONVERT_ONLY:-0}" = 1 ]; then
-  echo "PYTHONPATH=$PYTHONPATH MEDDDPM_DATA=$MEDDDPM_DATA MEDDDPM_LAB=1 .venv/bin/jupyter lab ${notebooks[0]} $*"
+  echo "PYTHONPATH=$PYTHONPATH MEDDDPM_DATA=$MEDDDPM_DATA MEDDDPM_LAB=1 .venv/bin/jupyter lab ${notebooks[0]} ${args[*]}"
   exit 0
 fi
-exec .venv/bin/jupyter lab "${notebooks[0]}" "$@"
+exec .venv/bin/jupyter lab "${notebooks[0]}" "${args[@]}"

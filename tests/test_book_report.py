@@ -83,6 +83,13 @@ def test_by_device_folds_the_cpu_rows_and_keeps_placeholders_as_text():
     assert "<details" not in only_cpu, "with no GPU the CPU's rows are all there is: not folded"
 
 
+def test_long_names_may_break_inside_a_word_and_short_ones_stay_whole():
+    kernel = "void wgrad_alg1_nd_float_engine<float, 512, 6, 5, 3, 3, 3, false>"
+    out = tables.table_html(pd.DataFrame({"rule, on kernel": ["CPIStall on " + kernel, "short"], "ms": [1.5, 2.0]}))
+    assert out.count("overflow-wrap: anywhere") == 1, "only the long cell may break anywhere"
+    assert "wgrad_alg1_nd_float_engine&lt;float" in out, "its text is escaped"
+
+
 def _runs(rows) -> pd.DataFrame:
     return pd.DataFrame([{"gpu_slug": s, "config": c, "status": "ok", "batch": 1, "preset": p, "size": n,
                           "train_median_ms": ms, "train_p10_ms": ms * 0.99, "train_p90_ms": ms * 1.02}

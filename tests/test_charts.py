@@ -7,6 +7,7 @@ really ran, and hand-made Nsight Compute rows, so that every chart and every cla
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -108,28 +109,34 @@ def two(real) -> bd.Data:
     return with_gpu(real)
 
 
-def all_charts(data: bd.Data) -> dict[str, alt.TopLevelMixin]:
+def all_charts(data: bd.Data, **kw) -> dict[str, alt.TopLevelMixin]:
+    """Every chart of the book's pages from `data`; `kw` (cpu=True) goes to each of them."""
     summary = bd.step_summary(data.run)
     counters = bd.ncu_by_run(data.ncu, data.kernels)
+    run = data.run[data.run["status"] == "ok"]
+    mem = bd.memory_runs(run)
     return {
-        "step_time": charts.step_time(summary, bd.floors(data.run)),
-        "speedup": charts.speedup(summary),
-        "cost": charts.cost(summary),
-        "bench": charts.bench(data.bench),
-        "category_shares": charts.category_shares(bd.category_shares(data.kernels)),
-        "top_kernels": charts.top_kernels(bd.top_kernels(data.kernels)),
-        "pass_split": charts.pass_split(bd.pass_split(data.kernels)),
-        "tensor_pipe": charts.tensor_pipe(counters),
-        "instruction_mix": charts.instruction_mix(counters),
-        "memory": charts.memory(counters),
-        "stalls": charts.stalls(counters),
-        "priorities": charts.priorities(bd.ncu_priorities(data)),
-        "roofline": charts.roofline(bd.roofline_points(data.ncu)),
-        "gpu_busy": charts.gpu_busy(bd.gpu_busy(data)),
-        "loss_curves": charts.loss_curves(data.quality),
-        "loss_difference": charts.loss_difference(data.quality),
-        "rel_err": charts.rel_err(bd.quality_summary(data), bd.QUALITY_REL_ERR),
-        "claims": charts.claims_grid(claims.verdicts(data)),
+        "step_time": charts.step_time(summary, bd.floors(data.run), **kw),
+        "speedup": charts.speedup(summary, **kw),
+        "cost": charts.cost(summary, **kw),
+        "bench": charts.bench(data.bench, **kw),
+        "category_shares": charts.category_shares(bd.category_shares(data.kernels), **kw),
+        "top_kernels": charts.top_kernels(bd.top_kernels(data.kernels), **kw),
+        "pass_split": charts.pass_split(bd.pass_split(data.kernels), **kw),
+        "tensor_pipe": charts.tensor_pipe(counters, **kw),
+        "instruction_mix": charts.instruction_mix(counters, **kw),
+        "memory": charts.memory(counters, **kw),
+        "stalls": charts.stalls(counters, **kw),
+        "priorities": charts.priorities(bd.ncu_priorities(data), **kw),
+        "roofline": charts.roofline(bd.roofline_points(data.ncu), **kw),
+        "gpu_busy": charts.gpu_busy(bd.gpu_busy(data), **kw),
+        "loss_curves": charts.loss_curves(data.quality, **kw),
+        "loss_difference": charts.loss_difference(data.quality, **kw),
+        "rel_err": charts.rel_err(bd.quality_summary(data), bd.QUALITY_REL_ERR, **kw),
+        "claims": charts.claims_grid(claims.verdicts(data), **kw),
+        "memory_peaks": charts.memory_peaks(mem, **kw),
+        "memory_fits": charts.memory_fits(bd.fits(bd.memory_model(mem)), **kw),
+        "switch_costs": charts.switch_costs(bd.switch_costs(run), **kw),
     }
 
 
@@ -143,7 +150,7 @@ def _datasets(spec: dict) -> list[dict]:
 
 def _params(spec) -> list[dict]:
     out = list(spec.get("params", []))
-    for layer in spec.get("layer", []):
+    for layer in spec.get("layer", []) + ([spec["spec"]] if isinstance(spec.get("spec"), dict) else []):
         out += _params(layer)
     return out
 
@@ -169,15 +176,15 @@ def test_charts_validate_and_hold_every_gpu(two):
         spec = chart.to_dict()  # validates against the Vega-Lite schema
         assert spec["$schema"].startswith("https://vega.github.io/schema/vega-lite/v6"), name
         rows = _datasets(spec)
-        if name == "bench":
-            continue  # bench timings exist for the H200 only, by construction
+        if name in ("bench", "memory_peaks", "memory_fits", "switch_costs"):
+            continue  # bench timings and peak memory exist for the committed H200 only, by construction
         # a CPU has no hardware counters; committed GPU data (data/nvidia-h200) comes along
         have = set(two.ncu["gpu_slug"]) if name in NCU_CHARTS else set(two.run["gpu_slug"])
         if name == "speedup":  # a speedup needs the device's baseline run
             have = set(two.ok.loc[two.ok["config"] == "baseline", "gpu_slug"])
-        want = {GPU} | (have - {"cpu"}) if name in NCU_CHARTS else {"cpu", GPU} | have
+        want = {GPU} | (have - {"cpu"})
         slugs = {r.get("gpu_slug") for r in rows}
-        assert want <= slugs, f"{name}: GPUs in chart data {slugs}"
+        assert want <= slugs and "cpu" not in slugs, f"{name}: GPUs in chart data {slugs}"
         gpu_params = [p for p in _params(spec) if p.get("name") == "gpu"]
         for p in gpu_params:  # the dropdown offers every GPU of the data, a GPU first
             assert set(p["bind"]["options"]) == want and p["value"] != "cpu", name
@@ -384,7 +391,7 @@ def test_the_ablation_says_what_each_lever_buys_beyond_the_noise(real, tmp_path)
     _ablated(root, "best+compile=false", 3 * t, spread=5.0)
     assert bd.ablation_summary(bd.ablation_runs(root)).set_index("lever").loc["compile=false", "verdict"] \
         == "not told apart"
-    spec = charts.ablation(s.reset_index()).to_dict()
+    spec = charts.ablation(s.reset_index(), cpu=True).to_dict()
     drawn = {r["lever"] for d in spec["datasets"].values() for r in d}
     assert drawn == {"compile=false", "tap_gemm=false", "pad_channels=false"}, "a failed variant has no bar"
     assert "No ablation" in json.dumps(charts.ablation(s.reset_index().iloc[:0]).to_dict())
@@ -447,3 +454,297 @@ def test_gpu_busy_is_kernel_time_over_step_time(real):
     b = bd.gpu_busy(real)
     np.testing.assert_allclose(b["busy"] * b["train_median_ms"], b["kernel_ms"])
     assert b["busy"].between(0.3, 1.2).all(), b
+
+
+# ------------------------------------------------------------------------- what an expert checks first
+
+
+def _units(spec):
+    """Every unit view (a dict with a mark) of a spec, layered, faceted or not."""
+    if isinstance(spec, dict):
+        if "mark" in spec:
+            yield spec
+        for v in spec.values():
+            yield from _units(v)
+    elif isinstance(spec, list):
+        for v in spec:
+            yield from _units(v)
+
+
+def _mark(unit: dict) -> str:
+    return unit["mark"] if isinstance(unit["mark"], str) else unit["mark"]["type"]
+
+
+def _tooltips(unit: dict) -> list[dict]:
+    tip = unit.get("encoding", {}).get("tooltip", [])
+    return tip if isinstance(tip, list) else [tip]
+
+
+def _lab(hex_colour: str) -> tuple[float, float, float]:
+    """sRGB hex -> CIELAB (D65)."""
+    rgb = [int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5)]
+    r, g, b = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in rgb]
+    xyz = ((0.4124 * r + 0.3576 * g + 0.1805 * b) / 0.95047, 0.2126 * r + 0.7152 * g + 0.0722 * b,
+           (0.0193 * r + 0.1192 * g + 0.9505 * b) / 1.08883)
+    fx, fy, fz = [v ** (1 / 3) if v > 0.008856 else 7.787 * v + 16 / 116 for v in xyz]
+    return 116 * fy - 16, 500 * (fx - fy), 200 * (fy - fz)
+
+
+def _closest(colours: list[str]) -> float:
+    """The smallest CIELAB distance between two of `colours` (about 10 or less: a reader mixes them up)."""
+    import itertools
+    import math
+
+    return min(math.dist(_lab(a), _lab(b)) for a, b in itertools.combinations(colours, 2))
+
+
+@pytest.fixture(scope="module")
+def specs(two) -> dict[str, dict]:
+    return {name: chart.to_dict() for name, chart in all_charts(two).items()}
+
+
+def test_gpu_views_leave_cpu_rows_out_unless_asked(two, specs):
+    for name, spec in specs.items():
+        assert '"cpu"' not in json.dumps(spec), f"{name}: a CPU row, option or legend entry in a GPU view"
+    assert charts.is_cpu("cpu") and charts.is_cpu("cpu-my-laptop") and not charts.is_cpu("nvidia-h200")
+    asked = {name: chart.to_dict() for name, chart in all_charts(two, cpu=True).items()}
+    for name, spec in specs.items():
+        if name not in NCU_CHARTS | {"bench", "memory_peaks", "memory_fits", "switch_costs"}:  # no CPU rows exist
+            assert "cpu" in {r.get("gpu_slug") for r in _datasets(asked[name])}, f"{name}: cpu=True drops the CPU"
+    # data of a CPU only: the chart says why it is empty instead of drawing the CPU
+    cpu_only = bd.step_summary(two.run[two.run["gpu_slug"] == "cpu"])
+
+    def said(chart) -> str:  # a message's lines joined
+        return json.dumps(chart.to_dict()).replace("\\n", " ")
+
+    assert "CPU runs only" in said(charts.step_time(cpu_only))
+    assert "cpu" in json.dumps(charts.step_time(cpu_only, cpu=True).to_dict())
+    scaling = pd.DataFrame({"gpu_slug": ["cpu"] * 2, "config": "sdpa", "backend": "gloo", "world_size": [1, 2],
+                            "samples_per_s": [20.0, 25.0], "ideal_samples_per_s": [20.0, 40.0], "efficiency": [1, 0.6],
+                            "step_median_ms": 50.0, "rank_min_ms": 49.0, "rank_max_ms": 51.0})
+    assert "CPU runs only" in said(charts.scaling(scaling))
+    assert {r["world_size"] for r in _datasets(charts.scaling(scaling, cpu=True).to_dict())} == {1, 2}
+
+
+def test_bar_lengths_are_drawn_on_linear_axes_from_zero(specs):
+    bars = 0
+    for name, spec in specs.items():
+        for unit in _units(spec):
+            if _mark(unit) != "bar":
+                continue
+            for channel in ("x", "y"):
+                enc = unit.get("encoding", {}).get(channel, {})
+                if enc.get("type") != "quantitative":
+                    continue
+                bars += 1
+                scale = enc.get("scale", {})
+                assert scale.get("type", "linear") == "linear", f"{name}: bar lengths on a {scale['type']} axis"
+                assert scale.get("zero", True) is not False, f"{name}: bars that do not start at zero"
+                assert "domain" not in scale or scale["domain"][0] == 0, f"{name}: bars from {scale['domain'][0]}"
+    assert bars >= 10
+
+
+def test_memory_is_in_gib_with_the_cards_on_the_axis(specs):
+    for name in ("memory_peaks", "memory_fits"):
+        text = json.dumps(specs[name])
+        assert " GB" not in text and "GiB" in text, f"{name}: card sizes in GB beside GiB"
+    cards = [r for r in _datasets(specs["memory_peaks"]) if "card_gib" in r]
+    peaks = [r for r in _datasets(specs["memory_peaks"]) if "peak_gib" in r]
+    top = max(max(r["peak_gib"], r["reserved_gib"] or 0) for r in peaks)
+    assert cards and max(c["card_gib"] for c in cards) >= top, "the axis ends before the largest peak"
+    assert sorted(c["card_gib"] for c in cards if c["card_gib"] >= top)[:1] == [max(c["card_gib"] for c in cards)], \
+        "cards far beyond every peak squeeze the bars"
+
+
+def test_where_to_optimize_first_ranks_the_largest_saving_first(two, specs):
+    prio = bd.ncu_priorities(two).sort_values("priority")  # smallest first, as a table may well be ordered
+    rows = pd.DataFrame(_datasets(charts.priorities(prio).to_dict()))
+    assert len(rows) > 3
+    for _, g in rows.groupby(["gpu_slug", "config"]):
+        g = g.sort_values("rank")
+        assert list(g["rank"]) == list(range(1, len(g) + 1))
+        assert g["priority_pct"].is_monotonic_decreasing, "rank 1 is not the largest estimated saving"
+        assert g["label"].iloc[0].startswith(" 1. ")
+    y = next(u for u in _units(specs["priorities"]) if _mark(u) == "bar")["encoding"]["y"]
+    assert y["sort"] == {"field": "rank", "order": "ascending"}
+
+
+COUNTS = {"optimizer step", "ranks", "rank", "timed steps", "largest batch", "batch", "profiled launches"}
+UNITLESS = COUNTS | {"calls per step", "L1 loss", "instructions per step", "cycles per issued instruction",
+                     "relative L2 error"}  # counts and ratios: what they count is their name
+
+
+def test_axes_and_tooltips_name_their_units(specs):
+    """A quantitative axis or tooltip names its unit in parentheses (ms, %, GiB, ×, TFLOP/s...), or is a count;
+    a radio-chosen metric's axis title follows the choice; durations never as raw microseconds."""
+    checked = 0
+    for name, spec in specs.items():
+        text = json.dumps(spec)
+        assert "value of the chosen metric" not in text and "as chosen" not in text, name
+        units = list(_units(spec))
+        for channel in ("x", "y"):
+            axes = [u["encoding"][channel] for u in units if u.get("encoding", {}).get(channel, {}).get("type")
+                    == "quantitative" and "field" in u["encoding"][channel]]
+            if not axes:
+                continue
+            assert not any(str(e["field"]).endswith("_us") for e in axes), f"{name}: a {channel} axis in microseconds"
+            # a layer's axis title names the axis its layers share
+            titles = [t for e in axes if (t := e.get("axis", {}).get("title", e.get("title"))) is not None]
+            if not titles:  # a radio-chosen metric: its axis title is drawn by a text layer of the same chart
+                chosen = [r["axis_title"] for r in _datasets(spec) if "axis_title" in r]
+                assert chosen and all(re.search(r"\(.+\)", c) for c in chosen), f"{name}: {channel} axis {chosen}"
+                continue
+            for t in titles:
+                checked += 1
+                assert re.search(r"\(.+\)", t) or t in UNITLESS, f"{name}: {channel} axis '{t}' names no unit"
+        for unit in units:
+            for tip in _tooltips(unit):
+                if tip.get("type") != "quantitative":
+                    continue
+                checked += 1
+                title = tip.get("title", tip["field"])
+                assert not tip["field"].endswith("_us"), f"{name}: tooltip {title!r} in raw microseconds"
+                assert re.search(r"\(.+\)", title) or title in UNITLESS, f"{name}: tooltip {title!r} names no unit"
+                assert "format" in tip, f"{name}: tooltip {title!r} unformatted (299.0 for a count)"
+                if title in COUNTS:
+                    assert tip["format"] == "d", f"{name}: the count {title!r} is not shown as an integer"
+    assert checked > 80
+
+
+def test_counts_use_si_prefixes(specs):
+    bars = next(u for u in _units(specs["instruction_mix"]) if _mark(u) == "bar")["encoding"]
+    assert "~s" in bars["x"]["axis"]["labelExpr"], "instruction counts as raw integers (40,000,000,000,000)"
+    assert any(t.get("format") == ".3~s" for t in bars["tooltip"])
+
+
+def test_categorical_colours_do_not_repeat(specs):
+    cfg = charts.config_color(list(CONFIGS) + [f"extra{i}" for i in range(16)]).to_dict()
+    assert len(set(cfg["range"])) == len(cfg["range"]) == len(CONFIGS) + 16
+    assert _closest(cfg["range"][:20]) > 20, "two configurations' colours are hard to tell apart"
+    assert _closest(charts.CATEGORY_COLORS) > 15
+    for name, spec in specs.items():
+        for unit in _units(spec):
+            colour = unit.get("encoding", {}).get("color", {})
+            if colour.get("type") != "nominal" or "field" not in colour:
+                continue
+            scale = colour.get("scale", {})
+            assert "range" in scale and "scheme" not in scale, f"{name}: colours from a scheme that repeats or pairs"
+            assert len(set(scale["range"])) == len(scale["range"]) >= len(scale.get("domain", [])), name
+            legend = colour.get("legend") or {}
+            assert len(legend.get("values", scale.get("domain", []))) <= 20, f"{name}: too many colours to tell apart"
+    for name in ("stalls", "instruction_mix"):  # nineteen stall reasons: nine and "other"
+        rows = _datasets(specs[name])
+        field = "reason" if name == "stalls" else "class"
+        assert len({r[field] for r in rows}) <= 10, f"{name}: {len({r[field] for r in rows})} colours"
+
+
+def test_titles_fit_and_start_flush_left(specs):
+    for name, spec in specs.items():
+        t = spec.get("title")
+        if t is None:
+            continue  # a chart that says why it is empty
+        assert isinstance(t, dict) and t.get("anchor") == "start", f"{name}: a centred title runs off a narrow chart"
+        assert len(t["text"]) <= 50, f"{name}: title {t['text']!r} too long"
+        for line in t.get("subtitle", []) if isinstance(t.get("subtitle"), list) else [t.get("subtitle", "")]:
+            assert len(line) <= 100, f"{name}: subtitle {line!r} too long"
+
+
+def test_loss_difference_draws_a_panel_per_configuration(specs):
+    spec = specs["loss_difference"]
+    assert spec["facet"]["field"] == "config" and spec["columns"] >= 3
+    assert spec.get("resolve", {}).get("scale", {}).get("y", "shared") == "shared", "panels on different scales"
+    assert [_mark(u) for u in _units(spec)] == ["rule", "line"]
+    width = spec["columns"] * spec["spec"]["width"] + (spec["columns"] - 1) * spec["spacing"]["column"]
+    assert width + 80 <= 700, f"{width} px of panels and their axis overflow the page's column"
+
+
+def _svg_axes(spec: dict, width: int, axis: str = "X") -> tuple[list[list[tuple[float, str, str]]], str]:
+    """The labels of each X or Y axis of the chart drawn `width` pixels wide (vl-convert, as the book's bundle
+    draws them; a faceted chart has one per panel): position along the axis, text and text anchor, in order
+    (top to bottom for Y); and the SVG."""
+    import xml.etree.ElementTree as ET
+
+    vlc = pytest.importorskip("vl_convert")
+    spec = json.loads(json.dumps(spec).replace('"width": "container"', f'"width": {width}'))
+    svg = vlc.vegalite_to_svg(spec)
+    ns = {"s": "http://www.w3.org/2000/svg"}
+    axes = []
+    for g_axis in ET.fromstring(svg).iterfind(".//s:g[@aria-roledescription='axis']", ns):
+        if not g_axis.get("aria-label", "").startswith(f"{axis}-axis"):
+            continue
+        labels = []
+        for g in g_axis.iterfind(".//s:g", ns):
+            if "role-axis-label" in g.get("class", ""):
+                for t in g.iterfind("s:text", ns):
+                    if t.get("opacity") == "0":
+                        continue  # hidden by Vega's own label-overlap removal
+                    x, y = map(float, re.match(r"translate\(([-\d.]+),([-\d.]+)", t.get("transform")).groups())
+                    labels.append((x if axis == "X" else y, t.text or "", t.get("text-anchor", "middle")))
+        axes.append(sorted(labels))
+    return axes, svg
+
+
+def _svg_labels(spec: dict, width: int, axis: str = "X") -> tuple[list[tuple[float, str]], str]:
+    """The first X or Y axis's labels (position, text), in order, and the SVG."""
+    axes, svg = _svg_axes(spec, width, axis)
+    return [(pos, text) for pos, text, _ in (axes[0] if axes else [])], svg
+
+
+def _extent(pos: float, text: str, anchor: str) -> tuple[float, float]:
+    """Where a 10 px sans-serif label spans on its axis (about 5.6 px a character)."""
+    w = 5.6 * len(text)
+    return {"start": (pos, pos + w), "end": (pos - w, pos)}.get(anchor, (pos - w / 2, pos + w / 2))
+
+
+def test_x_axis_labels_do_not_collide_in_a_narrow_column(specs):
+    """Every chart drawn 360 px wide: no two x-axis labels overlap, the last one flush with the axis end
+    included (a linear axis's ticks every 20 put '220' against a flush '240')."""
+    for name, spec in specs.items():
+        for labels in _svg_axes(spec, 360)[0]:
+            shown = [_extent(*lab) for lab in labels if lab[1]]
+            for (a0, a1), (b0, b1) in zip(shown, shown[1:]):
+                assert b0 >= a1 - 1, f"{name}: x labels overlap at 360 px: {[t for _, t, _ in labels]}"
+
+
+def test_rankings_read_largest_first_as_drawn(two):
+    """What a reader sees, top to bottom: rank 1 is the largest estimated saving, the ablation's largest lever on
+    top (layers that share a y scale quietly drop a sort by field)."""
+    prio = bd.ncu_priorities(two).sort_values("priority")
+    labels = [t for _, t in _svg_labels(charts.priorities(prio).to_dict(), 500, "Y")[0]]
+    assert [int(t.split(".")[0]) for t in labels] == list(range(1, len(labels) + 1)), labels
+    abl = pd.DataFrame({"gpu_slug": GPU, "preset": "paper", "lever": ["a", "b", "c"], "base_ms": 10.0,
+                        "train_median_ms": [11.0, 30.0, 12.0], "train_p10_ms": 9.0, "train_p90_ms": 31.0,
+                        "saved_ms": [1.0, 20.0, 2.0], "ratio": 1.1, "noise": 0.01, "verdict": "buys"})
+    assert [t for _, t in _svg_labels(charts.ablation(abl).to_dict(), 500, "Y")[0]] == ["b", "c", "a"]
+
+
+def test_roofline_names_its_roofs_and_its_x_labels_do_not_collide(specs):
+    labels, svg = _svg_labels(specs["roofline"], 320)  # a phone's column
+    shown = [(x, t) for x, t in labels if t]
+    assert len(shown) >= 3
+    for (xa, a), (xb, b) in zip(shown, shown[1:]):
+        assert xb - xa >= 3.2 * (len(a) + len(b)) + 4, f"x labels {a!r} and {b!r} collide at 320 px"
+    assert "memory roof" in svg and "TB/s" in svg, "the memory roof has no label"
+
+    from medddpm.report.step_time import PEAKS
+
+    drawn = re.findall(r"<tspan[^>]*>([^<]*)</tspan>", svg)  # the text marks' lines (aria labels repeat them)
+    assert sum(t.startswith("compute roof") for t in drawn) == len(PEAKS["nvidia-h200"]), drawn
+    assert sum(t.endswith(" TFLOP/s") for t in drawn) == len(PEAKS["nvidia-h200"]), drawn
+
+
+def test_a_machine_kept_beside_ours_has_the_peaks_of_its_device_type(real):
+    """A run under `nvidia-h200-<host>` (measured beside the committed H200 rows) is floored by the H200's
+    peaks; a label whose rows name no device type with known peaks gets none."""
+    h200 = real.run[real.run["gpu_slug"] == "nvidia-h200"]
+    if h200.empty:
+        pytest.skip("no committed H200 rows")
+    mine = h200.assign(gpu_slug="nvidia-h200-box", gpu_type="nvidia-h200",
+                       run_id=h200["run_id"].str.replace("nvidia-h200/", "nvidia-h200-box/", regex=False))
+    other = h200.assign(gpu_slug="nvidia-x-box", gpu_type="nvidia-x",
+                        run_id=h200["run_id"].str.replace("nvidia-h200/", "nvidia-x-box/", regex=False))
+    f = bd.floors(pd.concat([real.run, mine, other], ignore_index=True))
+    ours = f[f["gpu_slug"] == "nvidia-h200"].set_index("precision")["floor_ms"]
+    theirs = f[f["gpu_slug"] == "nvidia-h200-box"].set_index("precision")["floor_ms"]
+    assert not ours.empty and theirs.sort_index().tolist() == pytest.approx(ours.sort_index().tolist())
+    assert f[f["gpu_slug"] == "nvidia-x-box"].empty

@@ -23,6 +23,18 @@ PEAKS: dict[str, dict[str, tuple[float, str]]] = {
     },
 }
 
+
+
+def peaks_of(slug: str, run: pd.DataFrame | None = None) -> dict[str, tuple[float, str]]:
+    """The peaks of the device type a folder label was measured on: a run kept beside the committed rows of its
+    type (`nvidia-h200-<host>`) has that type's peaks, read from its rows' `gpu_type`."""
+    if run is not None and "gpu_type" in run:
+        types = run.loc[run["gpu_slug"] == slug, "gpu_type"].dropna().unique()
+        if len(types) == 1:
+            return PEAKS.get(types[0], {})
+    return PEAKS.get(slug, {})
+
+
 # FP32 (non-tensor-core) peaks from NVIDIA's datasheets, for counting what training costs elsewhere.
 DATASHEET_FP32 = {"V100 SXM2": 15.7e12, "A100 SXM": 19.5e12, "H100 SXM": 67e12}
 
@@ -102,7 +114,7 @@ def floors(run: pd.DataFrame, bench: pd.DataFrame | None = None, bench_flops: fl
         s = pd.concat([s, b], ignore_index=True)
     rows = []
     for slug, g in s.groupby("gpu_slug"):
-        for precision, (peak, peak_source) in PEAKS.get(slug, {}).items():
+        for precision, (peak, peak_source) in peaks_of(slug, run).items():
             same = g[g["precision_used"] == precision]
             if same.empty:
                 continue

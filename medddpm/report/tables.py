@@ -16,6 +16,7 @@ from medddpm.report.loading import cpu_slugs, is_cpu
 
 
 DEVICE_COLUMNS = ("device", "GPU", "gpu_slug", "measured on")
+LONG_TEXT = 30  # characters: longer cell text may break inside a word
 
 
 def table_html(df: pd.DataFrame, digits: int = 4, formats: dict | None = None, code: tuple[str, ...] = ()) -> str:
@@ -28,6 +29,10 @@ def table_html(df: pd.DataFrame, digits: int = 4, formats: dict | None = None, c
     # a device label such as nvidia-h200 stays on one line (a browser breaks it after its hyphen)
     fmt |= {c: (lambda v: f'<span style="white-space: nowrap">{v}</span>') for c in df.columns
             if c in DEVICE_COLUMNS and c not in fmt}
+    # a long name without spaces (a kernel's C++ signature) may break anywhere rather than widen the table
+    fmt |= {c: (lambda v: f'<span style="overflow-wrap: anywhere">{v}</span>' if len(str(v)) > LONG_TEXT else v)
+            for c in df.columns if c not in fmt and (pd.api.types.is_object_dtype(df[c])
+                                                     or pd.api.types.is_string_dtype(df[c]))}
     fmt |= formats or {}
     return df.style.hide(axis="index").format(fmt, escape="html", na_rep="-").to_html()
 

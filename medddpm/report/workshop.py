@@ -269,13 +269,14 @@ def stall_table(ncu_df: pd.DataFrame, *, top: int = 8) -> pd.DataFrame:
 
 
 def efficiencies(data: bd.Data) -> pd.DataFrame:
-    """Per GPU whose peaks are known (`bookdata.PEAKS`) and precision measured there: achieved TFLOP/s
+    """Per GPU whose device type has known peaks (`step_time.PEAKS`) and precision measured there: achieved TFLOP/s
     of a training micro-step (strict FP32 = the baseline; bf16 = the bf16 configuration), from the
     sweep, else from the bench timings, and the fraction of the peak it is."""
     run = data.ok
     rows = []
-    for slug, peaks in bd.PEAKS.items():
-        for precision, (peak, source) in peaks.items():
+    slugs = sorted(set(run["gpu_slug"]) | (set(data.bench["gpu_slug"]) if not data.bench.empty else set()))
+    for slug in slugs:
+        for precision, (peak, source) in bd.peaks_of(slug, run).items():
             config = {"fp32": "baseline", "bf16": "bf16"}.get(precision)
             r = run[(run["gpu_slug"] == slug) & (run["config"] == config)]
             if len(r):

@@ -1,0 +1,147 @@
+"""Device memory: measured peaks against card sizes, what fits where, and what a memory-saving switch costs.
+
+Every size is in GiB. A card sold as C GB is drawn as holding C GiB, as `memory.fits` takes it: NVIDIA's
+sizes are binary ones (an "80 GB" card reports 80 GiB)."""
+
+from __future__ import annotations
+
+import altair as alt
+import numpy as np
+import pandas as pd
+
+from medddpm.report.charts.theme import (MS, _config_legend, _configs_in, _gpu_param, _height, _light, _no_gpu,
+                                         config_color, figure, gpu_rows, parts_color, title)
+from medddpm.report.loading import config_order
+from medddpm.report.memory import FIT_VERDICTS, GPU_MEMORY_GB
+
+FIT_COLORS = ["#54a24b", "#eeca3b", "#e45756"]  # fits, tight, does not fit (memory.FIT_VERDICTS)
+
+
+def _model_param(df: pd.DataFrame, name: str = "model") -> alt.Parameter:
+    options = sorted(df["model"].unique())
+    return alt.param(name=name, value=options[0], bind=alt.binding_select(options=options, name="model "))
+
+
+def card_label(gib: float) -> str:
+    return f"{gib:g} GiB"
+
+
+def _cards(df: pd.DataFrame) -> pd.DataFrame:
+    """Per (GPU, model): the card sizes up to the smallest that holds every peak drawn, so that the linear axis
+    ends there and the bars keep the width (a 141 GiB card beside 4 GiB peaks leaves them slivers)."""
+    rows = []
+    for (slug, model), g in df.groupby(["gpu_slug", "model"]):
+        top = np.nanmax(g[["peak_gib", "reserved_gib"]].to_numpy(dtype=float))
+        sizes = [c for c in GPU_MEMORY_GB if c < top] + [c for c in GPU_MEMORY_GB if c >= top][:1]
+        rows += [{"gpu_slug": slug, "model": model, "card_gib": float(c), "card": card_label(c), "k": i % 2}
+                 for i, c in enumerate(sizes)]
+    return pd.DataFrame(rows, columns=["gpu_slug", "model", "card_gib", "card", "k"])
+
+
+@figure
+def memory_peaks(mem: pd.DataFrame, *, cpu: bool = False) -> alt.LayerChart | alt.Chart:
+    """Peak allocated memory per configuration (bar, linear from 0) and the allocator's reserved peak (tick),
+    against the card sizes (dashed); dropdowns for the GPU measured on and the model, legend highlights a
+    configuration."""
+    cols = ["gpu_slug", "model", "config", "label", "batch", "peak_gib", "reserved_gib", "other_gib",
+            "sample_peak_gib", "train_median_ms", "precision_used", "checkpointing"]
+    df = _light(gpu_rows(mem, cpu)[cols]) if len(mem) else mem
+    if df.empty:
+        return _no_gpu(mem, "GPU peak memory", " (a CPU run has none): run the sweep on a GPU")
+    gpu, model = _gpu_param(df), _model_param(df)
+    pick = alt.selection_point(fields=["config"], bind="legend")
+    rank = {c: i for i, c in enumerate(config_order(df["config"]))}
+    order = df.assign(_r=df["config"].map(rank)).sort_values(["_r", "batch"])["label"].drop_duplicates().tolist()
+    tip = [alt.Tooltip("gpu_slug:N", title="measured on"), alt.Tooltip("model:N"),
+           alt.Tooltip("config:N", title="configuration"), alt.Tooltip("batch:Q", format="d"),
+           alt.Tooltip("precision_used:N", title="precision that ran"), alt.Tooltip("checkpointing:N"),
+           alt.Tooltip("peak_gib:Q", title="peak allocated (GiB)", format=".3~r"),
+           alt.Tooltip("reserved_gib:Q", title="peak reserved (GiB)", format=".3~r"),
+           alt.Tooltip("other_gib:Q", title="outside the allocator (GiB)", format=".3~r"),
+           alt.Tooltip("sample_peak_gib:Q", title="sampling peak (GiB)", format=".3~r"),
+           alt.Tooltip("train_median_ms:Q", title="median micro-step (ms)", format=MS)]
+    keep = (alt.datum.gpu_slug == gpu) & (alt.datum.model == model)
+    base = alt.Chart(df).transform_filter(keep)
+    y = alt.Y("label:N", sort=order, title=None)
+    x = alt.X("peak_gib:Q", scale=alt.Scale(zero=True), title="peak memory of a training micro-step (GiB)")
+    bars = base.mark_bar().encode(
+        y=y, x=x, color=alt.Color("config:N", scale=config_color(df["config"]), legend=_config_legend(df)),
+        opacity=alt.condition(pick, alt.value(1.0), alt.value(0.2)), tooltip=tip).add_params(pick)
+    ticks = base.mark_tick(color="black", thickness=2).encode(y=y, x="reserved_gib:Q", tooltip=tip)
+    cards = alt.Chart(_cards(df)).transform_filter(keep)
+    rules = cards.mark_rule(strokeDash=[4, 3], color="#888").encode(
+        x="card_gib:Q", tooltip=[alt.Tooltip("card:N", title="card memory")])
+    # neighbouring sizes can lie close: every other label one line higher
+    labels = [cards.transform_filter(alt.datum.k == k).mark_text(
+        align="center", dy=-4 - 11 * k, baseline="bottom", fontSize=10, color="#555").encode(
+        x="card_gib:Q", y=alt.value(0), text="card:N") for k in (0, 1)]
+    return alt.layer(rules, *labels, bars, ticks).add_params(gpu, model).properties(
+        width="container", height=_height(df, len(set(df["config"])), by="label"),
+        title=title("Peak memory of one training micro-step",
+                    ["bar: peak allocated; tick: peak reserved by the allocator",
+                     "dashed: card sizes, up to the smallest card that holds every bar"]))
+
+
+@figure
+def memory_fits(fits_df: pd.DataFrame, *, cpu: bool = False) -> alt.LayerChart | alt.Chart:
+    """Configuration x card size: does batch 1 train (colour) and the largest batch (text); dropdowns
+    for the GPU the peaks were measured on and the model; legend picks a verdict."""
+    df = gpu_rows(fits_df, cpu)
+    if df.empty:
+        return _no_gpu(fits_df, "GPU peak memory", " (a CPU run has none): nothing to fit yet")
+    df = _light(df.assign(card=df["card_gb"].map(card_label)))
+    df["batch_text"] = [("up to " + str(int(b))) if pd.notna(b) and b >= 1 else "-" for b in df["largest_batch"]]
+    gpu, model = _gpu_param(df), _model_param(df)
+    pick = alt.selection_point(fields=["verdict"], bind="legend")
+    base = alt.Chart(df).transform_filter((alt.datum.gpu_slug == gpu) & (alt.datum.model == model))
+    x = alt.X("card:N", sort=[card_label(c) for c in GPU_MEMORY_GB], title="card memory (GiB)",
+              axis=alt.Axis(labelAngle=0))
+    y = alt.Y("config:N", sort=_configs_in(df), title=None)
+    tip = [alt.Tooltip("gpu_slug:N", title="measured on"), alt.Tooltip("model:N"),
+           alt.Tooltip("config:N", title="configuration"), alt.Tooltip("card:N", title="card memory"),
+           alt.Tooltip("verdict:N", title="batch 1"),
+           alt.Tooltip("need1_gib:Q", title="need at batch 1 (GiB)", format=".3~r"),
+           alt.Tooltip("largest_batch:Q", title="largest batch", format="d"),
+           alt.Tooltip("per_sample_gib:Q", title="per extra volume (GiB)", format=".3~r"),
+           alt.Tooltip("train_median_ms:Q", title="median micro-step, batch 1 (ms)", format=MS),
+           alt.Tooltip("method:N", title="how")]
+    cells = base.mark_rect(stroke="white", strokeWidth=2).encode(
+        x=x, y=y, color=alt.Color("verdict:N", scale=alt.Scale(domain=list(FIT_VERDICTS), range=FIT_COLORS),
+                                  legend=alt.Legend(title="batch 1 (click)")),
+        opacity=alt.condition(pick, alt.value(1.0), alt.value(0.2)), tooltip=tip).add_params(pick)
+    text = base.mark_text(fontSize=11).encode(x=x, y=y, text="batch_text:N", tooltip=tip)
+    return alt.layer(cells, text).add_params(gpu, model).properties(
+        width="container", height=_height(df, 3, row=30),
+        title=title("What fits where", "colour: does batch 1 train; text: the largest batch"))
+
+
+@figure
+def switch_costs(costs: pd.DataFrame, *, cpu: bool = False) -> alt.LayerChart | alt.Chart:
+    """Step time with a memory-saving switch on over off (1 = free), one bar per measured pair; GPU
+    dropdown, legend picks the switch; the memory it saved in the tooltip."""
+    df = gpu_rows(costs, cpu)
+    if df.empty:
+        return _no_gpu(costs, "pair of runs that differ in one memory-saving switch only")
+    df = _light(df)
+    df["pair"] = df["config_off"] + " -> " + df["config_on"] + " (" + df["model"] + np.where(
+        df["batch"] == 1, "", ", batch " + df["batch"].astype(str)) + ")"
+    gpu = _gpu_param(df)
+    pick = alt.selection_point(fields=["switch"], bind="legend")
+    tip = [alt.Tooltip("gpu_slug:N", title="GPU"), alt.Tooltip("model:N"), alt.Tooltip("change:N"),
+           alt.Tooltip("config_off:N", title="without"), alt.Tooltip("config_on:N", title="with"),
+           alt.Tooltip("time_off_ms:Q", title="micro-step without (ms)", format=MS),
+           alt.Tooltip("time_on_ms:Q", title="micro-step with (ms)", format=MS),
+           alt.Tooltip("time_ratio:Q", title="time with / without (×)", format=".3f"),
+           alt.Tooltip("peak_off_gib:Q", title="peak without (GiB)", format=".3~r"),
+           alt.Tooltip("peak_on_gib:Q", title="peak with (GiB)", format=".3~r"),
+           alt.Tooltip("saved_frac:Q", title="memory saved (%)", format=".0%")]
+    bars = alt.Chart(df).transform_filter(alt.datum.gpu_slug == gpu).mark_bar().encode(
+        y=alt.Y("pair:N", title=None, sort=alt.EncodingSortField("switch"), axis=alt.Axis(labelLimit=240)),
+        x=alt.X("time_ratio:Q", title="micro-step time with the switch ÷ without (×; 1 = free)"),
+        color=alt.Color("switch:N", scale=parts_color(sorted(df["switch"].unique())),
+                        legend=alt.Legend(title="switch (click)")),
+        opacity=alt.condition(pick, alt.value(1.0), alt.value(0.2)), tooltip=tip).add_params(pick)
+    one = alt.Chart(pd.DataFrame({"x": [1.0]})).mark_rule(strokeDash=[4, 3], color="#333").encode(x="x:Q")
+    return alt.layer(bars, one).add_params(gpu).properties(
+        width="container", height=_height(df, df["switch"].nunique() + 1, by="pair"),
+        title=title("What a memory-saving switch costs in step time", "dashed: 1 = as fast as without"))
