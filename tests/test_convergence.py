@@ -399,3 +399,20 @@ def test_parallel_runs_resume_after_the_time_limit_and_fp16_records_its_skipped_
     assert (runs["status"] == "ok").all(), runs["message"].tolist()
     assert set(runs["precision_used"]) == {"fp16"} and (runs["skipped_steps"] >= 0).all()
     assert set(runs["sample_precision"]) == {"fp16"}
+
+
+@pytest.mark.parametrize("dice, verdict", [
+    ({"baseline": [0.80, 0.82, 0.84], "opt1": [0.79, 0.83, 0.81]}, "holds"),  # within the spread between seeds
+    ({"baseline": [0.80, 0.82, 0.84], "opt1": [0.70, 0.72, 0.71]}, "fails"),  # below it beyond the spread
+    ({"baseline": [0.80, 0.82, 0.84], "opt1": [0.90, 0.55, 0.92]}, "fails"),  # a mean within, but a failed run
+    ({"baseline": [0.80], "opt1": [0.81]}, "na"),  # one seed: no spread to weigh against
+])
+def test_the_tf32_claim_on_the_study_weighs_the_difference_against_the_seeds(tmp_path, dice, verdict):
+    from types import SimpleNamespace
+
+    from medddpm.report import claims
+
+    fake_study(store.folder(tmp_path, "gpu-x"), dice=dice)
+    v = claims.tf32_samples(SimpleNamespace(study=rc.load_study(tmp_path), slug="gpu-x"))
+    assert v.verdict == {"holds": claims.HOLDS, "fails": claims.FAILS, "na": claims.NA}[verdict], v.evidence
+    assert claims.tf32_samples(SimpleNamespace(study=None, slug="gpu-x")).verdict == claims.NA

@@ -107,11 +107,12 @@ def cmd_claims(args) -> None:
 
     from medddpm import report
     from medddpm.report import claims
+    from medddpm.report.convergence import load_study
 
     if args.data is not None and not Path(args.data).is_dir():
         raise FileNotFoundError(f"--data {args.data}: no such folder (a data tree such as data/)")
     data = report.load_all(args.data)
-    table = claims.verdicts(data)
+    table = claims.verdicts(data, study=load_study(args.data))
     if args.json:
         print(claims.as_json(table))
         return

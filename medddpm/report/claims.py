@@ -26,6 +26,7 @@ import pandas as pd
 from medddpm.measure import layers
 
 from medddpm.measure import ncu_table
+from medddpm.report.convergence import FAIL_DICE, Study, per_seed
 from medddpm.report.loading import FAILS, HOLDS, NA, Data, is_cpu
 from medddpm.report.quality import QUALITY_LOSS, QUALITY_REL_ERR
 
@@ -64,8 +65,8 @@ def _na(why: str) -> Verdict:
 class GPU:
     """The measurements of one GPU, with the summaries the rules share (computed once, on first use)."""
 
-    def __init__(self, data: Data, slug: str):
-        self.data, self.slug = data, slug
+    def __init__(self, data: Data, slug: str, study: Study | None = None):
+        self.data, self.slug, self.study = data, slug, study
         self.run = data.run[data.run["gpu_slug"] == slug]
         self.ok = self.run[self.run["status"] == "ok"].set_index("config")
         self.is_gpu = not is_cpu(slug) and (self.run["gpu_name"] != "cpu").all()
@@ -323,6 +324,27 @@ def tf32_quality(g: GPU) -> Verdict:
                   f"forward relative error {rel:.1e}, mean loss difference {dloss:.2%}", rel_err=rel, loss_diff=dloss)
 
 
+def tf32_samples(g: GPU) -> Verdict:
+    """The trained model, not one step: opt1 against strict FP32 in the convergence study (same weights, data order
+    and noise per seed), by the label agreement of their samples."""
+    if g.study is None or g.study.empty:
+        return _na("no convergence study in the data (python -m medddpm study --configs baseline,opt1,...)")
+    ps = per_seed(g.study)
+    ps = ps[ps["gpu_slug"] == g.slug]
+    seeds = {c: ps.loc[ps["config"] == c, ["label_dice", "failed"]] for c in ("baseline", "opt1")}
+    if any(len(d) < 2 for d in seeds.values()):
+        return _na("the convergence study here has fewer than two seeds of "
+                   + " and ".join(c for c, d in seeds.items() if len(d) < 2) + " (a spread between seeds needs two)")
+    base, tf32 = seeds["baseline"], seeds["opt1"]
+    diff = tf32["label_dice"].mean() - base["label_dice"].mean()
+    spread = max(tf32["label_dice"].std(), base["label_dice"].std())
+    failed = (int(tf32["failed"].sum()), int(base["failed"].sum()))
+    ok = diff >= -spread and failed[0] <= failed[1]
+    return _judge(ok, f"mean label_dice opt1 {tf32['label_dice'].mean():.3f} vs strict FP32 {base['label_dice'].mean():.3f} "
+                  f"({diff:+.3f}; spread between seeds {spread:.3f}); failed runs {failed[0]} of {len(tf32)} vs "
+                  f"{failed[1]} of {len(base)}", label_dice_diff=diff, spread=spread, failed=list(failed))
+
+
 # ------------------------------------------------------------------------------------------- table
 
 @dataclass(frozen=True)
@@ -380,6 +402,10 @@ CLAIMS = [
     Claim("tf32-quality", "TF32 keeps quality", "TF32 does not degrade synthesis quality.",
           f"opt1 against strict FP32 from the same weights: forward relative error <= {QUALITY_REL_ERR:g} and mean "
           f"relative loss difference <= {QUALITY_LOSS:.0%}, where TF32 really ran (quality.parquet).", tf32_quality),
+    Claim("tf32-samples", "TF32 trains as good a model", "TF32 does not degrade synthesis quality.",
+          "Convergence study, same seeds: opt1's mean label_dice is not below strict FP32's by more than the larger "
+          f"standard deviation between seeds, and no more of opt1's runs fail (mean label_dice < {FAIL_DICE}).",
+          tf32_samples),
 ]
 COLUMNS = ["claim_id", "short", "claim", "gpu_slug", "verdict", "rule", "evidence", "figures"]
 ON_CPU = "a claim about GPU kernels: not measurable on a CPU (the CPU run checks the pipeline, not the paper)"
@@ -391,11 +417,12 @@ def devices(data: Data) -> list[str]:
     return sorted(set(data.run["gpu_slug"]) | bench, key=lambda s: (is_cpu(s), s))  # GPUs first
 
 
-def verdicts(data: Data, claims=CLAIMS) -> pd.DataFrame:
-    """Every claim against every device in the data (`COLUMNS`; `figures` a dict of the numbers judged)."""
+def verdicts(data: Data, claims=CLAIMS, study: Study | None = None) -> pd.DataFrame:
+    """Every claim against every device in the data (`COLUMNS`; `figures` a dict of the numbers judged); the
+    convergence study (`convergence.load_study`), where given, judges the trained models' samples."""
     rows = []
     for slug in devices(data):
-        g = GPU(data, slug)
+        g = GPU(data, slug, study)
         for c in claims:
             v = c.judge(g) if g.is_gpu else _na(ON_CPU)
             rows.append({"claim_id": c.id, "short": c.short, "claim": c.text, "gpu_slug": slug, "verdict": v.verdict,
