@@ -97,8 +97,8 @@ def test_columns_added_for_memory_read_from_older_tables(tmp_path):
 
     env = dict(gpu_count=0, driver="", cuda="", cudnn="", torch="2", python="3", cpu="x", host_threads=2,
                git_commit="abc", container="")
-    rows = [run_row(get_config("baseline"), "paper", env=env, gpu_name="cpu", status="ok", message="") | {"size": s}
-            for s in (128, 16)]
+    rows = [run_row(get_config("baseline"), "paper", env=env, gpu_name="cpu", status="ok", message="")
+            | {"size": s, "run_id": f"cpu/baseline/{s}"} for s in (128, 16)]
     new = ["checkpointing", "shape", "image_channels", "num_res_blocks", "gpu_total_bytes", "gpu_other_bytes",
            "upsample"]
     old = pd.DataFrame(rows).drop(columns=new)

@@ -106,7 +106,8 @@ def test_a_failing_configuration_is_recorded_and_the_sweep_goes_on(tmp_path):
     p = sweep("--preset", "smoke", "--configs", "compile,baseline", "--out", str(tmp_path / "data"), "--device",
               "cpu", "--phases", "sample,quality", "--steps", "1", "--sample-steps", "2", cache=tmp_path / "cache", env=env)
     out, _ = p.communicate(timeout=600)
-    assert p.returncode == 0, out[-3000:]
+    assert p.returncode == 1, out[-3000:]
+    assert "1 of 2 configuration(s) measured; failed: compile (error)" in out
     failed = read_table(tmp_path / "data" / "cpu" / "compile" / "run.parquet")
     assert failed.loc[0, "status"] == "error" and "compiler" in failed.loc[0, "message"].lower()
     assert read_table(tmp_path / "data" / "cpu" / "baseline" / "run.parquet").loc[0, "status"] == "ok"

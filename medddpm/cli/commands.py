@@ -291,6 +291,15 @@ def cmd_sweep(args) -> None:
                         force=args.force, params=params)
     for r in results:
         print(f"{r['config']:<12}{r['status']:<14}{r['seconds']:>8.0f} s  {r['folder']}")
+    exit_if_failed(results)
+
+
+def exit_if_failed(results: list[dict]) -> None:
+    """Exit 1 where a configuration failed: the sweep's last line on stderr said which."""
+    from medddpm.measure.sweep import failed
+
+    if failed(results):
+        sys.exit(1)
 
 
 def cmd_summary(args) -> None:
@@ -309,6 +318,7 @@ def cmd_ablation(args) -> None:
                     force=args.force, params=params, group="ablation")
     for r in results:
         print(f"{r['config']:<34}{r['status']:<14}{r['seconds']:>8.0f} s  {r['folder']}")
+    exit_if_failed(results)
 
 
 def cmd_counters(args) -> None:

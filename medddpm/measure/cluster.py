@@ -26,6 +26,7 @@ from pathlib import Path
 
 from medddpm import REPO
 from medddpm.configs import Config
+from medddpm.measure.validate import check_label, check_text
 
 ROOT = REPO
 
@@ -125,6 +126,20 @@ def _slurm_script_executor(folder: str, python: str | None):
     return _ScriptOnly(folder, python=python)
 
 
+def _check_job_strings(opts: SlurmOptions, **strings) -> None:
+    """Every string a job script holds, checked before any script is written."""
+    for name in ("partition", "account", "qos", "constraint", "python", "folder"):
+        check_text(f"--{name}", getattr(opts, name))
+    for gpu_type in opts.gpu_types:
+        check_text("--gpu-type", gpu_type)
+    for k, v in strings.pop("params").items():
+        check_text(f"--{k.replace('_', '-')}", v)
+    for k, v in strings.items():
+        check_text(f"--{k.replace('_', '-')}", v)
+    if strings.get("gpu_label") is not None:
+        check_label(strings["gpu_label"])
+
+
 def submit_slurm(configs: list[Config], *, preset: str, out: str, opts: SlurmOptions, params: dict | None = None,
                  force: bool = False, device: str | None = None, gpu_label: str | None = None,
                  dry_run: bool = False, cluster: str = "slurm") -> list:
@@ -136,6 +151,7 @@ def submit_slurm(configs: list[Config], *, preset: str, out: str, opts: SlurmOpt
     import submitit
 
     params = dict(params or {})
+    _check_job_strings(opts, out=out, params=params, device=device, gpu_label=gpu_label, preset=preset)
     out = str(Path(out).resolve())
     folder = str(Path(opts.folder).resolve() / "%j")
     if dry_run:
@@ -172,6 +188,8 @@ def run_local(configs: list[Config], *, preset: str, out: str, params: dict | No
               gpus: int | None = None) -> list[dict]:
     """Several configurations at once, one worker per visible GPU; one after another without a GPU."""
     names = [c.name for c in configs]
+    if gpu_label is not None:
+        check_label(gpu_label)
     n = visible_gpu_count() if gpus is None else gpus
     n = min(n, len(names))
     if n <= 1:

@@ -1,11 +1,17 @@
 """Run the producer notebook once per configuration on this machine's device, through papermill.
 
-Each configuration is measured into a staging folder that replaces `data/<gpu-slug>/<run>/` in
-one rename once the notebook has ended, so a killed sweep leaves either the old result or the new
-one, never a mixture. A configuration whose folder already holds `run.parquet` is skipped unless
-`force`; a failing one (out of memory, compile error) is recorded with its status and the sweep
-goes on. `<run>` is the configuration's name for the smoke and paper presets at batch 1, and
-`<config>@<preset>[-b<batch>][-m<label channels>]` otherwise (`schema.run_folder`).
+Each configuration is measured into a staging folder that takes the place of `data/<gpu-slug>/<run>/` in
+one atomic step once the notebook has ended (`storage.publish_folder`), so a killed sweep leaves either the
+old result or the new one, never a mixture, and the folder is never missing; the next sweep of that
+configuration removes what a killed one left (it holds the configuration's lock, so no one else stages it).
+A notebook whose kernel dies leaves no table of its own: the sweep removes them and records an `error` row.
+
+A configuration whose folder holds a run of the same identity (`store.identity`: the configuration and its
+switches, preset, shape, batch, steps, data and its fingerprint, label) is skipped unless `force` or that run
+failed with `error`; a run of another identity is measured beside it, in `<run>~<key>`, never over it. A
+failing configuration (out of memory, compile error, a killed kernel) is recorded with its status and the
+sweep goes on; the last line says which failed. `<run>` is the configuration's name for the smoke and paper
+presets at batch 1, and `<config>@<preset>[-b<batch>][-m<label channels>]` otherwise (`schema.run_folder`).
 
 `<gpu-slug>` is a label: the device type (`nvidia-h200`, `cpu`) while the data tree holds no runs of that
 type measured on another machine, else `<device-type>-<host>` (`machine_label`), so that a machine of a
@@ -15,12 +21,12 @@ Each run records its device type (`gpu_type`) and host apart from the label.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import glob
 import math
 import os
-import re
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -34,28 +40,14 @@ from medddpm.measure.env import device_type, gpu_slug, host_name, pick_device
 from medddpm.train.data import open_dataset
 from medddpm.measure.run import get_preset, write_failed_run
 from medddpm.model.unet import parse_size
-from medddpm.store.schema import read_table, run_folder
+from medddpm.measure.validate import check_label, check_text
+from medddpm.store.identity import SEPARATOR, encode, folder_name, key, run_identity
+from medddpm.store.lock import output_lock
+from medddpm.store.schema import PHASES, read_table, run_folder, write_table
+from medddpm.store.storage import publish_folder, recover_folder
 
 ROOT = REPO
 NOTEBOOK = ROOT / "notebooks" / "produce.ipynb"
-
-
-_HOST = re.sub(r"[^A-Za-z0-9.]+", "_", socket.gethostname()) or "host"
-
-
-def _stage_is_stale(stage: Path) -> bool:
-    """A staging folder of a dead sweep on this host; another host's (shared file system) is left alone."""
-    host, _, pid = stage.name.rpartition("-")
-    host = host.split(".stage-", 1)[1] if ".stage-" in host else _HOST  # '.cfg.stage-PID': older, this host
-    if host != _HOST or not pid.isdigit():
-        return host == _HOST
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        return False
-    return int(pid) == os.getpid()
 
 
 def _run_host(path: Path) -> str:
@@ -96,12 +88,47 @@ def _kernel_manager():
     return LocalKernelManager, sockets
 
 
-def _publish(stage: Path, final: Path) -> None:
-    old = final.with_name(f".{final.name}.old-{os.getpid()}")
-    if final.exists():
-        os.replace(final, old)
-    os.replace(stage, final)
-    shutil.rmtree(old, ignore_errors=True)
+FAILED = ("error", "oom")  # statuses of a configuration that did not give its measurement
+
+
+def _recorded(final: Path) -> tuple[str, str] | None:
+    """(identity, status) of the run in `final`, None where it holds none or an unreadable one."""
+    try:
+        row = read_table(final / "run.parquet").iloc[0]
+    except (OSError, ValueError, IndexError):
+        return None
+    return str(row["identity"]), str(row["status"])
+
+
+def _leftovers(root: Path, plain: str) -> list[Path]:
+    """Staging and replaced folders of the runs named `plain` (`plain`, `plain~<key>`) left by a killed sweep."""
+    names = [*root.glob(f".{glob.escape(plain)}.stage-*"), *root.glob(f".{glob.escape(plain)}.old-*"),
+             *root.glob(f".{glob.escape(plain)}{SEPARATOR}*.stage-*"),
+             *root.glob(f".{glob.escape(plain)}{SEPARATOR}*.old-*")]
+    return sorted(p for p in names if p.is_dir())
+
+
+def _clean(root: Path, plain: str) -> None:
+    """Put back a result a crash took out of place, then remove every leftover: the caller holds the lock of
+    `plain`, so no other sweep stages these folders now, whatever process or host left them."""
+    leftovers = _leftovers(root, plain)
+    for final in {p.name[1:].rsplit(".", 1)[0] for p in leftovers if ".old-" in p.name}:
+        recover_folder(root / final, [p for p in leftovers if p.name.startswith(f".{final}.old-")])
+    for p in _leftovers(root, plain):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _stamp(path: Path, identity: str) -> None:
+    """Record the sweep's identity of the run in its row."""
+    df = read_table(path)
+    write_table(df.assign(identity=identity), path, "run")
+
+
+def _discard_partial(stage: Path) -> None:
+    """A measurement that died before its run.parquet (its kernel killed) leaves the tables it had written
+    under its own run id: removed, so that the error row the sweep writes stands alone."""
+    for p in stage.glob("*.parquet"):
+        p.unlink()
 
 
 def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.PathLike = "data",
@@ -111,86 +138,134 @@ def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.P
     """Measure each configuration; returns one {config, status, seconds, folder} per configuration.
 
     `group`: runs that belong together apart from the main ones, in ``data/<gpu-slug>/<group>/<run>/``
-    (the ablation's)."""
+    (the ablation's). Each configuration's folder is locked for the whole sweep (`store.lock`): a second
+    sweep of one of them fails at once, before any work, naming the first."""
     import papermill as pm  # imported here: the package itself does not need the Jupyter stack
 
     # Everything that can be checked is checked before any configuration runs.
     configs = parse_config_list(configs) if isinstance(configs, str) else configs
     spec_preset = get_preset(preset)
-    size = parse_size((params or {}).get("size") or spec_preset.size)
-    batch = (params or {}).get("batch", 1)
+    params = dict(params or {})
+    size = parse_size(params.get("size") or spec_preset.size)
+    batch = params.get("batch", 1)
     if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
         raise ValueError(f"parameter batch must be a positive int, got {batch!r}")
-    sample_steps = (params or {}).get("sample_steps")
+    sample_steps = params.get("sample_steps")
     if sample_steps is not None and (not isinstance(sample_steps, int) or isinstance(sample_steps, bool)
                                      or sample_steps < 2):
         raise ValueError(f"parameter sample_steps must be an int of at least 2 (the first step is untimed), "
                          f"got {sample_steps!r}")
-    source = (params or {}).get("data") or spec_preset.data
+    unknown = {p.strip() for p in str(params.get("phases", "")).split(",") if p.strip()} - set(PHASES)
+    if unknown:
+        raise ValueError(f"unknown phase(s) {', '.join(sorted(unknown))}; known: {', '.join(PHASES)}")
+    source = params.get("data") or spec_preset.data
     data = open_dataset(source, size=size)
-    mask = (params or {}).get("mask_channels")
+    mask = params.get("mask_channels")
     mask_variant = mask if mask not in (None, data.mask_channels) else None  # the data's own width: no variant
     if mask_variant is not None:
         data = open_dataset(source, size=size, mask_channels=mask_variant)
     # the preset's model, at this size, must take this data (a BraTS model needs four modalities and labels)
-    dataclasses.replace(spec_preset, size=size).spec(mask_channels=data.mask_channels,
-                                                     image_channels=getattr(data, "image_channels", 1))
+    image_channels = getattr(data, "image_channels", 1)
+    shape = dataclasses.replace(spec_preset, size=size).spec(mask_channels=data.mask_channels,
+                                                             image_channels=image_channels).shape
+    default_shape = spec_preset.spec(mask_channels=data.mask_channels, image_channels=image_channels).shape
+    for option, text in (("--out", str(out)), ("--data", source), ("--device", device)):
+        check_text(option, text)
     dev = pick_device(device)
     out = Path(out)
-    if gpu_label is not None and not gpu_slug(gpu_label):
-        raise ValueError(f"--gpu-label {gpu_label!r}: a label needs a letter or a digit")
+    if gpu_label is not None:
+        check_label(gpu_label)
     gpu_label = gpu_label or machine_label(out, dev)
     slug = gpu_slug(gpu_label)
     root = out / slug / group
-    root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".*.stage-*"):  # left by a killed sweep (not by one running alongside: cluster jobs)
-        if _stage_is_stale(stale):
-            shutil.rmtree(stale, ignore_errors=True)
-    params = dict(params or {}) | {"preset": preset, "out": str(out), "gpu_label": gpu_label, "device": device,
-                                   "group": group}
+
+    def identity(config: Config, given: dict, size_shape, data_source) -> str:
+        return encode(run_identity(
+            config=config.name, switches=config.flags, preset=preset, shape="x".join(map(str, size_shape)),
+            batch=batch, warmup=given.get("warmup", spec_preset.warmup), steps=given.get("steps") or spec_preset.steps,
+            sample_steps=given.get("sample_steps") or spec_preset.sample_timesteps, data=data_source,
+            mask_channels=mask_variant, label=slug, group=group))
+
+    plans = [(c, run_folder(c.name, preset, batch, mask_variant), identity(c, params, shape, source),
+              identity(c, {}, default_shape, spec_preset.data)) for c in configs]
+    params |= {"preset": preset, "out": str(out), "gpu_label": gpu_label, "device": device, "group": group}
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     results = []
-    manager, sockets = _kernel_manager()
-    for i, config in enumerate(configs, 1):
-        final = root / run_folder(config.name, preset, batch, mask_variant)
-        if (final / "run.parquet").exists() and not force:
-            results.append({"config": config.name, "status": "done before", "seconds": 0.0, "folder": str(final)})
-            print(f"[{i}/{len(configs)}] {config.name}: measured before in {final} (--force measures it again)",
-                  file=sys.stderr)
-            continue
-        print(f"[{i}/{len(configs)}] {config.name}: measuring into {final} ...", file=sys.stderr, flush=True)
-        stage = root / f".{final.name}.stage-{_HOST}-{os.getpid()}"
-        shutil.rmtree(stage, ignore_errors=True)
-        stage.mkdir(parents=True)
-        t0 = time.perf_counter()
-        try:
+    with contextlib.ExitStack() as held:
+        for plain in dict.fromkeys(plain for _, plain, _, _ in plans):
+            held.enter_context(output_lock(root / plain, what="sweep", lock_file=root / f".{plain}.lock"))
+            _clean(root, plain)
+        manager, sockets = _kernel_manager()
+        held.callback(shutil.rmtree, sockets, ignore_errors=True)
+        for i, (config, plain, ident, default) in enumerate(plans, 1):
+            final = root / folder_name(plain, ident, default)
+            if final.name == plain and (_recorded(final) or (ident,))[0] not in ("", ident):
+                final = root / f"{plain}{SEPARATOR}{key(ident)}"  # the default slot holds another definition
+            before = _recorded(final)
+            if before is not None and before[0] in ("", ident) and before[1] != "error" and not force:
+                results.append({"config": config.name, "status": "done before", "seconds": 0.0,
+                                "folder": str(final)})
+                print(f"[{i}/{len(plans)}] {config.name}: measured before in {final} (--force measures it again)",
+                      file=sys.stderr)
+                continue
+            print(f"[{i}/{len(plans)}] {config.name}: measuring into {final} ...", file=sys.stderr, flush=True)
+            stage = root / f".{final.name}.stage-{os.getpid()}"
+            shutil.rmtree(stage, ignore_errors=True)
+            stage.mkdir(parents=True)
+            t0 = time.perf_counter()
             old_env = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
-            pm.execute_notebook(str(notebook), str(stage / "produce.ipynb"), parameters=params | {
-                "config": config.name, "stage": str(stage)}, kernel_name="python3", progress_bar=False,
-                cwd=str(ROOT), execution_timeout=timeout_s, kernel_manager_class=manager)
-        except Exception as e:  # noqa: BLE001 - one configuration's failure must not stop the sweep
-            if not (stage / "run.parquet").exists():
-                why = str(e).strip().splitlines()[-1] if str(e).strip() else ""
-                write_failed_run(config, preset, stage, device=dev, gpu_label=gpu_label,
-                                 message=f"{type(e).__name__}: {why}", batch=batch, group=group,
-                                 mask_variant=mask_variant)
-        finally:
-            for k, v in old_env.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-        _publish(stage, final)
-        run = read_table(final / "run.parquet").iloc[0]
-        results.append({"config": config.name, "status": run["status"], "seconds": time.perf_counter() - t0,
-                        "folder": str(final)})
-        took = f"{run['train_median_ms']:.1f} ms a training micro-step" if run["status"] == "ok" else run["message"]
-        print(f"[{i}/{len(configs)}] {config.name}: {run['status']} in {results[-1]['seconds']:.0f} s: {took}",
-              file=sys.stderr)
-    shutil.rmtree(sockets, ignore_errors=True)
+            try:
+                os.environ.update(env)
+                pm.execute_notebook(str(notebook), str(stage / "produce.ipynb"), parameters=params | {
+                    "config": config.name, "stage": str(stage)}, kernel_name="python3", progress_bar=False,
+                    cwd=str(ROOT), execution_timeout=timeout_s, kernel_manager_class=manager)
+            except Exception as e:  # noqa: BLE001 - one configuration's failure must not stop the sweep
+                if not (stage / "run.parquet").exists():
+                    _discard_partial(stage)
+                    why = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+                    if before is not None:  # a finished run is there: it stays as it was, nothing is lost
+                        shutil.rmtree(stage, ignore_errors=True)
+                        results.append({"config": config.name, "status": "error", "seconds": time.perf_counter() - t0,
+                                        "folder": str(final)})
+                        print(f"[{i}/{len(plans)}] {config.name}: error: {type(e).__name__}: {why}; {final} kept "
+                              f"as it was", file=sys.stderr)
+                        continue
+                    write_failed_run(config, preset, stage, device=dev, gpu_label=gpu_label,
+                                     message=f"{type(e).__name__}: {why}", batch=batch, group=group,
+                                     mask_variant=mask_variant)
+            finally:
+                for k, v in old_env.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+            _stamp(stage / "run.parquet", ident)
+            publish_folder(stage, final, root / f".{final.name}.old-{os.getpid()}")
+            for p in _leftovers(root, plain):
+                shutil.rmtree(p, ignore_errors=True)
+            run = read_table(final / "run.parquet").iloc[0]
+            results.append({"config": config.name, "status": run["status"], "seconds": time.perf_counter() - t0,
+                            "folder": str(final)})
+            took = (f"{run['train_median_ms']:.1f} ms a training micro-step" if run["status"] == "ok"
+                    else run["message"])
+            print(f"[{i}/{len(plans)}] {config.name}: {run['status']} in {results[-1]['seconds']:.0f} s: {took}",
+                  file=sys.stderr)
+    print(outcome(results), file=sys.stderr)
     return results
 
+
+def outcome(results: list[dict]) -> str:
+    """One line: how many configurations gave their measurement, and which did not (with their status)."""
+    failed = [r for r in results if r["status"] in FAILED]
+    line = f"{len(results) - len(failed)} of {len(results)} configuration(s) measured"
+    if failed:
+        line += "; failed: " + ", ".join(f"{r['config']} ({r['status']})" for r in failed)
+    return line
+
+
+def failed(results: list[dict]) -> bool:
+    """Whether a configuration of the sweep did not give its measurement (the command exits 1 then)."""
+    return any(r["status"] in FAILED for r in results)
 
 def _main_runs(folder: Path) -> list:
     """The run rows of `folder`'s main runs (`data/<label>/<config>/`), in configuration order."""

@@ -8,9 +8,13 @@ the memory page reads those (``variants=True``). Two folders of a GPU hold runs 
 apart from the main ones: ``ablation/`` (`python -m medddpm ablation`) and ``scaling/`` (data-parallel
 tables). Folders that hold no parquet but a ``bench.parquet`` (``reference/`` with the bench timings of ours
 and the reference implementation, table ``bench``) or none at all (a sweep's hidden staging folders) are
-not runs. A folder with other parquet but no ``run.parquet`` is an incomplete run: reading it raises a
-one-line `DataError` naming the folder, which fails the book build on purpose (a page must never silently
-drop a measurement).
+not runs. A run of another identity than its folder name's default sits in ``<run>~<key>`` (`store.identity`),
+a variant like those above.
+
+One bad folder never takes the tree down with it: a folder with other parquet but no ``run.parquet`` (an
+incomplete run), a table that does not read or holds another run's rows, a row in another folder than it
+names, is left out with a `DataWarning` naming it (one line), and every other folder is shown; a page never
+drops a measurement silently. A missing tree is a `DataError`.
 
 Nothing here names a GPU: every summary is grouped by the ``gpu_slug`` found in the data, so a GPU added
 under ``data/`` appears on every page without an edit.
@@ -19,13 +23,14 @@ under ``data/`` appears on every page without an edit.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
 from medddpm import REPO
-from medddpm.store import schema
+from medddpm.store import identity, schema
 from medddpm.store.convergence import CONVERGENCE_DIR
 from medddpm.configs import CONFIGS
 from medddpm.measure.scaling import SCALING_DIR
@@ -41,6 +46,14 @@ NOT_YET = "not met by the runs so far"  # a memory target none of the measured r
 
 class DataError(RuntimeError):
     """The data tree is missing or malformed (one line naming the folder or file)."""
+
+
+class DataWarning(UserWarning):
+    """A folder or table of the data tree is left out (one line naming it and why); the rest is shown."""
+
+
+def _leave_out(why: str) -> None:
+    warnings.warn(f"left out of the data: {why}", DataWarning, stacklevel=3)
 
 
 def data_root() -> Path:
@@ -87,7 +100,7 @@ class Scan:
 
 
 def scan(root: str | os.PathLike | None = None) -> Scan:
-    """Find the runs under the data tree; raise on a missing tree or an incomplete run."""
+    """Find the runs under the data tree; raise on a missing tree, warn of an incomplete run and leave it out."""
     root = Path(root) if root is not None else data_root()
     if not root.is_dir():
         raise DataError(f"no data tree at {root} (set MEDDDPM_DATA or run `python -m medddpm sweep`)")
@@ -99,8 +112,8 @@ def scan(root: str | os.PathLike | None = None) -> Scan:
             if (folder / "run.parquet").is_file():
                 runs.append(folder)
             elif any(p.name != schema.BENCH_FILE for p in folder.glob("*.parquet")):
-                raise DataError(f"incomplete run {folder}: parquet files but no run.parquet "
-                                "(re-run the sweep for it, or remove the folder)")
+                _leave_out(f"incomplete run {folder}: parquet files but no run.parquet "
+                           "(re-run the sweep for it, or remove the folder)")
             else:
                 not_runs.append(folder)
     return Scan(runs, not_runs)
@@ -123,11 +136,34 @@ def _read_run(path: Path) -> pd.DataFrame:
 
 def _run_folder(r: pd.Series, found: str) -> str:
     """The folder name a run row belongs in; `found`, the folder it is in, where that names the row's label
-    channels as another width than its data's own (``-m<N>``, which the row alone cannot tell)."""
+    channels as another width than its data's own (``-m<N>``, which the row alone cannot tell), or the key of
+    the identity the row records (``~<key>``: another identity than the folder name's default)."""
     batch = int(r["batch"])  # -1: a run that failed before recording it (older rows), batch 1 then
+    plain, suffix = identity.split_folder(found)
     name = schema.run_folder(r["config"], r["preset"], batch if batch > 0 else 1)
     narrow = schema.run_folder(r["config"], r["preset"], batch if batch > 0 else 1, int(r["mask_channels"]))
-    return narrow if found == narrow else name
+    name = narrow if plain == narrow else name
+    if suffix and r["identity"] and suffix == identity.key(r["identity"]):
+        return f"{name}{identity.SEPARATOR}{suffix}"
+    return name
+
+
+def _checked_run(folder: Path, parent: str) -> pd.DataFrame | None:
+    """The run row of `folder`, or None (with a warning naming it) where it does not read or names another
+    folder than its own."""
+    try:
+        df = _read_run(folder / "run.parquet")
+    except DataError as e:
+        _leave_out(str(e))
+        return None
+    r = df.iloc[0]
+    name = _run_folder(r, folder.name)
+    slug, *group = parent.split("/", 1)
+    if (r["gpu_slug"], name) != (slug, folder.name):
+        says = "/".join([r["gpu_slug"], *group, name])
+        _leave_out(f"{folder}: run.parquet says {says}, the folder says {parent}/{folder.name}")
+        return None
+    return df
 
 
 def runs(root: str | os.PathLike | None = None, *, variants: bool = False) -> pd.DataFrame:
@@ -138,21 +174,16 @@ def runs(root: str | os.PathLike | None = None, *, variants: bool = False) -> pd
     root = Path(root) if root is not None else data_root()
     frames = []
     for folder in scan(root).runs:
-        df = _read_run(folder / "run.parquet")
-        slug, config = df.loc[0, "gpu_slug"], df.loc[0, "config"]
-        name = _run_folder(df.iloc[0], folder.name)
-        if (slug, name) != (folder.parent.name, folder.name):
-            raise DataError(f"{folder}: run.parquet says {slug}/{name}, the folder says "
-                            f"{folder.parent.name}/{folder.name}")
-        if variants or name == config:
+        df = _checked_run(folder, folder.parent.name)
+        if df is not None and (variants or folder.name == df.loc[0, "config"]):
             frames.append(df.assign(folder=str(folder.relative_to(root))))
     if not frames:
         return schema.empty("run").assign(folder=pd.Series(dtype="str"))
     out = pd.concat(frames, ignore_index=True)
-    dup = out["run_id"][out["run_id"].duplicated()]
-    if len(dup):
-        raise DataError(f"run_id {dup.iloc[0]} appears in more than one folder")
-    return _sort(out)
+    dup = out["run_id"].duplicated()
+    for _, r in out[dup].iterrows():
+        _leave_out(f"{root / r['folder']}: run_id {r['run_id']} is already the run of another folder")
+    return _sort(out[~dup])
 
 
 def ablation_runs(root: str | os.PathLike | None = None) -> pd.DataFrame:
@@ -161,12 +192,10 @@ def ablation_runs(root: str | os.PathLike | None = None) -> pd.DataFrame:
     root = Path(root) if root is not None else data_root()
     frames = []
     for path in sorted(root.glob(f"*/{ABLATION_DIR}/*/run.parquet")):
-        df = _read_run(path)
-        r, folder = df.iloc[0], path.parent
-        name = _run_folder(r, folder.name)
-        if (r["gpu_slug"], name) != (folder.parent.parent.name, folder.name):
-            raise DataError(f"{folder}: run.parquet says {r['gpu_slug']}/{ABLATION_DIR}/{name}")
-        frames.append(df.assign(folder=str(folder.relative_to(root))))
+        folder = path.parent
+        df = _checked_run(folder, f"{folder.parent.parent.name}/{ABLATION_DIR}")
+        if df is not None:
+            frames.append(df.assign(folder=str(folder.relative_to(root))))
     if not frames:
         return schema.empty("run").assign(folder=pd.Series(dtype="str"))
     return _sort(pd.concat(frames, ignore_index=True))
@@ -185,9 +214,15 @@ def load(table: str, root: str | os.PathLike | None = None, *, variants: bool = 
         path = root / folder / f"{table}.parquet"
         if not path.is_file():
             continue  # a phase that did not run (a CPU has no ncu table; a failed run has few tables)
-        df = _read(path, table)
-        if not df.empty and not df["run_id"].isin(run["run_id"]).all():
-            raise DataError(f"{path}: run_id {df['run_id'].iloc[0]} is not the run of its folder")
+        try:
+            df = _read(path, table)
+        except DataError as e:
+            _leave_out(str(e))
+            continue
+        own = run.loc[run["folder"] == folder, "run_id"].iloc[0]
+        if not df.empty and not (df["run_id"] == own).all():
+            _leave_out(f"{path}: run_id {df.loc[df['run_id'] != own, 'run_id'].iloc[0]} is not the run of its folder")
+            continue
         frames.append(df)
     df = pd.concat(frames, ignore_index=True) if frames else schema.empty(table)
     keys = run[["run_id", "gpu_slug", "config"]]
@@ -223,9 +258,14 @@ def scaling_runs(root: str | os.PathLike | None = None) -> pd.DataFrame:
     root = Path(root) if root is not None else data_root()
     frames = []
     for path in sorted(root.glob(f"*/{SCALING_DIR}/*.parquet")):
-        df = _read(path, "scaling")
+        try:
+            df = _read(path, "scaling")
+        except DataError as e:
+            _leave_out(str(e))
+            continue
         if not df.empty and not ((df["gpu_slug"] == path.parent.parent.name) & (df["config"] == path.stem)).all():
-            raise DataError(f"{path}: rows of another GPU or configuration than its path says")
+            _leave_out(f"{path}: rows of another GPU or configuration than its path says")
+            continue
         frames.append(df)
     return pd.concat(frames, ignore_index=True) if frames else schema.empty("scaling")
 
@@ -246,9 +286,14 @@ def bench_runs(root: str | os.PathLike | None = None, *, phase: str | None = "tr
         path = folder / schema.BENCH_FILE
         if not path.is_file():
             continue
-        df = _read(path, "bench")
+        try:
+            df = _read(path, "bench")
+        except DataError as e:
+            _leave_out(str(e))
+            continue
         if not (df["gpu_slug"] == folder.parent.name).all():
-            raise DataError(f"{path}: rows of another GPU than its path says")
+            _leave_out(f"{path}: rows of another GPU than its path says")
+            continue
         frames.append(df if phase is None else df[df["phase"] == phase])
     df = pd.concat(frames, ignore_index=True) if frames else schema.empty("bench")
     return _sort(df, "implementation", "source")

@@ -11,6 +11,7 @@ compiled steps save for their backward, traced on a CPU (`partition.record`): co
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -113,6 +114,9 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "profilers": (S, "JSON: phase after training (sample, torch, quality, ncu) -> status and message"),
         "start_time": (S, "UTC start, ISO 8601"),
         "duration_s": (F, "wall time of the whole measurement"),
+        "identity": (S, "JSON: what defines the run (store.identity: configuration and switches, preset, shape, "
+                        "batch, steps, data and its fingerprint, label); '' where not recorded: the default "
+                        "identity of its folder name"),
     },
     "steps": {
         "run_id": (S, "run"),
@@ -297,6 +301,7 @@ ADDED: dict[str, dict[str, object]] = {
         # rows written before labels existed sit in the folder of their device type; their host is unknown
         "gpu_type": lambda t: t.column("gpu_slug").to_pylist(),
         "host": "",
+        "identity": "",  # rows written before identities were recorded: their folder's default (store.identity)
     },
     "kernels": {"op": ""},  # which operator launched a kernel: unknown in tables written before it was recorded
 }
@@ -342,6 +347,60 @@ class SchemaError(ValueError):
     """A table does not match its documented schema (one line)."""
 
 
+# Value checks, on write and on read, beyond the types: the values a column may take, the columns that
+# identify a row (never null or empty, and unique together), and the tables of one run (one run_id).
+ENUMS: dict[str, dict[str, tuple[str, ...]]] = {
+    "run": {"status": ("ok", "oom", "error", "skipped"), "precision": ("fp32", "tf32", "bf16", "fp16")},
+    "steps": {"phase": ("train", "sample")},
+    "kernels": {"pass": ("forward", "backward", "optimizer", "graph", "other"), "device_type": ("cuda", "cpu")},
+    "ncu": {"kind": ("metric", "rule")},
+    "bench": {"phase": ("train", "sample")},
+    "convergence_runs": {"status": ("ok", "error")},
+}
+RANGES: dict[str, dict[str, tuple[float, float]]] = {  # inclusive bounds; NaN passes (not measured)
+    "steps": {"step": (0, math.inf), "step_ms": (0, math.inf)},
+    "kernels": {"calls": (0, math.inf), "total_us": (0, math.inf), "share": (0, 1 + 1e-6), "steps": (0, math.inf)},
+    "quality": {"step": (1, math.inf)},
+    "scaling": {"world_size": (1, math.inf), "rank": (0, math.inf), "step": (0, math.inf)},
+    "convergence_losses": {"step": (1, math.inf)},
+}
+KEYS: dict[str, tuple[str, ...]] = {  # non-null, non-empty, and unique together
+    "run": ("run_id",),
+    "steps": ("run_id", "phase", "step"),
+    "kernels": ("run_id",),
+    "ncu": ("run_id",),
+    "quality": ("run_id", "step"),
+    "scaling": ("run_id", "rank", "step"),
+    "convergence_losses": ("config", "seed", "step"),
+}
+ONE_RUN = ("steps", "kernels", "ncu", "quality")  # a run folder's tables of many rows: all of its one run
+
+
+def check_values(df: pd.DataFrame, table: str, where: str = "") -> None:
+    """Raise a one-line SchemaError naming the column where a value breaks `ENUMS`, `RANGES` or `KEYS`."""
+    at = f"{where}: " if where else f"{table} table: "
+    for column, allowed in ENUMS.get(table, {}).items():
+        bad = df[column][~df[column].isin(allowed)]
+        if len(bad):
+            raise SchemaError(f"{at}column {column}: {bad.iloc[0]!r} is not one of {', '.join(allowed)}")
+    for column, (low, high) in RANGES.get(table, {}).items():
+        values = pd.to_numeric(df[column])
+        bad = values[(values < low) | (values > high)]
+        if len(bad):
+            raise SchemaError(f"{at}column {column}: {bad.iloc[0]!r} is out of range [{low}, {high}]")
+    keys = [k for k in KEYS.get(table, ()) if k in df]
+    for column in keys:
+        missing = df[column].isna() | (df[column].astype(str) == "") if df[column].dtype != bool else df[column].isna()
+        if missing.any():
+            raise SchemaError(f"{at}column {column}: null or empty in row {int(missing.to_numpy().argmax())}")
+    if table != "kernels" and table != "ncu" and keys and df.duplicated(keys).any():
+        row = df[df.duplicated(keys)].iloc[0]
+        raise SchemaError(f"{at}columns {', '.join(keys)}: duplicated row " + ", ".join(f"{k}={row[k]!r}" for k in keys))
+    if table in ONE_RUN and df["run_id"].nunique() > 1:
+        raise SchemaError(f"{at}column run_id: rows of {df['run_id'].nunique()} runs in one table "
+                          f"({', '.join(map(str, df['run_id'].unique()[:2]))}, ...)")
+
+
 def arrow_schema(table: str) -> pa.Schema:
     if table not in TABLES:
         raise SchemaError(f"unknown table {table!r}; known: {', '.join(TABLES)}")
@@ -356,9 +415,11 @@ def validate(df: pd.DataFrame, table: str) -> pa.Table:
     if missing or extra:
         raise SchemaError(f"{table} table: missing columns {missing}, unexpected columns {extra}")
     try:
-        return pa.Table.from_pandas(df[schema.names], schema=schema, preserve_index=False, safe=True)
+        arrow = pa.Table.from_pandas(df[schema.names], schema=schema, preserve_index=False, safe=True)
     except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as e:
         raise SchemaError(f"{table} table: {str(e).splitlines()[0]}") from None
+    check_values(df, table)
+    return arrow
 
 
 def write_table(df: pd.DataFrame, path: str | os.PathLike, table: str) -> Path:
@@ -385,11 +446,24 @@ def read_table(path: str | os.PathLike, table: str | None = None) -> pd.DataFram
         if name not in arrow.schema.names and name in want.names:
             values = value(arrow) if callable(value) else [value] * arrow.num_rows
             arrow = arrow.append_column(name, pa.array(values, want.field(name).type))
-    if set(arrow.schema.names) == set(want.names):
-        arrow = arrow.select(want.names)
-    if not arrow.schema.remove_metadata().equals(want):
-        raise SchemaError(f"{path}: schema differs from schema.TABLES[{table!r}]: {arrow.schema.names}")
-    return arrow.to_pandas()
+    arrow = arrow.drop_columns([n for n in arrow.schema.names if n.startswith("__index_level_")])  # pandas' index
+    missing = [n for n in want.names if n not in arrow.schema.names]
+    extra = [n for n in arrow.schema.names if n not in want.names]
+    if missing or extra:
+        raise SchemaError(f"{path}: missing columns {missing}, unexpected columns {extra} "
+                          f"(schema.TABLES[{table!r}])")
+    arrow = arrow.select(want.names)
+    for name in want.names:  # a table rewritten by pandas may hold large_string or another integer width
+        got, typ = arrow.schema.field(name).type, want.field(name).type
+        if got != typ:
+            try:
+                column = arrow.column(name).cast(typ, safe=True)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+                raise SchemaError(f"{path}: column {name} is {got}, expected {typ}") from None
+            arrow = arrow.set_column(want.get_field_index(name), want.field(name), column)
+    df = arrow.to_pandas()
+    check_values(df, table, str(path))
+    return df
 
 
 def empty(table: str) -> pd.DataFrame:

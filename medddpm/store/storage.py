@@ -1,26 +1,122 @@
-"""Files are written whole or not at all: write to a temporary file beside the target, then rename."""
+"""Files are written whole or not at all: write to a temporary file beside the target, then rename.
+Folders are published the same way: a staged folder takes the place of the old one in one atomic step.
+
+A write that the file system refuses (a full disk, a read-only or forbidden folder) raises `StorageError`,
+a ValueError whose message is one line naming the path and the reason, e.g. "the disk is full"."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import tempfile
 from pathlib import Path
 from typing import BinaryIO, Callable
 
+_REASONS = {
+    errno.ENOSPC: "the disk is full (no space left on device)",
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EROFS: "the file system is read-only",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+    errno.ENOTDIR: "a part of the path is a file, not a folder",
+    errno.EEXIST: "a part of the path is a file, not a folder",
+}
+
+
+class StorageError(ValueError):
+    """The file system refused a write (one line: the path and why)."""
+
+
+def storage_error(path: str | os.PathLike, e: OSError) -> Exception:
+    """`e` as a one-line StorageError where its cause is the file system's, else `e` itself."""
+    reason = _REASONS.get(e.errno)
+    return StorageError(f"cannot write {path}: {reason}") if reason else e
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
 
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -> Path:
     """Call `write(f)` on a temporary file in the target's folder, then rename it into place
-    (os.replace is atomic on POSIX), so a killed process never leaves a half-written file."""
+    (os.replace is atomic on POSIX), so a killed process never leaves a half-written file.
+    The file gets the mode an ordinary `open` would give it (0666 less the umask), not mkstemp's 0600,
+    so that others on a shared file system read results as the user's umask allows."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise storage_error(path, e) from None
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o666 & ~_umask())
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError) and not isinstance(e, StorageError):
+            raise storage_error(path, e) from None
         raise
     return path
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one atomic step (Linux renameat2 RENAME_EXCHANGE); False where the system or the
+    file system has no such call."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    at_fdcwd = -100
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise storage_error(b, OSError(err, os.strerror(err), str(b)))
+
+
+def publish_folder(stage: str | os.PathLike, final: str | os.PathLike, old: str | os.PathLike) -> None:
+    """Put the complete folder `stage` at `final` in one atomic step; `final`'s previous content, if any, ends
+    up at `stage` or at `old` (hidden names beside it), which the caller removes.
+
+    Where `final` exists the two folders are exchanged (renameat2): at every instant `final` holds either
+    the old result or the new one, and after a crash the other is at `stage`. Without
+    that call (another system, a file system without it) the old folder is renamed to `old` first and the
+    stage into place second; a crash between the two leaves `final` missing and the previous result at
+    `old`, which `recover_folder` puts back."""
+    stage, final, old = Path(stage), Path(final), Path(old)
+    try:
+        if not final.exists():
+            try:
+                os.rename(stage, final)
+                return
+            except OSError as e:  # another publisher put it there first: exchange with theirs
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+        if _exchange(stage, final):
+            return
+        os.rename(final, old)
+        os.rename(stage, final)
+    except OSError as e:
+        raise storage_error(final, e) from None
+
+
+def recover_folder(final: str | os.PathLike, leftovers: list[Path]) -> None:
+    """After a crash while publishing `final`: where `final` is missing, the newest leftover that holds a
+    finished run (`run.parquet`) is the previous result and goes back in place."""
+    final = Path(final)
+    if final.exists():
+        return
+    done = [p for p in leftovers if (p / "run.parquet").is_file()]
+    if done:
+        os.rename(max(done, key=lambda p: p.stat().st_mtime), final)

@@ -1,0 +1,24 @@
+"""Checks of a user's strings that reach a job script, a path or a folder name (one-line ValueErrors)."""
+
+from __future__ import annotations
+
+import re
+
+from medddpm.measure.env import gpu_slug
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def check_text(option: str, value: object) -> None:
+    """A user's string that reaches a job script, a path or a folder name holds no control character: a
+    newline would end the script's comment or #SBATCH line and run the rest as a command."""
+    if isinstance(value, str) and _CONTROL.search(value):
+        raise ValueError(f"{option} {value!r}: control characters (such as a newline) are not allowed")
+
+
+def check_label(label: str, option: str = "--gpu-label") -> str:
+    """A device label: no control characters, and a letter or a digit (its slug names the folder)."""
+    check_text(option, label)
+    if not gpu_slug(label):
+        raise ValueError(f"{option} {label!r}: a label needs a letter or a digit")
+    return label
