@@ -69,7 +69,8 @@ def _open(folder: Path, lock_file: Path) -> int:
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"{folder} is a file, not a folder")
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        if lock_file.parent == folder:  # a lock beside the folder leaves creating it to the writer
+            folder.mkdir(parents=True, exist_ok=True)
         lock_file.parent.mkdir(parents=True, exist_ok=True)
         return os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o666)
     except FileExistsError:  # a parent is a file
@@ -89,7 +90,7 @@ def _open(folder: Path, lock_file: Path) -> int:
 @contextmanager
 def output_lock(folder: str | os.PathLike, what: str = "sweep", *,
                 lock_file: str | os.PathLike | None = None) -> Iterator[Path]:
-    """Hold `folder`'s lock for the block (creating the folder); raise `FolderInUse` at once if another
+    """Hold `folder`'s lock for the block (creating the folder, for a lock inside it); raise `FolderInUse` at once if another
     process holds it. `what` names this writer in the message another one gets ("sweep", "training");
     `lock_file`: where the lock lives (default `<folder>/.medddpm.lock`)."""
     folder = Path(folder)
