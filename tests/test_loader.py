@@ -87,7 +87,7 @@ def test_cached_items_equal_reading_the_files(ref):
         assert torch.equal(labels, torch.from_numpy(_direct(mask_path).astype(np.uint8)))
         assert torch.equal(ds[i][1], one_hot_condition(labels.long(), num_classes=3))
     again = NiftiPairs(ref, size=SIZE)  # a second open reads the cache only, the same bytes
-    assert again.cache.builds == 0 and again.cache.hits == 3 and again.cache_build_s == 0
+    assert again.cache.builds == 0 and again.cache.hits == 3 and again.cache_build_s == ds.cache_build_s
     for i in range(3):
         assert all(torch.equal(a, b) for a, b in zip(again.raw(i), ds.raw(i)))
 
@@ -366,3 +366,25 @@ def test_export_brats_round_trips(brats):
     assert torch.equal(got_labels, torch.from_numpy(labels[2:18, 2:18, 1:13]))
     want = nifti.normalize(image[2].astype(np.float32))[2:18, 2:18, 1:13]  # T2
     assert torch.equal(got_image[2], torch.from_numpy(want))
+
+
+# end-to-end timing in the measurement
+
+def test_end_to_end_timing_feeds_the_step(ref):
+    from medddpm.measure.clocks import ClockMonitor
+    from medddpm.measure.end_to_end import drift, loader_rate, time_end_to_end
+    from medddpm.model.unet import ModelSpec
+    from medddpm.train.engine import Engine
+
+    ds = NiftiPairs(ref, size=8)
+    spec = ModelSpec(size=8, mask_channels=3, base_channels=32, channel_mult=(1,), attention_ds=())
+    engine = Engine(spec, "baseline", device="cpu", seed=0)
+    before = engine.step_count
+    timing = time_end_to_end(engine, ds, warmup=0, steps=2, progress=False)
+    assert len(timing["step_ms"]) == 2 and min(timing["step_ms"]) > 0
+    assert engine.step_count == before + 2  # every item fed a step
+    assert not _children_gone()
+    assert loader_rate(ds, device="cpu", items=6, workers=1) > 0
+    assert drift([10.0] * 8 + [11.0] * 8) == pytest.approx(0.1) and np.isnan(drift([1.0] * 7))
+    summary = ClockMonitor("cpu").summary()  # no GPU: every column missing, no error
+    assert summary["throttle_reasons"] == "" and np.isnan(summary["sm_clock_mhz"])

@@ -28,6 +28,8 @@ from medddpm.store.schema import PHASES
 from medddpm.measure.bench import sample_step_summary, train_summary
 from medddpm.configs import Config, get_config
 from medddpm.train.data import EMBEDDED, open_dataset
+from medddpm.measure.clocks import ClockMonitor
+from medddpm.measure.end_to_end import drift, loader_rate, time_end_to_end
 from medddpm.train.engine import Engine
 from medddpm.measure.env import compile_cache_counts, environment, gpu_slug, host_name, pick_device
 from medddpm.model.flops import count
@@ -157,7 +159,7 @@ class Measurement:
         self.warmup = self.preset.warmup if warmup is None else warmup
         self.sample_steps = sample_steps or self.preset.sample_timesteps
         self.batch, self.seed, self.phases = batch, seed, tuple(phases)
-        data = data or self.preset.data
+        data = self.preset.data if data is None else data  # an empty name is refused by open_dataset
         self.data = open_dataset(data, size=self.preset.size, n=pairs, seed=seed)
         # another width than the data's own label channels (2 on the 3-tissue MNI data): a variant of its own
         self.mask_variant = mask_channels if mask_channels not in (None, self.data.mask_channels) else None
@@ -170,6 +172,9 @@ class Measurement:
         info = count(self.spec)  # meta device: no memory, no GPU work
         self.summary: dict = {"parameters": info["parameters"], "forward_flops": float(info["forward_flops"]),
                               "flops_per_step": float(info["train_flops"])}
+        self.data_source = data if data in EMBEDDED else f"folder:{Path(data).resolve().name}"
+        self.summary |= {"data_source": self.data_source,
+                         "cache_build_s": getattr(self.data, "cache_build_s", math.nan)}
         self.env = environment(self.device)
         self.gpu_name = self.env["gpu_name"]  # the device's own name; the label names its folder only
         self.slug = gpu_slug(gpu_label or self.gpu_name)
@@ -257,10 +262,12 @@ class Measurement:
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
             losses = []
+            clocks = ClockMonitor(self.device)
             with Energy(self.device) as energy:
                 timing = time_steps(lambda: losses.append(engine.step((x0, cond))), device=self.device,
                                     warmup=self.warmup, steps=self.steps, desc=f"train {self.config.name}",
-                                    on_timed_start=energy.start)
+                                    on_timed_start=lambda: (energy.start(), clocks.start()))
+            clocks.stop()
             self.summary["compile_cache"] = dict(compile_cache_counts() - cache_before)
             peak, reserved = self._peaks()
             if engine.capture_peak_bytes is not None:  # CUDA graph: its memory was allocated at capture
@@ -292,6 +299,14 @@ class Measurement:
                 "energy_per_step_j": energy.joules / len(timing["step_ms"]) if energy.joules is not None else math.nan,
             }
             self.summary["energy_100k_kwh"] = self.summary["energy_per_step_j"] * REFERENCE_STEPS * REFERENCE_ACCUM / 3.6e6
+            if self.data_source.startswith("folder:") and self.batch == 1:  # the step as a user trains on files
+                e2e = time_end_to_end(engine, self.data, warmup=max(self.warmup, 2), steps=self.steps, seed=self.seed,
+                                      desc=f"end to end {self.config.name}", on_timed_start=clocks.start)
+                clocks.stop()
+                self.summary |= {"e2e_median_ms": summarize(e2e["step_ms"])["median"], "e2e_drift": drift(e2e["step_ms"]),
+                                 "loader_items_per_s": loader_rate(self.data, device=self.device, seed=self.seed,
+                                                                   items=max(8, min(self.steps, 4 * len(self.data))))}
+            self.summary |= clocks.summary()
             del engine
             self._steps = rows
             return self._write("steps", rows)

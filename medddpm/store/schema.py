@@ -112,6 +112,21 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "sample_total_s": (F, "wall time of the timed sample, the first in its process (compilation included)"),
         "sample_peak_mem_bytes": (I, "peak allocated device memory while sampling (-1 on a CPU)"),
         "profilers": (S, "JSON: phase after training (sample, torch, quality, ncu) -> status and message"),
+        "data_source": (S, "the training data: mni, mni-brats (embedded) or folder:<name> (a NIfTI folder)"),
+        "cache_build_s": (F, "a NIfTI folder: time its first pass took to decode, check and cache every item "
+                             "(NaN for embedded data)"),
+        "e2e_median_ms": (F, "a NIfTI folder: median micro-step of the training loop with its data loader (worker "
+                             "processes, copy to the device, one-hot there), timed as train_median_ms; NaN if not timed"),
+        "e2e_drift": (F, "median of the last 50 end-to-end micro-steps over the first 50 (a quarter each if fewer), "
+                         "minus 1: the step's slowdown over the run"),
+        "loader_items_per_s": (F, "items a second the data loader delivers to the device with no step to feed"),
+        "sm_clock_mhz": (F, "median SM clock while the steps were timed (NVML; NaN without)"),
+        "mem_clock_mhz": (F, "median memory clock while the steps were timed (NVML; NaN without)"),
+        "gpu_temp_max_c": (F, "highest GPU temperature while the steps were timed (NVML; NaN without)"),
+        "power_limit_w": (F, "enforced board power limit (NVML; NaN without)"),
+        "throttle_reasons": (S, "clock slowdown reasons NVML gave while the steps were timed (power cap, thermal, "
+                                "hardware slowdown), comma-separated; '' for none or no NVML"),
+        "throttled_share": (F, "share of the samples (every 0.1 s) with a slowdown reason; NaN without NVML"),
         "start_time": (S, "UTC start, ISO 8601"),
         "duration_s": (F, "wall time of the whole measurement"),
         "identity": (S, "JSON: what defines the run (store.identity: configuration and switches, preset, shape, "
@@ -297,6 +312,11 @@ ADDED: dict[str, dict[str, object]] = {
         "tap_gemm": False,  # rows written before the switch existed ran the output convolution on cuDNN
         "store_skip_grad": False,  # rows written before the switch existed ran without it
         "narrow_checkpoints": False,  # rows written before the switch existed ran without it
+        # rows written before the data source was recorded trained on their preset's embedded data
+        "data_source": lambda t: ["mni-brats" if p == "brats" else "mni" for p in t.column("preset").to_pylist()],
+        **dict.fromkeys(("cache_build_s", "e2e_median_ms", "e2e_drift", "loader_items_per_s", "sm_clock_mhz",
+                         "mem_clock_mhz", "gpu_temp_max_c", "power_limit_w", "throttled_share"), float("nan")),
+        "throttle_reasons": "",  # not recorded
         "skipped_steps": 0,  # rows written before it was recorded: no configuration had a loss scaler
         # rows written before labels existed sit in the folder of their device type; their host is unknown
         "gpu_type": lambda t: t.column("gpu_slug").to_pylist(),

@@ -29,6 +29,7 @@ class Entry(NamedTuple):
     image: np.ndarray   # float32 (C, D, H, W), memory-mapped read-only
     labels: np.ndarray  # uint8 (D, H, W), memory-mapped read-only
     counts: dict[int, int]  # voxels of each label in the source label map, before any resizing
+    build_s: float  # what building the entry took, when it was built
 
 
 Built = tuple[np.ndarray, np.ndarray, dict[int, int]]  # what a build function returns: image, labels, counts
@@ -68,15 +69,16 @@ class VolumeCache:
                     or image.dtype != np.float32 or labels.dtype != np.uint8):
                 raise ValueError("shape or type differs from the entry's record")
             counts = {int(k): int(v) for k, v in meta["counts"].items()}
+            build_s = float(meta["build_s"])
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             # truncated or overwritten: unreadable as it stands, so it is rebuilt from the sources
             self.rebuilds += 1
             for path in (meta_path, image_path, labels_path):
                 path.unlink(missing_ok=True)
             return None
-        return Entry(image, labels, counts)
+        return Entry(image, labels, counts, build_s)
 
-    def store(self, key: str, built: Built) -> Entry:
+    def store(self, key: str, built: Built, build_s: float) -> Entry:
         image, labels, counts = built
         image = np.ascontiguousarray(image, dtype=np.float32)
         labels = np.ascontiguousarray(labels, dtype=np.uint8)
@@ -84,9 +86,9 @@ class VolumeCache:
         atomic_write(image_path, lambda f: np.save(f, image, allow_pickle=False))
         atomic_write(labels_path, lambda f: np.save(f, labels, allow_pickle=False))
         meta = {"image_shape": list(image.shape), "labels_shape": list(labels.shape),
-                "counts": {str(k): v for k, v in sorted(counts.items())}}
+                "counts": {str(k): v for k, v in sorted(counts.items())}, "build_s": build_s}
         atomic_write(meta_path, lambda f: f.write(json.dumps(meta).encode()))  # last: the entry is complete
-        return Entry(image, labels, dict(counts))
+        return Entry(image, labels, dict(counts), build_s)
 
     def get(self, sources: Sequence[Path], params: dict, build: Callable[[], Built]) -> Entry:
         key = entry_key(sources, params)
@@ -95,7 +97,8 @@ class VolumeCache:
             self.hits += 1
             return entry
         t0 = time.perf_counter()
-        entry = self.store(key, build())
+        built = build()
+        entry = self.store(key, built, time.perf_counter() - t0)
         self.builds += 1
         self.build_s += time.perf_counter() - t0
         return entry

@@ -3,7 +3,8 @@
 Opening a folder checks every file (headers first, then voxels and labels, each error one line naming the file)
 and fills the volume cache (`medddpm.train.cache`): each item decoded, reoriented to the closest canonical
 orientation, normalised and resized or cropped once, stored memory-mapped. Later opens of an unchanged folder read
-only the cache; `cache_build_s` is the time the first pass spent building. Items come from the cache: `raw(i)`
+only the cache; `cache_build_s` is what the first pass over the folder took to build its entries (recorded in them,
+so it reads the same after they were built by another process). Items come from the cache: `raw(i)`
 (image float32 (C, D, H, W), labels uint8) for `medddpm.train.loader`, `[i]` with the labels one-hot.
 """
 
@@ -48,10 +49,11 @@ class _CachedFolder(torch.utils.data.Dataset):
 
     def _open_cache(self, cache_dir, progress: bool, what: str) -> list[tuple[Path, dict[int, int]]]:
         self.cache = VolumeCache(Path(default(cache_dir, default_cache_dir())) / "volumes")
-        counts = []
+        counts, self.cache_build_s = [], 0.0
         for item in tqdm(self.items, desc=f"cache {what}", disable=not progress):
-            counts.append((item["labels"], self._entry(item).counts))
-        self.cache_build_s = self.cache.build_s
+            entry = self._entry(item)
+            counts.append((item["labels"], entry.counts))
+            self.cache_build_s += entry.build_s
         return counts
 
     def _entry(self, item: dict[str, Path]) -> Entry:
