@@ -21,7 +21,9 @@ fi
 label=()
 [ -z "${MEDDDPM_LABEL:-}" ] || label=(--gpu-label "$MEDDDPM_LABEL")
 $py -m medddpm info --size 128
-$py -m medddpm sweep --preset "$preset" --configs "$configs" --out data "${label[@]}"
+# A configuration that failed is recorded with why (the book shows it): the book and the summary come all the
+# same, and the script exits as the sweep did.
+$py -m medddpm sweep --preset "$preset" --configs "$configs" --out data "${label[@]}" || swept=$?
 # Then the book, built from everything under data/ (this machine's results included), and the summary, which
 # says where the book is or that its build failed (the failing page is named above it).
 book=(--book _build/html/index.html)
@@ -29,3 +31,4 @@ BOOK_SKIP_SETUP=1 bash scripts/book.sh || { status=$?; book=(); }
 echo
 $py -m medddpm summary --out data "${book[@]}" "${label[@]}"
 [ -z "${status:-}" ] || { echo "The book's build failed (exit $status): its messages above name the page." >&2; exit "$status"; }
+[ -z "${swept:-}" ] || { echo "The sweep's last line above names the configurations that failed." >&2; exit "$swept"; }

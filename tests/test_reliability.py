@@ -292,6 +292,8 @@ def test_another_identity_is_measured_beside_the_old_one_never_over_it(tmp_path,
     assert recorded["steps"] == 2 and recorded["data"] == "mni" and recorded["label"] == "cpu"
     assert recorded["switches"] == get_config("baseline").flags
     assert Path(steps["folder"]).name == "baseline~" + identity.key(identity.encode(recorded))
+    assert [r["run_id"] for r in sw._main_runs(root)] == [before["run.parquet"].loc[0, "run_id"]], \
+        "the summary compares the main runs only"
     with warnings.catch_warnings():
         warnings.simplefilter("error", loading.DataWarning)
         assert loading.runs(tmp_path / "data")["folder"].tolist() == ["cpu/baseline"]

@@ -268,10 +268,11 @@ def failed(results: list[dict]) -> bool:
     return any(r["status"] in FAILED for r in results)
 
 def _main_runs(folder: Path) -> list:
-    """The run rows of `folder`'s main runs (`data/<label>/<config>/`), in configuration order."""
+    """The run rows of `folder`'s main runs (`data/<label>/<config>/`, not those of another identity), in
+    configuration order."""
     from medddpm.configs import CONFIGS
 
-    rows = [read_table(p).iloc[0] for p in sorted(folder.glob("*/run.parquet"))]
+    rows = [read_table(p).iloc[0] for p in sorted(folder.glob("*/run.parquet")) if SEPARATOR not in p.parent.name]
     rows = [r for r in rows if run_folder(r["config"], r["preset"], max(int(r["batch"]), 1)) == r["config"]]
     order = {name: k for k, name in enumerate(CONFIGS)}
     return sorted(rows, key=lambda r: (order.get(r["config"], len(order)), r["config"]))

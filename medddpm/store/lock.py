@@ -90,9 +90,9 @@ def _open(folder: Path, lock_file: Path) -> int:
 @contextmanager
 def output_lock(folder: str | os.PathLike, what: str = "sweep", *,
                 lock_file: str | os.PathLike | None = None) -> Iterator[Path]:
-    """Hold `folder`'s lock for the block (creating the folder, for a lock inside it); raise `FolderInUse` at once if another
-    process holds it. `what` names this writer in the message another one gets ("sweep", "training");
-    `lock_file`: where the lock lives (default `<folder>/.medddpm.lock`)."""
+    """Hold `folder`'s lock for the block (creating the folder, for a lock inside it); raise `FolderInUse` at
+    once if another process holds it. `what` names this writer in the message another one gets ("sweep",
+    "training"); `lock_file`: where the lock lives (default `<folder>/.medddpm.lock`)."""
     folder = Path(folder)
     lock_file = Path(lock_file) if lock_file is not None else folder / LOCK_NAME
     key = lock_file.resolve()
