@@ -11,6 +11,7 @@ import time
 import tracemalloc
 
 import nibabel as nib
+import pandas as pd
 import numpy as np
 import psutil
 import pytest
@@ -388,3 +389,36 @@ def test_end_to_end_timing_feeds_the_step(ref):
     assert drift([10.0] * 8 + [11.0] * 8) == pytest.approx(0.1) and np.isnan(drift([1.0] * 7))
     summary = ClockMonitor("cpu").summary()  # no GPU: every column missing, no error
     assert summary["throttle_reasons"] == "" and np.isnan(summary["sm_clock_mhz"])
+
+
+# the book's end-to-end view
+
+def _runs(**columns):
+    base = {"status": "ok", "gpu_slug": "nvidia-h200", "config": "best", "shape": "128x128x128", "data_source": "mni",
+            "train_median_ms": 50.0, "e2e_median_ms": float("nan"), "loader_items_per_s": float("nan"),
+            "cache_build_s": float("nan"), "e2e_drift": float("nan"), "throttle_reasons": "",
+            "throttled_share": float("nan")}
+    return pd.DataFrame([base | row for row in columns.get("rows", [{}])])
+
+
+def test_end_to_end_view_says_when_there_is_nothing():
+    from medddpm.report.end_to_end import end_to_end_table, end_to_end_view
+
+    run = _runs()
+    assert end_to_end_table(run).empty
+    assert "No run in the data was trained from a NIfTI folder" in end_to_end_view(run).data
+
+
+def test_end_to_end_view_shows_both_times_and_the_throttled():
+    from medddpm.report.end_to_end import end_to_end_table, end_to_end_view
+
+    run = _runs(rows=[{}, {"data_source": "folder:heads", "e2e_median_ms": 52.0, "loader_items_per_s": 40.0,
+                           "cache_build_s": 12.0, "e2e_drift": 0.01},
+                      {"config": "baseline", "data_source": "folder:brats", "e2e_median_ms": 80.0,
+                       "throttle_reasons": "sw_power_cap", "throttled_share": 0.25}])
+    table = end_to_end_table(run)
+    assert list(table["data_source"]) == ["folder:brats", "folder:heads"]
+    assert table["ratio"].tolist() == pytest.approx([1.6, 1.04])
+    text = end_to_end_view(run).data
+    assert "1.04x), within the 10% target" in text and "1.60x), outside the 10% target" in text
+    assert "sw_power_cap, 25% of the samples" in text and "No run" not in text
