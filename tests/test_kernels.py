@@ -333,7 +333,9 @@ def test_profile_kernels_on_cpu(tiny_spec):
     assert {"forward", "backward", "optimizer"} <= set(df["pass"])
     assert (df.steps == 1).all() and (df.total_us > 0).all() and df.kernel.str.startswith("aten::").all()
     shares = df.groupby("category").share.sum()
-    assert shares.idxmax() == "convolution" and shares["convolution"] > 0.5
+    # the largest category; its share is wall-clock time on a CPU, which other processes' load dilutes
+    # (0.6-0.7 on an idle CPU, about 0.46 with every core busy)
+    assert shares.idxmax() == "convolution" and shares["convolution"] > 0.3
     assert df[df.kernel == "aten::convolution_backward"]["pass"].tolist() == ["backward"]
 
 
