@@ -44,7 +44,7 @@ from medddpm.measure.validate import check_label, check_text
 from medddpm.store.identity import SEPARATOR, encode, folder_name, key, run_identity
 from medddpm.store.lock import output_lock
 from medddpm.store.schema import PHASES, read_table, run_folder, write_table
-from medddpm.store.storage import publish_folder, recover_folder
+from medddpm.store.storage import publish_folder, recover_folder, storage_error
 
 ROOT = REPO
 NOTEBOOK = ROOT / "notebooks" / "produce.ipynb"
@@ -211,7 +211,10 @@ def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.P
             print(f"[{i}/{len(plans)}] {config.name}: measuring into {final} ...", file=sys.stderr, flush=True)
             stage = root / f".{final.name}.stage-{os.getpid()}"
             shutil.rmtree(stage, ignore_errors=True)
-            stage.mkdir(parents=True)
+            try:
+                stage.mkdir(parents=True)
+            except OSError as e:
+                raise storage_error(stage, e) from None
             t0 = time.perf_counter()
             old_env = {k: os.environ.get(k) for k in env}
             try:
