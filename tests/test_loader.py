@@ -422,3 +422,21 @@ def test_end_to_end_view_shows_both_times_and_the_throttled():
     text = end_to_end_view(run).data
     assert "1.04x), within the 10% target" in text and "1.60x), outside the 10% target" in text
     assert "sw_power_cap, 25% of the samples" in text and "No run" not in text
+
+
+@pytest.mark.parametrize("fault", ["read-only", "full disk"])
+def test_unwritable_cache_is_one_line(ref, tmp_path, monkeypatch, fault):
+    from medddpm.train import cache
+
+    if fault == "read-only":
+        (tmp_path / "cache").write_text("a file where the cache folder goes")
+    else:
+        def full(path, write):
+            raise OSError(28, "No space left on device")
+        monkeypatch.setattr(cache, "atomic_write", full)
+    with pytest.raises(DataError) as e:
+        NiftiPairs(ref, size=SIZE)
+    message = _one_line(e)
+    assert "cannot write the volume cache" in message and "MEDDDPM_CACHE" in message
+    if fault == "full disk":
+        assert "No space left on device" in message

@@ -20,7 +20,8 @@ from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from medddpm.store.storage import atomic_write
+from medddpm.store.storage import StorageError, atomic_write
+from medddpm.train.nifti import DataError
 
 FORMAT = 1  # bump when an entry's layout or the meaning of a parameter changes
 
@@ -83,11 +84,16 @@ class VolumeCache:
         image = np.ascontiguousarray(image, dtype=np.float32)
         labels = np.ascontiguousarray(labels, dtype=np.uint8)
         image_path, labels_path, meta_path = self.paths(key)
-        atomic_write(image_path, lambda f: np.save(f, image, allow_pickle=False))
-        atomic_write(labels_path, lambda f: np.save(f, labels, allow_pickle=False))
         meta = {"image_shape": list(image.shape), "labels_shape": list(labels.shape),
                 "counts": {str(k): v for k, v in sorted(counts.items())}, "build_s": build_s}
-        atomic_write(meta_path, lambda f: f.write(json.dumps(meta).encode()))  # last: the entry is complete
+        try:
+            atomic_write(image_path, lambda f: np.save(f, image, allow_pickle=False))
+            atomic_write(labels_path, lambda f: np.save(f, labels, allow_pickle=False))
+            atomic_write(meta_path, lambda f: f.write(json.dumps(meta).encode()))  # last: the entry is complete
+        except (OSError, StorageError) as e:  # read-only, full disk, a file where the folder should be
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise DataError(f"{self.root}: cannot write the volume cache ({why}); set MEDDDPM_CACHE to a writable "
+                            "folder with room") from None
         return Entry(image, labels, dict(counts), build_s)
 
     def get(self, sources: Sequence[Path], params: dict, build: Callable[[], Built]) -> Entry:
