@@ -440,3 +440,25 @@ def test_unwritable_cache_is_one_line(ref, tmp_path, monkeypatch, fault):
     assert "cannot write the volume cache" in message and "MEDDDPM_CACHE" in message
     if fault == "full disk":
         assert "No space left on device" in message
+
+
+def test_training_loop_stops_its_workers_on_ctrl_c(ref, tmp_path, monkeypatch):
+    """Ctrl-C inside the training loop: its workers stop while the traceback (which keeps the loop's variables alive,
+    as a notebook keeps the last one) is still held."""
+    from medddpm.model.unet import ModelSpec
+    from medddpm.train import engine as engine_module
+    from medddpm.train.loop import train
+
+    ds = NiftiPairs(ref, size=8)
+    spec = ModelSpec(size=8, mask_channels=3, base_channels=32, channel_mult=(1,), attention_ds=())
+    calls = []
+
+    def interrupted(self, batches):
+        calls.append(1)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine_module.Engine, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt) as e:
+        train(spec, "baseline", ds, out_dir=tmp_path / "run", steps=3, progress=False)
+    assert calls and e.traceback  # the traceback, and the loop's frame with it, still held here
+    assert not _children_gone()

@@ -38,6 +38,17 @@ def one_hot_condition(labels, *, num_classes: int, check: bool = True) -> torch.
     return torch.where(labels.unsqueeze(-4) == classes, 1.0, -1.0).to(torch.float32)
 
 
+def closing_with(steps: Iterable, items: Iterator) -> Iterator:
+    """Iterate `steps`, then close `items` (a `DeviceLoader` iteration, which stops its workers) however the
+    iteration ends. A loop that runs over this wrapper stops the workers even when an exception leaves it: the
+    wrapper lives on the loop's stack only, which is emptied then, while the loop's variables (`items` among them)
+    stay alive as long as the traceback does (in a notebook, until the next error)."""
+    try:
+        yield from steps
+    finally:
+        items.close()
+
+
 def default_workers(device: torch.device | str) -> int:
     """Worker processes: on a GPU up to 4, leaving the training process most of the cores; on a CPU one, since the
     step itself wants every core."""
@@ -76,9 +87,11 @@ class DeviceLoader:
         self.prefetch = prefetch
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        # A generator of its own: the loader's workers' base seed would otherwise be drawn from the global RNG, which
+        # the step's noise comes from, when the first item is asked for (after a resumed run restored that RNG)
         loader = DataLoader(_RawItems(self.dataset), batch_size=None, sampler=self.order, num_workers=self.workers,
                             pin_memory=self.device.type == "cuda", prefetch_factor=self.prefetch if self.workers else None,
-                            persistent_workers=False)
+                            persistent_workers=False, generator=torch.Generator().manual_seed(0))
         k = getattr(self.dataset, "mask_channels", None)
         it = iter(loader)
         try:

@@ -11,7 +11,7 @@ from tqdm import tqdm  # text bars: tqdm.auto draws ipywidgets bars, a message p
 
 from medddpm.configs import Config
 from medddpm.train.engine import Engine
-from medddpm.train.loader import DeviceLoader
+from medddpm.train.loader import DeviceLoader, closing_with
 from medddpm.model.unet import ModelSpec
 from medddpm.store.storage import atomic_write
 from medddpm.train.timing import StepTimer
@@ -129,7 +129,7 @@ def train(spec: ModelSpec, config: Config | str, dataset, *, out_dir: str | os.P
     order = (batch_indices(len(dataset), s, rank * grad_accum + m, seed=seed) for s in range(start, steps)
              for m in range(grad_accum))
     items = iter(DeviceLoader(dataset, order, device=engine.device))
-    for step in bar:
+    for step in closing_with(bar, items):
         batches = []
         for micro in range(grad_accum):
             image, cond = next(items)
