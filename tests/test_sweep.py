@@ -13,6 +13,14 @@ from medddpm.store.schema import read_table
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _folder(parent: Path, name: str) -> Path:
+    """The folder of configuration `name`'s run under `parent`: `name` for the preset's own steps, size and data,
+    `name~<key>` for a run of others (a tiny one of a test)."""
+    found = [p for p in parent.glob(f"{name}*") if p.name == name or p.name.startswith(f"{name}~")]
+    assert len(found) == 1, found
+    return found[0]
+
+
 def sweep(*args, **kw):
     env = kw.pop("env", os.environ) | {"PYTHONPATH": str(ROOT), "MEDDDPM_CACHE": str(kw.pop("cache"))}
     return subprocess.Popen([sys.executable, "-m", "medddpm", "sweep", *args], env=env, cwd=ROOT,
@@ -48,14 +56,15 @@ def test_smoke_sweep_writes_every_table_for_the_paper_configurations(tmp_path):
 def test_a_killed_sweep_resumes_without_duplicated_or_lost_rows(tmp_path):
     args = ("--preset", "smoke", "--configs", "baseline,opt2", "--out", str(tmp_path / "data"), "--device", "cpu",
             "--phases", "sample,quality", "--steps", "2", "--sample-steps", "3")
-    first = tmp_path / "data" / "cpu" / "baseline" / "run.parquet"
+    cpu = tmp_path / "data" / "cpu"
     p = sweep(*args, cache=tmp_path / "cache")
     deadline = time.time() + 600
-    while not first.exists() and time.time() < deadline and p.poll() is None:
+    while not list(cpu.glob("baseline~*/run.parquet")) and time.time() < deadline and p.poll() is None:
         time.sleep(0.2)
     os.killpg(p.pid, signal.SIGKILL)  # the sweep and its notebook kernel, mid-way through opt2
     p.wait()
-    assert first.exists() and not (tmp_path / "data" / "cpu" / "opt2" / "run.parquet").exists()
+    (first,) = cpu.glob("baseline~*/run.parquet")  # --steps 2: not the preset's own steps
+    assert not list(cpu.glob("opt2*/run.parquet"))
     run_id = read_table(first).loc[0, "run_id"]
 
     p = sweep(*args, cache=tmp_path / "cache")
@@ -64,7 +73,7 @@ def test_a_killed_sweep_resumes_without_duplicated_or_lost_rows(tmp_path):
     assert "done before" in out
     assert read_table(first).loc[0, "run_id"] == run_id, "a finished configuration is not measured again"
     for name in ("baseline", "opt2"):
-        steps = read_table(tmp_path / "data" / "cpu" / name / "steps.parquet")
+        steps = read_table(_folder(cpu, name) / "steps.parquet")
         train = steps.query("phase == 'train'")
         assert list(train["step"]) == [0, 1, 2] and train["step"].is_unique
         assert list(steps.query("phase == 'sample'")["timed"]) == [False, True, True], "--sample-steps reached it"
@@ -108,9 +117,9 @@ def test_a_failing_configuration_is_recorded_and_the_sweep_goes_on(tmp_path):
     out, _ = p.communicate(timeout=600)
     assert p.returncode == 1, out[-3000:]
     assert "1 of 2 configuration(s) measured; failed: compile (error)" in out
-    failed = read_table(tmp_path / "data" / "cpu" / "compile" / "run.parquet")
+    failed = read_table(_folder(tmp_path / "data" / "cpu", "compile") / "run.parquet")
     assert failed.loc[0, "status"] == "error" and "compiler" in failed.loc[0, "message"].lower()
-    assert read_table(tmp_path / "data" / "cpu" / "baseline" / "run.parquet").loc[0, "status"] == "ok"
+    assert read_table(_folder(tmp_path / "data" / "cpu", "baseline") / "run.parquet").loc[0, "status"] == "ok"
 
 
 @pytest.mark.slow
@@ -124,13 +133,13 @@ def test_brats_preset_and_batch_reach_the_producer_notebook(tmp_path):
               cache=tmp_path / "cache")
     out, _ = p.communicate(timeout=900)
     assert p.returncode == 0, out[-3000:]
-    folder = tmp_path / "data" / "cpu" / "opt1-ckpt@brats-b2"
+    folder = _folder(tmp_path / "data" / "cpu", "opt1-ckpt@brats-b2")
     run = read_table(folder / "run.parquet").iloc[0]
     assert run["status"] == "ok", run["message"]
     assert (run["preset"], run["shape"], run["batch"], run["checkpointing"]) == ("brats", "32x32x16", 2, True)
     assert (run["image_channels"], run["mask_channels"], run["num_res_blocks"], run["parameters"]) == (4, 4, 2, 57_562_564)
     assert run["sample_steps"] == 20 and len(read_table(folder / "quality.parquet")) == 3
-    assert report.runs(tmp_path / "data", variants=True)["folder"].tolist() == ["cpu/opt1-ckpt@brats-b2"]
+    assert report.runs(tmp_path / "data", variants=True)["folder"].tolist() == [f"cpu/{folder.name}"]
     assert report.runs(tmp_path / "data").empty, "the main pages read the main preset at batch 1 only"
 
 
@@ -267,7 +276,7 @@ def test_the_sweep_measures_a_committed_device_type_beside_its_rows(tmp_path):
               "--phases", "", "--steps", "1", "--warmup", "1", cache=tmp_path / "cache")
     out, _ = p.communicate(timeout=600)
     assert p.returncode == 0, out[-3000:]
-    mine = read_table(tmp_path / "data" / f"cpu-{host_name()}" / "baseline" / "run.parquet").iloc[0]
+    mine = read_table(_folder(tmp_path / "data" / f"cpu-{host_name()}", "baseline") / "run.parquet").iloc[0]
     assert mine["status"] == "ok" and (mine["gpu_slug"], mine["gpu_type"], mine["gpu_name"], mine["host"]) == (
         f"cpu-{host_name()}", "cpu", "cpu", host_name())
     assert committed.read_bytes() == before and "done before" not in out
@@ -284,8 +293,9 @@ def test_the_reference_width_is_measured_as_a_variant(tmp_path):
               "--device", "cpu", "--phases", "quality", "--steps", "1", "--warmup", "1", cache=tmp_path / "cache")
     out, _ = p.communicate(timeout=600)
     assert p.returncode == 0, out[-3000:]
-    run = read_table(tmp_path / "data" / "cpu" / "baseline@smoke-m2" / "run.parquet").iloc[0]
+    folder = _folder(tmp_path / "data" / "cpu", "baseline@smoke-m2")
+    run = read_table(folder / "run.parquet").iloc[0]
     assert run["status"] == "ok", run["message"]
     assert (run["mask_channels"], run["run_id"].split("/")[1]) == (2, "baseline@smoke-m2")
-    assert report.runs(tmp_path / "data", variants=True)["folder"].tolist() == ["cpu/baseline@smoke-m2"]
+    assert report.runs(tmp_path / "data", variants=True)["folder"].tolist() == [f"cpu/{folder.name}"]
     assert report.runs(tmp_path / "data").empty
