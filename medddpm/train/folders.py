@@ -112,7 +112,8 @@ class NiftiPairs(_CachedFolder):
         image = read_volume(item["image"])
         check_image(image, item["image"])
         labels = read_volume(item["labels"])
-        counts = label_counts(labels, item["labels"])
+        # once the folder is open its label set bounds a file rebuilt later (edited while training)
+        counts = label_counts(labels, item["labels"], getattr(self, "num_classes", None))
         image = resize(torch.from_numpy(normalize(image.astype(np.float32))), self.size, mode="trilinear")
         labels = resize(torch.from_numpy(labels.astype(np.float32)), self.size, mode="nearest-exact")
         return image[None].numpy(), labels.numpy().astype(np.uint8), counts
@@ -136,8 +137,8 @@ def _brats_files(root: Path, modality: str, name: str) -> dict[str, Path]:
     error."""
     folder = root / name
     if not folder.is_dir():
-        raise fail(folder, missing_why(folder) or f"missing folder (the BraTS layout is <root>/{{seg,t1,t1ce,t2,flair}}"
-                                                   f"/<case>_<modality>.nii.gz, or t1n, t1c, t2w, t2f)")
+        raise fail(folder, missing_why(folder) or "missing folder (the BraTS layout is <root>/{seg,t1,t1ce,t2,flair}"
+                                                   "/<case>_<modality>.nii.gz, or t1n, t1c, t2w, t2f)")
     files = sorted(p for p in folder.iterdir() if not p.name.startswith("."))
     if not files:
         raise fail(folder, "empty folder")
