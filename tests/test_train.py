@@ -34,7 +34,7 @@ def test_interrupted_run_resumes_from_its_checkpoint(tiny_spec, tmp_path, monkey
     with pytest.raises(KeyboardInterrupt):
         train(tiny_spec, "baseline", data, out_dir=tmp_path / "cut", **kw)
     monkeypatch.setattr(train_mod.Engine, "step", real_step)
-    assert torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=False)["step"] == 4
+    assert torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)["step"] == 4
     assert not list((tmp_path / "cut").glob("*.tmp")), "no half-written files"
 
     resumed = train(tiny_spec, "baseline", data, out_dir=tmp_path / "cut", **kw)
@@ -48,16 +48,22 @@ def test_interrupted_run_resumes_from_its_checkpoint(tiny_spec, tmp_path, monkey
 def test_resume_refuses_another_configuration(tiny_spec, tmp_path):
     data = Pairs(tiny_spec)
     train(tiny_spec, "baseline", data, out_dir=tmp_path, steps=1, grad_accum=1, progress=False)
-    with pytest.raises(ValueError, match="another model or configuration"):
+    with pytest.raises(ValueError, match="another run \\(precision 'fp32' -> 'bf16'\\).*--allow-changed"):
         train(tiny_spec, "bf16", data, out_dir=tmp_path, steps=2, grad_accum=1, progress=False)
+    with pytest.raises(ValueError, match="grad_accum 1 -> 2; lr 1e-05 -> 0.001"):
+        train(tiny_spec, "baseline", data, out_dir=tmp_path, steps=2, grad_accum=2, lr=1e-3, progress=False)
+    engine = train(tiny_spec, "baseline", data, out_dir=tmp_path, steps=2, grad_accum=1, lr=1e-3, progress=False,
+                   allow_changed=True)
+    assert engine.step_count == 2 and [g["lr"] for g in engine.opt.param_groups] == [1e-3]
 
 
-@pytest.mark.parametrize("bad", [dict(steps=0), dict(steps=-3), dict(grad_accum=1.5), dict(steps="10")])
+@pytest.mark.parametrize("bad", [dict(steps=0), dict(steps=-3), dict(grad_accum=1.5), dict(steps="10"),
+                                 dict(lr=float("inf")), dict(lr=float("nan")), dict(lr=0.0), dict(lr=-1e-4), dict(lr=True)])
 def test_bad_training_parameters_fail_before_work(tiny_spec, tmp_path, bad):
     kw = dict(steps=2, grad_accum=1, progress=False) | bad
-    with pytest.raises(ValueError, match="must be a positive int"):
-        train(tiny_spec, "baseline", Pairs(tiny_spec), out_dir=tmp_path, **kw)
-    assert not (tmp_path / "checkpoint.pt").exists()
+    with pytest.raises(ValueError, match="must be a positive"):
+        train(tiny_spec, "baseline", Pairs(tiny_spec), out_dir=tmp_path / "run", **kw)
+    assert not (tmp_path / "run").exists()
 
 
 def test_sample_from_checkpoint_writes_nifti(tiny_spec, tmp_path):

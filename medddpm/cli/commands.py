@@ -130,14 +130,18 @@ def cmd_claims(args) -> None:
 
 def cmd_train(args) -> None:
     from medddpm.measure.env import pick_device
-    from medddpm.train.loop import train
+    from medddpm.store.lock import output_lock
+    from medddpm.train.loop import check_lr, train
 
+    check_lr(args.lr)
     config = config_from(args)
     device = pick_device(args.device)
-    data = open_data(args)
-    spec = spec_from(args, data.mask_channels, getattr(data, "image_channels", 1))
-    engine = train(spec, config, data, out_dir=args.out, steps=args.steps, device=device, grad_accum=args.grad_accum,
-                   lr=args.lr, seed=args.seed, save_every=args.save_every, log_every=args.log_every)
+    with output_lock(args.out, what="training"):  # before the data is read: a second training fails at once
+        data = open_data(args)
+        spec = spec_from(args, data.mask_channels, getattr(data, "image_channels", 1))
+        engine = train(spec, config, data, out_dir=args.out, steps=args.steps, device=device, grad_accum=args.grad_accum,
+                       lr=args.lr, seed=args.seed, save_every=args.save_every, log_every=args.log_every,
+                       allow_changed=args.allow_changed)
     for flag, why in engine.run.not_applicable.items():
         print(f"note: {flag} not applicable on {device.type}: {why}", file=sys.stderr)
     print(f"trained {engine.step_count} steps; checkpoint in {Path(args.out) / 'checkpoint.pt'}")
@@ -148,8 +152,10 @@ def cmd_sample(args) -> None:
     from medddpm.train.sampling import generate, label_volume, load_checkpoint, write_nifti
 
     device = pick_device(args.device)
-    engine = load_checkpoint(args.checkpoint, device=device, use_ema=not args.no_ema, compiled=args.compiled)
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: a file, not a folder")
+    engine = load_checkpoint(args.checkpoint, device=device, use_ema=not args.no_ema, compiled=args.compiled)
     for i, source in enumerate(args.labels):
         labels = label_volume(source, size=engine.spec.size)
         image = generate(engine, labels, seed=args.seed + i)

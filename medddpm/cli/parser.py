@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the weights, the data and the noise")
     p.add_argument("--save-every", type=positive, default=500, metavar="N", help="optimizer steps between checkpoints")
     p.add_argument("--log-every", type=positive, default=10, metavar="N", help="optimizer steps between loss lines")
+    p.add_argument("--allow-changed", action="store_true",
+                   help="resume a checkpoint of another seed, lr, grad-accum, configuration or size with the values "
+                        "given here (refused without it)")
     add_device_arg(p)
     p.set_defaults(func=cmd_train)
 

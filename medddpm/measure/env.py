@@ -18,9 +18,16 @@ from medddpm import REPO
 def pick_device(name: str | None = None) -> torch.device:
     """`name` if given (e.g. 'cpu', 'cuda:1'), else CUDA when present, else the CPU."""
     if name:
-        device = torch.device(name)
+        try:
+            device = torch.device(name)
+        except RuntimeError:
+            raise ValueError(f"unknown device {name!r}: expected cpu, cuda or cuda:N") from None
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device {name!r}: expected cpu, cuda or cuda:N")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {name!r} asked for, but no CUDA device is available")
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r} asked for, but this machine has {torch.cuda.device_count()} CUDA device(s)")
         return device
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -77,17 +77,29 @@ def parse_name(name: str) -> tuple[str, str]:
     return m.group(1), m.group(2) if m.group(2) and m.group(2) != "unknown" else ""
 
 
+class _PlainData(pickle.Unpickler):
+    """An unpickler of plain data only. An allocator snapshot is dicts, lists, strings, numbers, booleans and
+    None, which pickle builds without naming a class or a function; a pickle that names one (the way a
+    crafted file calls `os.system`) is refused before anything is called ('Restricting Globals' in the
+    documentation of `pickle`)."""
+
+    def find_class(self, module: str, name: str):
+        raise pickle.UnpicklingError(f"it names {module}.{name}, and a memory snapshot names no class or function")
+
+
 def load(path: str | os.PathLike) -> dict:
-    """A snapshot pickle, gzipped or not; a clear error for anything else."""
+    """A snapshot pickle, gzipped or not, read as plain data (`_PlainData`); a clear error for anything else."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no memory snapshot at {path}")
     opener = gzip.open if path.suffix == ".gz" else open
     try:
         with opener(path, "rb") as f:
-            snap = pickle.load(f)  # noqa: S301 (our own bench's files)
-    except (OSError, pickle.UnpicklingError, EOFError) as e:
-        raise ValueError(f"{path}: not a memory snapshot pickle ({e})") from None
+            snap = _PlainData(f).load()
+    except (OSError, pickle.UnpicklingError, EOFError, ValueError, IndexError, KeyError, TypeError,
+            AttributeError, MemoryError) as e:
+        reason = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise ValueError(f"{path}: not a memory snapshot pickle, refused ({reason[:200]})") from None
     if not isinstance(snap, dict) or not {"segments", "device_traces"} <= set(snap):
         raise ValueError(f"{path}: not a memory snapshot (no 'segments' and 'device_traces'; "
                          "written by torch.cuda.memory._dump_snapshot?)")

@@ -19,6 +19,7 @@ from medddpm.model.diffusion import TIMESTEPS, GaussianDiffusion
 from medddpm.model.layout import compile_options
 from medddpm.model.unet import ModelSpec, UNet3D
 from medddpm.model.recompute import SaveRandomOps
+from medddpm.train.checkpoint import cpu_rng_state
 
 
 class EMA:
@@ -314,9 +315,10 @@ class Engine:
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["opt"])
         self.step_count = int(state["step"])
-        torch.set_rng_state(state["cpu_rng"])
+        # set_rng_state takes a CPU uint8 tensor only; a checkpoint loaded with map_location=<a GPU> holds GPU ones
+        torch.set_rng_state(cpu_rng_state(state["cpu_rng"]))
         if "cuda_rng" in state and self.device.type == "cuda":
-            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+            torch.cuda.set_rng_state(cpu_rng_state(state["cuda_rng"]), self.device)
         if self.ema is not None and "ema" in state:
             self.ema.load_state_dict(state["ema"])
         if self.scaler is not None and "scaler" in state:

@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 from pathlib import Path
 
 import torch
 from tqdm import tqdm  # text bars: tqdm.auto draws ipywidgets bars, a message per update under papermill
 
-from medddpm.configs import Config
+from medddpm.configs import Config, ConfigError, get_config
+from medddpm.train import checkpoint
+from medddpm.train.checkpoint import CHECKPOINT, writing
 from medddpm.train.engine import Engine
 from medddpm.train.loader import DeviceLoader, closing_with
 from medddpm.model.unet import ModelSpec
+from medddpm.store.lock import output_lock
 from medddpm.store.storage import atomic_write
 from medddpm.train.timing import StepTimer
 
-CHECKPOINT = "checkpoint.pt"
 LOSS_LOG = "loss.jsonl"
 RANK_LOG = "ranks.jsonl"  # under DDP: one line per rank and step, {"step", "rank", "world_size", "step_ms"}
 
@@ -40,17 +44,39 @@ def step_noise(shape: tuple[int, ...], timesteps: int, step: int, micro: int, *,
 
 def save_checkpoint(engine: Engine, path: Path, *, extra: dict) -> None:
     state = engine.state_dict() | {"spec": engine.spec.__dict__, "config": engine.config.flags, **extra}
-    atomic_write(path, lambda f: torch.save(state, f))
+    checkpoint.save(state, path)
+
+
+def resume_differences(state: dict, spec: ModelSpec, config: Config, hyper: dict) -> list[str]:
+    """What differs between a checkpoint's run and the one asked for, as 'name saved -> asked' (the model's
+    spec, the configuration's switches, and the `hyper` values the checkpoint records)."""
+    try:  # switches added since the checkpoint was written take their defaults (Config fills them in)
+        saved_flags = Config("saved", **state["config"]).flags
+    except (ConfigError, TypeError) as e:
+        raise ValueError(f"the checkpoint's configuration is not one of this version ({e})".splitlines()[0]) from None
+    saved_spec = {k: tuple(v) if isinstance(v, list) else v for k, v in state["spec"].items()}
+    pairs = [(k, saved_spec.get(k), v) for k, v in spec.__dict__.items()]
+    pairs += [(k, saved_flags.get(k), v) for k, v in config.flags.items()]
+    pairs += [(k, state[k], v) for k, v in hyper.items() if k in state]
+    return [f"{k} {saved!r} -> {asked!r}" for k, saved, asked in pairs if saved != asked]
+
+
+def check_lr(lr) -> None:
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+        raise ValueError(f"lr must be a positive finite number, got {lr!r}")
 
 
 def train(spec: ModelSpec, config: Config | str, dataset, *, out_dir: str | os.PathLike, steps: int,
           device: torch.device | str = "cpu", grad_accum: int = 2, lr: float = 1e-5, seed: int = 0,
           save_every: int = 500, log_every: int = 10, progress: bool = True, ddp: bool = False,
-          fixed_noise: bool = False) -> Engine:
+          fixed_noise: bool = False, allow_changed: bool = False) -> Engine:
     """Train for `steps` optimizer steps (each of `grad_accum` micro-batches of one volume).
 
-    If `out_dir` holds a checkpoint, training resumes from it. The loss of every step goes to
-    `loss.jsonl`; losses are fetched from the device every `log_every` steps, not every step.
+    If `out_dir` holds a checkpoint, training resumes from it; a checkpoint of another model, configuration,
+    seed, lr or grad_accum is refused (naming the differences) unless `allow_changed`, in which case the run
+    goes on with the values asked for (the optimizer takes the new lr). The loss of every step goes to
+    `loss.jsonl`; losses are fetched from the device every `log_every` steps, not every step. One training
+    at a time writes into `out_dir` (`medddpm.store.lock`): a second fails at once, naming the first.
 
     `ddp=True` (inside an initialised process group, see `medddpm.measure.distributed`): data parallelism.
     Each rank takes its own `grad_accum` micro-batches (global batch = world size x grad_accum,
@@ -64,6 +90,7 @@ def train(spec: ModelSpec, config: Config | str, dataset, *, out_dir: str | os.P
     for name, value in (("steps", steps), ("grad_accum", grad_accum), ("save_every", save_every), ("log_every", log_every)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    check_lr(lr)
     if getattr(dataset, "mask_channels", spec.mask_channels) != spec.mask_channels:
         raise ValueError(f"data has {dataset.mask_channels} label channels but the model expects {spec.mask_channels}")
     if getattr(dataset, "image_channels", spec.image_channels) != spec.image_channels:
@@ -75,24 +102,44 @@ def train(spec: ModelSpec, config: Config | str, dataset, *, out_dir: str | os.P
         rank, world = dist.get_rank(), dist.get_world_size()
     main = rank == 0
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    engine = Engine(spec, config, device=device, lr=lr, seed=seed, ddp=ddp)
+    with output_lock(out, what="training") if main else contextlib.nullcontext():
+        return _train(spec, get_config(config), dataset, out=out, steps=steps, device=device, grad_accum=grad_accum,
+                      lr=lr, seed=seed, save_every=save_every, log_every=log_every, progress=progress, ddp=ddp,
+                      fixed_noise=fixed_noise, allow_changed=allow_changed, rank=rank, world=world)
+
+
+def _train(spec, config, dataset, *, out, steps, device, grad_accum, lr, seed, save_every, log_every, progress, ddp,
+           fixed_noise, allow_changed, rank, world) -> Engine:
+    main = rank == 0
+    if ddp:
+        import torch.distributed as dist
     ckpt = out / CHECKPOINT
+    hyper = {"seed": seed, "grad_accum": grad_accum, "lr": lr}
+    state = None
     if ckpt.exists():
-        state = torch.load(ckpt, map_location=engine.device, weights_only=False)
-        # switches added since the checkpoint was written take their defaults (Config fills them in)
-        if Config("saved", **state["config"]).flags != engine.config.flags or state["spec"] != spec.__dict__:
-            raise ValueError(f"{ckpt} was written by another model or configuration; use a new --out")
+        # read on the CPU: the RNG states stay CPU tensors, and loading moves the rest to the device
+        state = checkpoint.read(ckpt, map_location="cpu")
         if state.get("world_size", 1) != world:
             raise ValueError(f"{ckpt} was written by {state.get('world_size', 1)} ranks, not {world}; use a new --out")
-        engine.load_state_dict(state)
+        changed = resume_differences(state, spec, config, hyper)
+        if changed and not allow_changed:
+            raise ValueError(f"{ckpt} was written by another run ({'; '.join(changed)}): resume with its values, "
+                             "use a new --out, or pass --allow-changed to go on with the new ones")
+    engine = Engine(spec, config, device=device, lr=lr, seed=seed, ddp=ddp)
+    if state is not None:
+        try:
+            engine.load_state_dict(state)
+        except (RuntimeError, KeyError) as e:
+            raise ValueError(f"{ckpt} does not fit this model ({str(e).strip().splitlines()[0][:200]})") from None
+        for group in engine.opt.param_groups:  # the checkpoint's optimizer state carries the lr it ran with
+            group["lr"] = lr
     start = engine.step_count
     log_path, rank_path = out / LOSS_LOG, out / RANK_LOG
     if main:
         _truncate_log(log_path, start)
         if ddp:
             _truncate_log(rank_path, start)
-    extra = {"seed": seed, "grad_accum": grad_accum, "lr": lr} | ({"world_size": world} if ddp else {})
+    extra = hyper | ({"world_size": world} if ddp else {})
 
     pending: list[tuple[int, torch.Tensor]] = []
     timer = StepTimer(engine.device) if ddp else None
@@ -111,14 +158,10 @@ def train(spec: ModelSpec, config: Config | str, dataset, *, out_dir: str | os.P
         else:
             values = torch.stack([loss for _, loss in pending]).tolist()  # one host sync per flush
         if main:
-            with open(log_path, "a") as f:
-                for (s, _), v in zip(pending, values):
-                    f.write(json.dumps({"step": s, "loss": v}) + "\n")
+            _append(log_path, [{"step": s, "loss": v} for (s, _), v in zip(pending, values)])
             if ddp:
-                with open(rank_path, "a") as f:
-                    for i, (s, _) in enumerate(pending):
-                        for r in range(world):
-                            f.write(json.dumps({"step": s, "rank": r, "world_size": world, "step_ms": times[r][i]}) + "\n")
+                _append(rank_path, [{"step": s, "rank": r, "world_size": world, "step_ms": times[r][i]}
+                                    for i, (s, _) in enumerate(pending) for r in range(world)])
             bar.set_postfix(loss=f"{values[-1]:.4f}")
         pending.clear()
 
@@ -155,12 +198,35 @@ def train(spec: ModelSpec, config: Config | str, dataset, *, out_dir: str | os.P
     return engine
 
 
+def _append(path: Path, records: list[dict]) -> None:
+    """Append log lines in one write; a failed write (a full disk) is cut back off, so the log holds whole
+    lines only and a resumed run finds it as the last checkpoint left it."""
+    data = "".join(json.dumps(r) + "\n" for r in records).encode()
+    with writing(path, "writing the log"), open(path, "ab") as f:
+        size = f.tell()
+        try:
+            f.write(data)
+            f.flush()
+        except OSError:
+            with contextlib.suppress(OSError):
+                f.truncate(size)
+            raise
+
+
 def _truncate_log(path: Path, step: int) -> None:
-    """Drop log lines past the checkpoint, so a resumed run neither repeats nor loses steps."""
+    """Drop log lines past the checkpoint, so a resumed run neither repeats nor loses steps (a line a killed
+    run left half-written is past it too)."""
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-    atomic_write(path, lambda f: f.write("".join(line + "\n" for line in keep).encode()))
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if line and json.loads(line)["step"] <= step:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue
+    with writing(path, "rewriting the log"):
+        atomic_write(path, lambda f: f.write("".join(line + "\n" for line in keep).encode()))
 
 
 def read_loss_log(out_dir: str | os.PathLike) -> list[dict]:

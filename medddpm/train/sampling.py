@@ -11,6 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from medddpm.train import checkpoint
 from medddpm.train.data import one_hot_condition
 from medddpm.train.nifti import DataError
 from medddpm.train.synthetic import make_brats_case, make_mni_pair
@@ -29,18 +30,25 @@ def load_checkpoint(path: str | os.PathLike, *, device: torch.device | str = "cp
     (about 40 s at 128^3 on an H200) and each later one run at the compiled speed."""
     path = Path(path)
     if path.is_dir():
-        path = path / "checkpoint.pt"
+        path = path / checkpoint.CHECKPOINT
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    spec = ModelSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in state["spec"].items()})
-    dropped = ("fused_adam",) if compiled else ("cuda_graphs", "compile", "fused_adam")
-    flags = {k: v for k, v in state["config"].items() if k not in dropped}
-    engine = Engine(spec, Config("checkpoint", **flags), device=device)
-    engine.model.load_state_dict(state["model"])
-    if use_ema and "ema" in state:
-        engine.ema.load_state_dict(state["ema"])
-        engine.ema.copy_to(engine.model)
+    state = checkpoint.read(path, map_location="cpu")
+    try:
+        spec = ModelSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in state["spec"].items()})
+        dropped = ("fused_adam",) if compiled else ("cuda_graphs", "compile", "fused_adam")
+        flags = {k: v for k, v in state["config"].items() if k not in dropped}
+        config = Config("checkpoint", **flags)
+    except (TypeError, AttributeError) as e:
+        raise ValueError(f"{path}: not a training checkpoint of this version ({e})".splitlines()[0]) from None
+    engine = Engine(spec, config, device=device)
+    try:
+        engine.model.load_state_dict(state["model"])
+        if use_ema and "ema" in state:
+            engine.ema.load_state_dict(state["ema"])
+            engine.ema.copy_to(engine.model)
+    except (RuntimeError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: its weights do not fit its model ({str(e).strip().splitlines()[0][:200]})") from None
     engine.model.eval()
     return engine
 
@@ -82,4 +90,5 @@ def write_nifti(path: str | os.PathLike, volume: np.ndarray, *, spacing_mm: floa
     raw = img.to_bytes()
     if str(path).endswith(".gz"):
         raw = gzip.compress(raw, mtime=0)
-    return atomic_write(path, lambda f: f.write(raw))
+    with checkpoint.writing(path, "writing a volume"):
+        return atomic_write(path, lambda f: f.write(raw))

@@ -1,0 +1,80 @@
+"""Checkpoints written whole and read without running code, and one-line messages for file-system faults.
+
+A checkpoint holds tensors, dicts, lists, tuples, numbers, strings and booleans only (the model's, the
+optimizer's, the EMA's and the scaler's state, the RNG states as uint8 tensors, the run's spec, switches and
+hyperparameters), so `torch.load(weights_only=True)` reads it: a crafted file's pickled calls are refused
+instead of run.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from medddpm.store.storage import atomic_write
+
+CHECKPOINT = "checkpoint.pt"
+REQUIRED = ("model", "opt", "step", "spec", "config")  # what every checkpoint of `train` holds
+
+
+def os_error_line(path: str | os.PathLike, e: OSError, doing: str) -> str:
+    """One line for an OSError while `doing` something at `path`: a full disk says so."""
+    reasons = {errno.ENOSPC: "disk full (no space left on device)", errno.EDQUOT: "disk quota exceeded",
+               errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
+               errno.EPERM: "permission denied", errno.ENOTDIR: "a part of this path is a file, not a folder",
+               errno.EEXIST: "a part of this path is a file, not a folder", errno.EISDIR: "a folder, not a file"}
+    return f"{path}: {reasons.get(e.errno) or e.strerror or type(e).__name__} while {doing}"
+
+
+@contextmanager
+def writing(path: str | os.PathLike, doing: str) -> Iterator[None]:
+    """Turn an OSError inside the block into a ValueError of one line (the command line prints it)."""
+    try:
+        yield
+    except OSError as e:
+        raise ValueError(os_error_line(path, e, doing)) from None
+
+
+def save(state: dict, path: str | os.PathLike) -> None:
+    """Write `state` atomically. It is serialised in memory first: torch's zip writer reports a full disk as
+    'unexpected pos', while a plain write of the bytes raises the OSError that names it."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    data = buffer.getbuffer()
+    with writing(path, "writing the checkpoint"):
+        atomic_write(path, lambda f: f.write(data))
+
+
+def read(path: str | os.PathLike, *, map_location: torch.device | str = "cpu") -> dict:
+    """A training checkpoint, read with `weights_only=True`; a ValueError of one line for a file that is
+    truncated, corrupt, not a checkpoint, or asks to run code."""
+    path = Path(path)
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise ValueError(os_error_line(path, e, "reading the checkpoint")) from None
+    except Exception as e:  # noqa: BLE001 - torch raises RuntimeError, UnpicklingError, EOFError, ...; one line
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise ValueError(f"{path}: not a readable training checkpoint, refused ({first[:200]})") from None
+    if not isinstance(state, dict) or any(k not in state for k in REQUIRED):
+        raise ValueError(f"{path}: not a training checkpoint (it lacks {', '.join(k for k in REQUIRED if not isinstance(state, dict) or k not in state)})")
+    return state
+
+
+def cpu_rng_state(state: torch.Tensor) -> torch.Tensor:
+    """An RNG state as `torch.set_rng_state` and `torch.cuda.set_rng_state` take it: a CPU uint8 tensor,
+    whatever device `map_location` put it on."""
+    if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8 or state.ndim != 1:
+        raise ValueError(f"an RNG state must be a 1-D uint8 tensor, got {type(state).__name__}"
+                         + (f" of {state.dtype}, shape {tuple(state.shape)}" if isinstance(state, torch.Tensor) else ""))
+    if state.device.type == "meta":
+        raise ValueError("an RNG state on the meta device holds no values")
+    return state.to("cpu")
