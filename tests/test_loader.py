@@ -257,12 +257,15 @@ def test_symlinked_data_folder_loop(tmp_path):
         open_dataset(str(tmp_path / "loop"), size=SIZE)
 
 
-def test_empty_data_name_is_refused(capsys):
+@pytest.mark.parametrize("command", [["train", "--steps", "1"], ["sweep", "--configs", "baseline"]])
+def test_empty_data_name_is_refused(capsys, tmp_path, command):
     with pytest.raises(DataError, match="empty data set name"):
         open_dataset("", size=SIZE)
-    assert main(["train", "--out", "unused", "--data", "", "--steps", "1"]) == 2
+    assert main([*command, "--out", str(tmp_path / "out"), "--data", ""]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and "empty data set name" in err
+    if command[0] == "sweep":
+        assert not (tmp_path / "out").exists()  # refused before anything was measured
 
 
 def test_brats_2023_names(tmp_path):

@@ -158,7 +158,8 @@ def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.P
     unknown = {p.strip() for p in str(params.get("phases", "")).split(",") if p.strip()} - set(PHASES)
     if unknown:
         raise ValueError(f"unknown phase(s) {', '.join(sorted(unknown))}; known: {', '.join(PHASES)}")
-    source = params.get("data") or spec_preset.data
+    # an empty name is refused by open_dataset, never taken for the preset's embedded data
+    source = spec_preset.data if params.get("data") is None else params["data"]
     data = open_dataset(source, size=size)
     mask = params.get("mask_channels")
     mask_variant = mask if mask not in (None, data.mask_channels) else None  # the data's own width: no variant
