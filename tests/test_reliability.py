@@ -196,12 +196,13 @@ def test_a_crash_at_any_step_of_publishing_leaves_the_old_or_the_new_result(tmp_
 
 def test_concurrent_publishers_never_leave_the_folder_missing(tmp_path):
     root = tmp_path / "cpu"
-    code = ("import sys, pathlib\nfrom medddpm.store.storage import publish_folder\n"
+    code = ("import sys, pathlib, shutil\nfrom medddpm.store.storage import publish_folder\n"
             "root = pathlib.Path(sys.argv[1]); me = sys.argv[2]\n"
             "for i in range(150):\n"
             "    s = root / f'.f.stage-{me}-{i}'; s.mkdir(); (s / 'run.parquet').write_text(me)\n"
             "    publish_folder(s, root / 'f', root / f'.f.old-{me}-{i}')\n"
-            "    import shutil; shutil.rmtree(s, ignore_errors=True); shutil.rmtree(root / f'.f.old-{me}-{i}', ignore_errors=True)\n")
+            "    shutil.rmtree(s, ignore_errors=True)\n"
+            "    shutil.rmtree(root / f'.f.old-{me}-{i}', ignore_errors=True)\n")
     root.mkdir()
     envp = os.environ | {"PYTHONPATH": str(ROOT)}
     procs = [subprocess.Popen([sys.executable, "-c", code, str(root), me], env=envp, stderr=subprocess.PIPE, text=True)
@@ -297,7 +298,8 @@ def test_another_identity_is_measured_beside_the_old_one_never_over_it(tmp_path,
     with warnings.catch_warnings():
         warnings.simplefilter("error", loading.DataWarning)
         assert loading.runs(tmp_path / "data")["folder"].tolist() == ["cpu/baseline"]
-        assert sorted(loading.runs(tmp_path / "data", variants=True)["folder"]) == ["cpu/baseline", f"cpu/{Path(steps['folder']).name}"]
+        assert sorted(loading.runs(tmp_path / "data", variants=True)["folder"]) == [
+            "cpu/baseline", f"cpu/{Path(steps['folder']).name}"]
 
 
 def test_a_row_without_an_identity_counts_as_its_folder_s_default(tmp_path, producer):
@@ -372,7 +374,8 @@ def test_a_full_disk_says_so_in_one_line_and_loses_nothing(tmp_path, capsys, pro
     rc, lines = _cli(capsys, "sweep", "--configs", "baseline", "--out", str(tmp_path / "data"), "--device", "cpu",
                      "--gpu-label", "cpu", "--force")
     assert rc == 2 and len(lines) == 1, lines
-    assert lines[0].startswith("error: cannot write ") and lines[0].endswith("the disk is full (no space left on device)")
+    assert lines[0].startswith("error: cannot write ")
+    assert lines[0].endswith("the disk is full (no space left on device)")
     monkeypatch.undo()
     assert _same(_tables(root / "baseline"), before)
     assert _sweep(tmp_path)[0]["status"] == "done before" and not list(root.glob(".*"))

@@ -415,7 +415,8 @@ def check_values(df: pd.DataFrame, table: str, where: str = "") -> None:
             raise SchemaError(f"{at}column {column}: null or empty in row {int(missing.to_numpy().argmax())}")
     if table != "kernels" and table != "ncu" and keys and df.duplicated(keys).any():
         row = df[df.duplicated(keys)].iloc[0]
-        raise SchemaError(f"{at}columns {', '.join(keys)}: duplicated row " + ", ".join(f"{k}={row[k]!r}" for k in keys))
+        which = ", ".join(f"{k}={row[k]!r}" for k in keys)
+        raise SchemaError(f"{at}columns {', '.join(keys)}: duplicated row {which}")
     if table in ONE_RUN and df["run_id"].nunique() > 1:
         raise SchemaError(f"{at}column run_id: rows of {df['run_id'].nunique()} runs in one table "
                           f"({', '.join(map(str, df['run_id'].unique()[:2]))}, ...)")

@@ -35,7 +35,16 @@ def storage_error(path: str | os.PathLike, e: OSError) -> Exception:
 
 
 def _umask() -> int:
-    mask = os.umask(0)
+    """The process's umask: read from /proc where the kernel shows it, since setting it to read it back
+    would leave other threads a moment with another umask."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
     os.umask(mask)
     return mask
 
