@@ -463,3 +463,11 @@ def test_one_bad_folder_is_named_and_left_out_the_rest_is_shown(tmp_path, produc
     assert any(str(root / "opt1" / "run.parquet") in m for m in messages)
     assert any(str(root / "opt12" / "steps.parquet") in m and "is not the run of its folder" in m for m in messages)
     assert all("\n" not in m for m in messages)
+
+
+def test_the_ablation_page_reads_one_identity_per_configuration(tmp_path, producer):
+    _sweep(tmp_path, "best", group="ablation")
+    (other,) = _sweep(tmp_path, "best", group="ablation", params={"steps": 5})
+    assert Path(other["folder"]).name.startswith("best~")
+    assert loading.ablation_runs(tmp_path / "data")["folder"].tolist() == ["cpu/ablation/best"]
+    assert len(loading.ablation_runs(tmp_path / "data", variants=True)) == 2

@@ -186,13 +186,17 @@ def runs(root: str | os.PathLike | None = None, *, variants: bool = False) -> pd
     return _sort(out[~dup])
 
 
-def ablation_runs(root: str | os.PathLike | None = None) -> pd.DataFrame:
+def ablation_runs(root: str | os.PathLike | None = None, *, variants: bool = False) -> pd.DataFrame:
     """The ablation's runs (``data/<gpu>/ablation/<config>/``, written by `python -m medddpm ablation`): ordinary
-    runs, validated as the main ones, each in the folder its row names."""
+    runs, validated as the main ones, each in the folder its row names. `variants`: also those of another
+    identity (``<config>~<key>``: other steps than the preset's), which the ablation page leaves out, as every page
+    compares one identity per configuration."""
     root = Path(root) if root is not None else data_root()
     frames = []
     for path in sorted(root.glob(f"*/{ABLATION_DIR}/*/run.parquet")):
         folder = path.parent
+        if not variants and identity.SEPARATOR in folder.name:
+            continue
         df = _checked_run(folder, f"{folder.parent.parent.name}/{ABLATION_DIR}")
         if df is not None:
             frames.append(df.assign(folder=str(folder.relative_to(root))))
