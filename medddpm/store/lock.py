@@ -33,6 +33,19 @@ LOCK_NAME = ".medddpm.lock"
 
 _held: dict[Path, int] = {}  # folders this process holds, with their nesting depth
 _guard = threading.Lock()
+_fds: set[int] = set()  # the descriptors of the locks this process holds
+
+
+def _close_in_child() -> None:
+    """A forked child (a DataLoader worker) closes its copies of the lock descriptors, without unlocking: a flock
+    lasts while any copy is open, so a child that outlives its killed parent by seconds would hold the folder."""
+    for fd in list(_fds):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _fds.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
 
 
 class FolderInUse(ValueError):
@@ -126,6 +139,7 @@ def output_lock(folder: str | os.PathLike, what: str = "sweep", *,
         except FileNotFoundError:
             same = False
         if same:
+            _fds.add(fd)
             break
         os.close(fd)  # its holder removed it as we opened it: lock the file the path names now
     try:
@@ -148,4 +162,5 @@ def output_lock(folder: str | os.PathLike, what: str = "sweep", *,
             with contextlib.suppress(OSError):
                 os.unlink(lock_file)  # while still locked: see the module's docstring
     finally:
+        _fds.discard(fd)
         os.close(fd)  # releases the flock
