@@ -378,7 +378,8 @@ def test_a_full_disk_says_so_in_one_line_and_loses_nothing(tmp_path, capsys, pro
     assert lines[0].endswith("the disk is full (no space left on device)")
     monkeypatch.undo()
     assert _same(_tables(root / "baseline"), before)
-    assert _sweep(tmp_path)[0]["status"] == "done before" and not list(root.glob(".*"))
+    assert not list(root.glob(".*")), "no staging folder left taking space"
+    assert _sweep(tmp_path)[0]["status"] == "done before"
 
 
 def test_files_respect_the_umask(tmp_path):

@@ -131,6 +131,35 @@ def _discard_partial(stage: Path) -> None:
         p.unlink()
 
 
+def _make_stage(stage: Path) -> None:
+    shutil.rmtree(stage, ignore_errors=True)
+    try:
+        stage.mkdir(parents=True)
+    except OSError as e:
+        raise storage_error(stage, e) from None
+
+
+def _run_notebook(pm, notebook: Path, stage: Path, parameters: dict, *, env: dict, manager,
+                  timeout_s: int | None) -> Exception | None:
+    """Run the producer notebook into `stage`; the exception that stopped it (an error in a cell, a dead
+    kernel), or None where it ran to its end."""
+    old_env = {k: os.environ.get(k) for k in env}
+    try:
+        os.environ.update(env)
+        pm.execute_notebook(str(notebook), str(stage / "produce.ipynb"), parameters=parameters,
+                            kernel_name="python3", progress_bar=False, cwd=str(ROOT), execution_timeout=timeout_s,
+                            kernel_manager_class=manager)
+    except Exception as e:  # noqa: BLE001 - one configuration's failure must not stop the sweep
+        return e
+    finally:
+        for k, v in old_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return None
+
+
 def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.PathLike = "data",
           device: str | None = None, gpu_label: str | None = None, force: bool = False,
           params: dict | None = None, notebook: Path = NOTEBOOK, timeout_s: int | None = None,
@@ -211,40 +240,31 @@ def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.P
                 continue
             print(f"[{i}/{len(plans)}] {config.name}: measuring into {final} ...", file=sys.stderr, flush=True)
             stage = root / f".{final.name}.stage-{os.getpid()}"
-            shutil.rmtree(stage, ignore_errors=True)
-            try:
-                stage.mkdir(parents=True)
-            except OSError as e:
-                raise storage_error(stage, e) from None
+            old = root / f".{final.name}.old-{os.getpid()}"
             t0 = time.perf_counter()
-            old_env = {k: os.environ.get(k) for k in env}
             try:
-                os.environ.update(env)
-                pm.execute_notebook(str(notebook), str(stage / "produce.ipynb"), parameters=params | {
-                    "config": config.name, "stage": str(stage)}, kernel_name="python3", progress_bar=False,
-                    cwd=str(ROOT), execution_timeout=timeout_s, kernel_manager_class=manager)
-            except Exception as e:  # noqa: BLE001 - one configuration's failure must not stop the sweep
-                if not (stage / "run.parquet").exists():
+                _make_stage(stage)
+                error = _run_notebook(pm, notebook, stage, params | {"config": config.name, "stage": str(stage)},
+                                      env=env, manager=manager, timeout_s=timeout_s)
+                if error is not None and not (stage / "run.parquet").exists():
                     _discard_partial(stage)
-                    why = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+                    why = f"{type(error).__name__}: " + (str(error).strip().splitlines() or [""])[-1]
                     if before is not None:  # a finished run is there: it stays as it was, nothing is lost
                         shutil.rmtree(stage, ignore_errors=True)
-                        results.append({"config": config.name, "status": "error", "seconds": time.perf_counter() - t0,
-                                        "folder": str(final)})
-                        print(f"[{i}/{len(plans)}] {config.name}: error: {type(e).__name__}: {why}; {final} kept "
-                              f"as it was", file=sys.stderr)
+                        results.append({"config": config.name, "status": "error",
+                                        "seconds": time.perf_counter() - t0, "folder": str(final)})
+                        print(f"[{i}/{len(plans)}] {config.name}: error: {why}; {final} kept as it was",
+                              file=sys.stderr)
                         continue
-                    write_failed_run(config, preset, stage, device=dev, gpu_label=gpu_label,
-                                     message=f"{type(e).__name__}: {why}", batch=batch, group=group,
-                                     mask_variant=mask_variant)
-            finally:
-                for k, v in old_env.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
-            _stamp(stage / "run.parquet", ident)
-            publish_folder(stage, final, root / f".{final.name}.old-{os.getpid()}")
+                    write_failed_run(config, preset, stage, device=dev, gpu_label=gpu_label, message=why,
+                                     batch=batch, group=group, mask_variant=mask_variant)
+                _stamp(stage / "run.parquet", ident)
+                publish_folder(stage, final, old)
+            except BaseException:  # a full disk, an interrupt: the folder as it was, and no stage taking space
+                with contextlib.suppress(OSError):
+                    recover_folder(final, [old])
+                shutil.rmtree(stage, ignore_errors=True)
+                raise
             for p in _leftovers(root, plain):
                 shutil.rmtree(p, ignore_errors=True)
             run = read_table(final / "run.parquet").iloc[0]
