@@ -134,14 +134,35 @@ def test_h200_snapshot_matches_its_bench():
 
 
 def test_peak_command(capsys, tmp_path):
+    """`peak` reads a snapshot's summary; its pickle only when told to trust it (and then as plain data)."""
     path = tmp_path / "memory-x-0123456.pickle.gz"
     path.write_bytes(gzip.compress(pickle.dumps(history())))
-    assert main(["peak", str(path), "--top", "2"]) == 0
-    out = capsys.readouterr().out.splitlines()
+    assert main(["peak", str(path), "--top", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "a pickle, and no summary beside it" in err[0] and "--trust-pickle" in err[0]
+    assert main(["peak", str(path), "--top", "2", "--trust-pickle"]) == 0
+    trusted = capsys.readouterr().out
+    out = trusted.splitlines()
     assert out[0].startswith("memory-x-0123456.pickle.gz: peak 0.017 GiB allocated at event 1 of 8 (backward); 0.005 GiB held")
     assert len(out) == 3 and "_group_stats (model.py:138)" in out[1]
+    written = snapshot.write_summary(snapshot.load(path), path)
+    assert written.name == "memory-x-0123456.parquet"
+    for arg in (path, written):  # the pickle's name: its summary beside it is read
+        assert main(["peak", str(arg), "--top", "2"]) == 0
+        assert capsys.readouterr().out == trusted
     assert main(["peak", str(tmp_path / "missing.pickle")]) == 2
     assert "error: no memory snapshot" in capsys.readouterr().err
+
+
+def test_a_summary_holds_the_peak_by_origin():
+    """The committed H200 snapshot's summary (lab/scripts/summarise-snapshots.py wrote it) says what its pickle says."""
+    p = snapshot.peak(snapshot.load(STORE_SKIP))
+    table = snapshot.read_summary(snapshot.summary_path(STORE_SKIP))
+    assert (table["peak_bytes"] == p.bytes).all() and table["bytes"].sum() == p.bytes
+    assert (table["peak_event"] == 846).all() and (table["peak_phase"] == "backward").all()
+    assert table[["origin", "blocks", "bytes", "largest"]].values.tolist() == \
+        p.by_origin()[["origin", "blocks", "bytes", "largest"]].values.tolist()
+    assert set(table["config"]) == {"best-ckpt_store_skip_grad_true_cuda_graphs_false"} and set(table["commit"]) == {"e3af6ad"}
 
 
 def test_bench_writes_its_snapshot_with_the_sources(monkeypatch, tmp_path):
@@ -166,6 +187,8 @@ def test_bench_writes_its_snapshot_with_the_sources(monkeypatch, tmp_path):
     written = snapshot.load(path)
     assert written[snapshot.SOURCES][f"model/group_norm.py:{line + 1}"]["qualname"] == "_group_stats"
     assert snapshot.peak(written).live.iloc[0]["origin"] == f"_group_stats (model/group_norm.py:{line + 1})"
-    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([path.name, snapshot.summary_path(path).name])
+    assert snapshot.read_summary(snapshot.summary_path(path))["origin"].iloc[0] == \
+        f"_group_stats (model/group_norm.py:{line + 1})"
     with pytest.raises(ValueError, match="needs a CUDA device"):
         bench.memory_snapshot(lambda: None, device=torch.device("cpu"), path=path)

@@ -63,7 +63,7 @@ def cmd_saved(args) -> None:
 def cmd_peak(args) -> None:
     from medddpm.measure.snapshot import describe
 
-    print("\n\n".join(describe(path, top=args.top) for path in args.snapshots))
+    print("\n\n".join(describe(path, top=args.top, trust_pickle=args.trust_pickle) for path in args.snapshots))
 
 
 def cmd_configs(args) -> None:

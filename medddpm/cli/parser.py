@@ -127,8 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("peak", help="what a memory snapshot (bench --memory-snapshot) holds at its peak, by the "
                                     "model's line that allocated it: no GPU")
-    p.add_argument("snapshots", nargs="+", metavar="SNAPSHOT", help="memory-*.pickle or .pickle.gz files")
+    p.add_argument("snapshots", nargs="+", metavar="SNAPSHOT",
+                   help="memory-*.parquet summaries, or memory-*.pickle[.gz] files (their summary beside them is read)")
     p.add_argument("--top", type=positive, default=12, help="origins to list, largest first")
+    p.add_argument("--trust-pickle", action="store_true",
+                   help="read a snapshot's pickle itself (plain data only), where no summary lies beside it")
     p.set_defaults(func=cmd_peak)
 
     p = sub.add_parser("sweep", help="run the producer notebook for each configuration into data/<label>/<config>/")

@@ -19,7 +19,7 @@ from medddpm.model.diffusion import TIMESTEPS
 from medddpm.train.engine import Engine
 from medddpm.model.unet import ModelSpec
 from medddpm.measure.env import gpu_slug
-from medddpm.measure.snapshot import SOURCES, package_source, sources
+from medddpm.measure.snapshot import SOURCES, package_source, sources, write_summary
 from medddpm.store import schema
 from medddpm.store.storage import atomic_write
 from medddpm.train.timing import summarize, time_steps
@@ -78,7 +78,8 @@ def kernel_summary(step: Callable[[], object], *, device: torch.device, top: int
 def memory_snapshot(step: Callable[[], object], *, device: torch.device, path: str | Path) -> None:
     """One more step with the CUDA caching allocator's history on, saved as a pickle that
     https://pytorch.org/memory_viz reads (`torch.cuda.memory._dump_snapshot`): which tensors are live at
-    the peak, with the Python frames that allocated them. After the timing. A step replayed from a CUDA
+    the peak, with the Python frames that allocated them, and summarised beside it (table `snapshot`,
+    `medddpm.measure.snapshot.write_summary`). After the timing. A step replayed from a CUDA
     graph allocates nothing: take it from a configuration with `cuda_graphs=false`."""
     if device.type != "cuda":
         raise ValueError(f"a memory snapshot needs a CUDA device, not {device}")
@@ -93,6 +94,7 @@ def memory_snapshot(step: Callable[[], object], *, device: torch.device, path: s
     # the frames name functions and lines only: keep what they were at this commit (medddpm.measure.snapshot reads it)
     snap[SOURCES] = sources(snap, package_source)
     atomic_write(path, lambda f: pickle.dump(snap, f))
+    write_summary(snap, path)  # what `peak` and readers use, without unpickling
 
 
 def _result(engine: Engine, result: dict) -> dict:

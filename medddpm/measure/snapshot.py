@@ -238,13 +238,61 @@ def _row(address, size, name, code, callers, phase, event) -> dict:
             "phase": phase, "alloc_event": event}
 
 
-def describe(path: str | os.PathLike, *, top: int = 12) -> str:
-    """A few lines for a terminal: the peak, then its live bytes by origin."""
-    p = peak(load(path))
+def summary_path(path: str | os.PathLike) -> Path:
+    """Where a snapshot's summary lies: memory-<config>-<commit>.parquet beside memory-<config>-<commit>.pickle[.gz]."""
+    path = Path(path)
+    return path.with_name(re.sub(r"\.pickle(\.gz)?$", "", path.name) + ".parquet")
+
+
+def summary(p: Peak, name: str) -> pd.DataFrame:
+    """Table `snapshot` (`medddpm.store.schema`) of a peak: its live bytes by origin, the peak's figures repeated."""
+    try:
+        config, commit = parse_name(name)
+    except ValueError:  # a file renamed by hand
+        config, commit = name, ""
+    rows = p.by_origin()
+    return rows.assign(snapshot=name, config=config, commit=commit, peak_bytes=p.bytes, peak_event=p.event,
+                       events=p.events, held_bytes=p.held_bytes, peak_phase=p.phase)
+
+
+def write_summary(snap: dict, path: str | os.PathLike) -> Path:
+    """Summarise the snapshot that lies (or will lie) at `path` into its `summary_path`."""
+    from medddpm.store.schema import TABLES, write_table
+
+    table = summary(peak(snap), Path(path).name)
+    return write_table(table[list(TABLES["snapshot"])], summary_path(path), "snapshot")
+
+
+def read_summary(path: str | os.PathLike) -> pd.DataFrame:
+    from medddpm.store.schema import read_table
+
+    return read_table(path, "snapshot")
+
+
+def describe(path: str | os.PathLike, *, top: int = 12, trust_pickle: bool = False) -> str:
+    """A few lines for a terminal: the peak, then its live bytes by origin. From a summary (.parquet, or the one
+    beside a snapshot); a snapshot's pickle itself only with `trust_pickle` (read as plain data all the same)."""
+    path = Path(path)
+    if path.suffix == ".parquet":
+        table = read_summary(path)
+        name = table["snapshot"].iloc[0] if len(table) else path.name
+    elif trust_pickle:
+        table, name = summary(peak(load(path)), path.name), path.name
+    elif summary_path(path).is_file():
+        table, name = read_summary(summary_path(path)), path.name
+    elif not path.is_file():
+        raise FileNotFoundError(f"no memory snapshot at {path}")
+    else:
+        raise ValueError(f"{path}: a pickle, and no summary beside it ({summary_path(path).name}); --trust-pickle "
+                         "reads the pickle itself (as plain data), or write its summary with lab/scripts/"
+                         "summarise-snapshots.py")
+    first = table.iloc[0] if len(table) else None
+    if first is None:
+        raise ValueError(f"{path}: an empty summary")
     gib = 2 ** 30
-    lines = [f"{Path(path).name}: peak {p.bytes / gib:.3f} GiB allocated at event {p.event} of {p.events}"
-             f"{f' ({p.phase})' if p.phase else ''}; {p.held_bytes / gib:.3f} GiB {HELD}"]
-    for r in p.by_origin().head(top).itertuples():
+    lines = [f"{name}: peak {first.peak_bytes / gib:.3f} GiB allocated at event {first.peak_event} of {first.events}"
+             f"{f' ({first.peak_phase})' if first.peak_phase else ''}; {first.held_bytes / gib:.3f} GiB {HELD}"]
+    for r in table.head(top).itertuples():
         lines.append(f"  {r.bytes / gib:7.3f} GiB  {r.blocks:4d} blocks (largest {r.largest / gib:.3f})  {r.origin}"
                      + (f"  {r.code}" if r.code else ""))
     return "\n".join(lines)

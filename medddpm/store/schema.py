@@ -235,6 +235,23 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "float32_bytes": (I, "of which float32"),
         "largest": (S, "the three largest shape and dtype groups: 'count x CxDxHxW dtype'"),
     },
+    # memory-<config>-<commit>.parquet beside each allocator snapshot (`bench --memory-snapshot`): what is live at
+    # the peak of its trace, one row per allocating line (`medddpm.measure.snapshot`), read without unpickling
+    "snapshot": {
+        "snapshot": (S, "the snapshot pickle's file name"),
+        "config": (S, "configuration, as the file name spells it"),
+        "commit": (S, "the commit's first 7 digits ('' where unknown)"),
+        "peak_bytes": (I, "the largest allocated total of the trace"),
+        "peak_event": (I, "index of the trace's event that reached it"),
+        "events": (I, "events in the trace"),
+        "held_bytes": (I, "allocated before the trace began (weights, gradients, Adam's state, the batch)"),
+        "peak_phase": (S, "forward | backward | optimizer: the annotated phase of the peak, or ''"),
+        "origin": (S, "the package's innermost frame that allocated, 'function (file:line)', or a kind of block"),
+        "code": (S, "that line's statement"),
+        "blocks": (I, "blocks of this origin live at the peak"),
+        "bytes": (I, "their bytes"),
+        "largest": (I, "the largest block's bytes"),
+    },
     # data/<gpu-slug>/convergence/{runs,losses,samples}.parquet: `python -m medddpm study`, one training run per
     # configuration and seed from the same weights, data order and noise, then scored samples of its EMA weights
     "convergence_runs": {
@@ -383,6 +400,8 @@ RANGES: dict[str, dict[str, tuple[float, float]]] = {  # inclusive bounds; NaN p
     "quality": {"step": (1, math.inf)},
     "scaling": {"world_size": (1, math.inf), "rank": (0, math.inf), "step": (0, math.inf)},
     "convergence_losses": {"step": (1, math.inf)},
+    "snapshot": {"peak_bytes": (0, math.inf), "held_bytes": (0, math.inf), "blocks": (0, math.inf),
+                 "bytes": (0, math.inf), "largest": (0, math.inf)},
 }
 KEYS: dict[str, tuple[str, ...]] = {  # non-null, non-empty, and unique together
     "run": ("run_id",),
@@ -392,6 +411,7 @@ KEYS: dict[str, tuple[str, ...]] = {  # non-null, non-empty, and unique together
     "quality": ("run_id", "step"),
     "scaling": ("run_id", "rank", "step"),
     "convergence_losses": ("config", "seed", "step"),
+    "snapshot": ("origin",),
 }
 ONE_RUN = ("steps", "kernels", "ncu", "quality")  # a run folder's tables of many rows: all of its one run
 
