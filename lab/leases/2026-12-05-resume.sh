@@ -12,8 +12,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 export TORCHINDUCTOR_CACHE_DIR=$PWD/runs/inductor
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu --format=csv > "$out/gpu-state-$(date +%H%M).csv"
-steps=${STEPS:-36}
-every=${SAVE_EVERY:-6}
+steps=${STEPS:-60}
+every=${SAVE_EVERY:-10}
 configs=${CONFIGS:-opt1 best}
 rm -rf runs/resume
 train() {  # config folder: the same command for the whole run, the killed one and its resumption
