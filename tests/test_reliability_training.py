@@ -102,9 +102,9 @@ def test_a_crafted_checkpoint_runs_nothing_on_resume_or_sample(tmp_path, capsys)
     torch.save({"model": Payload(marker), "opt": {}, "step": 0, "spec": {}, "config": {}}, out / checkpoint.CHECKPOINT)
     before = files(out)
     assert train_cli(out) == 2
-    one_error(capsys, str(out / checkpoint.CHECKPOINT), "refused")
+    one_error(capsys, str(out / checkpoint.CHECKPOINT), "refused", "asks to call io.open")
     assert main(["sample", "--checkpoint", str(out), "--out", str(tmp_path / "samples"), "--device", "cpu"]) == 2
-    one_error(capsys, str(out / checkpoint.CHECKPOINT), "refused")
+    one_error(capsys, str(out / checkpoint.CHECKPOINT), "refused", "asks to call io.open")
     assert not marker.exists(), "the checkpoint's payload ran"
     assert files(out) == before
     assert not (tmp_path / "samples").exists()

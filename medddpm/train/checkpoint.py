@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import io
 import os
+import re
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -62,11 +63,22 @@ def read(path: str | os.PathLike, *, map_location: torch.device | str = "cpu") -
     except OSError as e:
         raise ValueError(os_error_line(path, e, "reading the checkpoint")) from None
     except Exception as e:  # noqa: BLE001 - torch raises RuntimeError, UnpicklingError, EOFError, ...; one line
-        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        raise ValueError(f"{path}: not a readable training checkpoint, refused ({first[:200]})") from None
+        raise ValueError(f"{path}: not a readable training checkpoint, refused ({_reason(e)})") from None
     if not isinstance(state, dict) or any(k not in state for k in REQUIRED):
         raise ValueError(f"{path}: not a training checkpoint (it lacks {', '.join(k for k in REQUIRED if not isinstance(state, dict) or k not in state)})")
     return state
+
+
+def _reason(e: Exception) -> str:
+    """The cause in torch's message, without its advice (which suggests loading the file with weights_only=False)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+    m = re.search(r"WeightsUnpickler error:\s*(.+)", text, re.S)
+    reason = (m.group(1) if m else text).strip()
+    g = re.match(r"Unsupported global: GLOBAL (\S+)", reason)
+    if g:
+        return f"it asks to call {g.group(1)}, which a checkpoint never does"
+    first = re.split(r"\.\s|\n", reason, maxsplit=1)[0].strip()
+    return first[:200] or type(e).__name__
 
 
 def cpu_rng_state(state: torch.Tensor) -> torch.Tensor:
