@@ -284,8 +284,7 @@ def describe(path: str | os.PathLike, *, top: int = 12, trust_pickle: bool = Fal
         raise FileNotFoundError(f"no memory snapshot at {path}")
     else:
         raise ValueError(f"{path}: a pickle, and no summary beside it ({summary_path(path).name}); --trust-pickle "
-                         "reads the pickle itself (as plain data), or write its summary with lab/scripts/"
-                         "summarise-snapshots.py")
+                         "reads the pickle itself (as plain data only)")
     first = table.iloc[0] if len(table) else None
     if first is None:
         raise ValueError(f"{path}: an empty summary")
