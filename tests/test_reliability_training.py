@@ -353,6 +353,27 @@ def test_a_second_training_into_a_folder_in_use_fails_naming_the_first(trained, 
     assert files(out) == before
 
 
+def test_a_killed_trainings_folder_is_free_at_once_while_its_workers_live_on(tmp_path):
+    """SIGKILL ends the holder, not its forked children (data-loader workers notice seconds later): they hold no
+    copy of the lock, so the next training takes the folder at once."""
+    from medddpm.store.lock import output_lock
+
+    out = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import os, sys, time\nfrom medddpm.store.lock import output_lock\n"
+         "with output_lock(sys.argv[1], what='training'):\n    if os.fork() == 0:\n        time.sleep(30)\n"
+         "        os._exit(0)\n    print('held', flush=True)\n    time.sleep(60)\n", str(out)],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+        with output_lock(out, what="training"):
+            pass
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)  # the orphaned child, in the holder's own session
+
+
 # ------------------------------------------------------------------------ kill and resume
 
 
