@@ -120,7 +120,7 @@ def test_a_dead_kernel_leaves_an_error_row_alone_and_keeps_a_finished_run(tmp_pa
         "an error is measured again, a finished run is not"
 
 
-def test_a_real_kernel_killed_mid_run_leaves_no_table_of_its_own(tmp_path, monkeypatch):
+def test_a_real_kernel_killed_mid_run_leaves_no_table_of_its_own(tmp_path, monkeypatch, capfd):
     notebook = tmp_path / "die.ipynb"
     nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "language": "python",
                                                            "display_name": "Python 3"},
@@ -130,14 +130,19 @@ def test_a_real_kernel_killed_mid_run_leaves_no_table_of_its_own(tmp_path, monke
                     "import os, signal, pandas as pd\nfrom medddpm.store.schema import write_table\n"
                     "write_table(pd.DataFrame({'run_id': 'x', 'phase': 'train', 'step': [0], 'timed': [True], "
                     "'step_ms': [1.0], 'dispatch_ms': [0.1], 'loss': [0.5], 'peak_mem_bytes': -1}), "
-                    "os.path.join(stage, 'steps.parquet'), 'steps')\nos.kill(os.getpid(), signal.SIGKILL)")]
+                    "os.path.join(stage, 'steps.parquet'), 'steps')\n"
+                    "os.write(2, b'native: out of device memory\\n')\nos.kill(os.getpid(), signal.SIGKILL)")]
     nbformat.write(nb, notebook)
     t0 = time.time()
     results = _sweep(tmp_path, notebook=notebook)
     folder = tmp_path / "data" / "cpu" / "baseline"
     assert results[0]["status"] == "error", results
     assert [p.name for p in folder.glob("*.parquet")] == ["run.parquet"]
-    assert "DeadKernelError" in read_table(folder / "run.parquet").loc[0, "message"]
+    message = read_table(folder / "run.parquet").loc[0, "message"]
+    assert "DeadKernelError" in message and message.endswith("the kernel last wrote: native: out of device memory")
+    err = capfd.readouterr().err  # the kernel's own output stays out of the terminal; the error line quotes it
+    assert err.count("native:") == err.count("the kernel last wrote: native:") == 1, err
+    assert "native: out of device memory" in (folder / sw.KERNEL_LOG).read_text()
     assert time.time() - t0 < 120
 
 

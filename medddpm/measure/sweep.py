@@ -68,15 +68,22 @@ def machine_label(out: str | os.PathLike, device) -> str:
     return f"{kind}-{here}" if any(_run_host(p) != here for p in runs) else kind
 
 
+KERNEL_LOG = "kernel.log"  # what the producer's kernel process wrote outside its cells, kept with the run
+
+
 def _kernel_manager():
     """The producer notebook's kernel manager: the kernel talks to papermill over local sockets (IPC) in a
-    private folder, not over TCP ports, so it warns of no unencrypted transport and no other user can reach it."""
+    private folder, not over TCP ports, so it warns of no unencrypted transport and no other user can reach it.
+    The kernel process's own output (what native libraries print, such as the profiler's "USDT ... profiler_start"
+    lines, and a crash's last words) goes to the `output_log` file set before each run, not to the sweep's terminal."""
     from jupyter_client.manager import AsyncKernelManager
     from traitlets import default
 
     sockets = tempfile.mkdtemp(prefix="medddpm-kernel-")
 
     class LocalKernelManager(AsyncKernelManager):
+        output_log: Path | None = None
+
         @default("transport")
         def _default_transport(self):
             return "ipc"
@@ -84,6 +91,12 @@ def _kernel_manager():
         @default("ip")
         def _default_ip(self):
             return os.path.join(sockets, "kernel")
+
+        async def _async_launch_kernel(self, kernel_cmd, **kw):
+            if self.output_log is None:
+                return await super()._async_launch_kernel(kernel_cmd, **kw)
+            with open(self.output_log, "ab") as f:  # the kernel holds its own copy of the descriptor
+                return await super()._async_launch_kernel(kernel_cmd, **kw | {"stdout": f, "stderr": f})
 
     return LocalKernelManager, sockets
 
@@ -131,6 +144,13 @@ def _discard_partial(stage: Path) -> None:
         p.unlink()
 
 
+def _last_words(stage: Path) -> str:
+    """'; the kernel last wrote: <line>' from a dead kernel's log (a native library's error), or ''."""
+    log = stage / KERNEL_LOG
+    lines = log.read_text(errors="replace").strip().splitlines() if log.is_file() else []
+    return f"; the kernel last wrote: {lines[-1][:200]}" if lines else ""
+
+
 def _make_stage(stage: Path) -> None:
     shutil.rmtree(stage, ignore_errors=True)
     try:
@@ -144,6 +164,7 @@ def _run_notebook(pm, notebook: Path, stage: Path, parameters: dict, *, env: dic
     """Run the producer notebook into `stage`; the exception that stopped it (an error in a cell, a dead
     kernel), or None where it ran to its end."""
     old_env = {k: os.environ.get(k) for k in env}
+    manager.output_log = stage / KERNEL_LOG
     try:
         os.environ.update(env)
         pm.execute_notebook(str(notebook), str(stage / "produce.ipynb"), parameters=parameters,
@@ -157,6 +178,9 @@ def _run_notebook(pm, notebook: Path, stage: Path, parameters: dict, *, env: dic
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        log = stage / KERNEL_LOG
+        if log.exists() and log.stat().st_size == 0:
+            log.unlink()
     return None
 
 
@@ -248,7 +272,8 @@ def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.P
                                       env=env, manager=manager, timeout_s=timeout_s)
                 if error is not None and not (stage / "run.parquet").exists():
                     _discard_partial(stage)
-                    why = f"{type(error).__name__}: " + (str(error).strip().splitlines() or [""])[-1]
+                    why = f"{type(error).__name__}: " + (str(error).strip().splitlines() or [""])[-1] \
+                        + _last_words(stage)
                     if before is not None:  # a finished run is there: it stays as it was, nothing is lost
                         shutil.rmtree(stage, ignore_errors=True)
                         results.append({"config": config.name, "status": "error",
