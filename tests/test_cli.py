@@ -245,3 +245,16 @@ def test_device_bench_script_carries_tuned_block_sizes(tmp_path):
     assert proc.returncode != 0 and "nope" in proc.stderr
     with tarfile.open(tmp_path / "out" / "autotune.tgz") as tar:
         assert [m.name for m in tar.getmembers() if m.isfile()] == ["./ab/abcdef.best_config"]
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["sweep", "--phases", "bogus"], "--phases"),
+    (["train", "--out", "x", "--steps", "zero"], "--steps"),
+    (["bogus"], "bogus"),
+])
+def test_a_wrong_option_is_one_line_naming_it(capsys, argv, names):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("error: ") and names in err, err
+    assert err.rstrip().endswith("--help)")

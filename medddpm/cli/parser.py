@@ -36,6 +36,10 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kw):
         super().__init__(*args, **{"formatter_class": HelpFormatter} | kw)
 
+    def error(self, message: str):
+        """A wrong option is one line that names it, as every other bad input is; --help gives the usage."""
+        self.exit(2, f"error: {message} ({self.prog} --help)\n")
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="python -m medddpm", description="Med-DDPM training and profiling: python -m medddpm "
