@@ -255,6 +255,10 @@ def test_a_second_sweep_into_a_folder_in_use_fails_at_once_naming_the_first(tmp_
         assert lines[0].startswith(f"error: {root / 'baseline'} is in use by sweep (pid {holder.pid} on host ")
         assert "since 20" in lines[0]
         assert not (root / "opt1").exists(), "nothing measured: the check comes before any work"
+        # `counters` rewrites a run's tables: it takes the same lock, for a run of another identity too
+        with pytest.raises(lock.FolderInUse, match=rf"in use by sweep \(pid {holder.pid} "):
+            with sw.run_lock(root / "baseline~0123abcd", "counters"):
+                pass
     finally:
         holder.kill()
         holder.wait()

@@ -335,6 +335,7 @@ def cmd_counters(args) -> None:
     from medddpm.measure.counters import add_counters, check_run
     from medddpm.measure.run import NCU_MIN_S
     from medddpm.measure.ncu import check_passes
+    from medddpm.measure.sweep import run_lock
 
     check_passes(tuple(args.passes))
     for run in args.runs:  # every folder checked before any GPU work
@@ -347,8 +348,9 @@ def cmd_counters(args) -> None:
         if args.deadline and left < NCU_MIN_S:
             tqdm.write(f"{run}: not started, {left} s left of the {args.deadline} s deadline")
             continue
-        status = add_counters(run, timeout_s=min(args.timeout, left), coverage=args.coverage, force=args.force,
-                              passes=tuple(args.passes), merge=args.merge, from_backward=args.from_backward)
+        with run_lock(run, "counters"):  # it rewrites the run's tables: not while a sweep measures the run
+            status = add_counters(run, timeout_s=min(args.timeout, left), coverage=args.coverage, force=args.force,
+                                  passes=tuple(args.passes), merge=args.merge, from_backward=args.from_backward)
         tqdm.write(f"{run}: ncu {status['status']}: {status['message']}; kept {status['kept']}")
 
 

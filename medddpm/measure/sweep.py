@@ -144,6 +144,14 @@ def _discard_partial(stage: Path) -> None:
         p.unlink()
 
 
+def run_lock(folder: str | os.PathLike, what: str):
+    """The lock of a run folder and of every run of its name (`<config>~<key>` too), held beside them: one
+    writer at a time, a sweep or `counters` (`store.lock.output_lock`)."""
+    folder = Path(folder)
+    plain = folder.name.split(SEPARATOR)[0]
+    return output_lock(folder.parent / plain, what=what, lock_file=folder.parent / f".{plain}.lock")
+
+
 def _last_words(stage: Path) -> str:
     """'; the kernel last wrote: <line>' from a dead kernel's log (a native library's error), or ''."""
     log = stage / KERNEL_LOG
@@ -247,7 +255,7 @@ def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.P
     results = []
     with contextlib.ExitStack() as held:
         for plain in dict.fromkeys(plain for _, plain, _, _ in plans):
-            held.enter_context(output_lock(root / plain, what="sweep", lock_file=root / f".{plain}.lock"))
+            held.enter_context(run_lock(root / plain, "sweep"))
             _clean(root, plain)
         manager, sockets = _kernel_manager()
         held.callback(shutil.rmtree, sockets, ignore_errors=True)
