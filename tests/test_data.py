@@ -466,3 +466,19 @@ def test_brats_missing_modality_names_the_expected_file(brats_root):
     (brats_root / "t1ce" / "BraTS2021_00002_t1ce.nii.gz").unlink()
     with pytest.raises(DataError, match=r"BraTS2021_00002.*no t1ce volume.*t1ce/BraTS2021_00002_t1ce\.nii\.gz"):
         BratsCases(brats_root)
+
+
+def test_sample_reads_a_label_file_as_training_does(tmp_path):
+    """`sample --labels FILE`: the training reader's orientation and checks, one line for a bad file."""
+    from medddpm.train.sampling import label_volume
+
+    labels = np.zeros((8, 8, 8), np.uint8)
+    labels[:4] = 1
+    flipped = np.diag([-1.0, 1.0, 1.0, 1.0])  # stored left-right mirrored: canonical order flips it back
+    nib.save(nib.Nifti1Image(labels[::-1].copy(), flipped), str(tmp_path / "mirrored.nii.gz"))
+    assert np.array_equal(label_volume(str(tmp_path / "mirrored.nii.gz"), size=8), labels)
+    nib.save(nib.Nifti1Image(np.full((8, 8, 8), 2.5, np.float32), np.eye(4)), str(tmp_path / "half.nii.gz"))
+    with pytest.raises(DataError, match="half.nii.gz: labels must be integers"):
+        label_volume(str(tmp_path / "half.nii.gz"), size=8)
+    with pytest.raises(DataError, match="absent.nii.gz"):
+        label_volume(str(tmp_path / "absent.nii.gz"), size=8)

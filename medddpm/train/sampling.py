@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from medddpm.train import checkpoint
 from medddpm.train.data import one_hot_condition
+from medddpm.train import nifti
 from medddpm.train.nifti import DataError
 from medddpm.train.synthetic import make_brats_case, make_mni_pair
 from medddpm.configs import Config
@@ -62,12 +63,11 @@ def label_volume(source: str, *, size: int | tuple[int, int, int]) -> np.ndarray
             if not seed.isdigit():
                 raise DataError(f"label source {source!r}: expected {prefix}<non-negative integer seed>")
             return make(int(seed), size=size)[1]
-    try:
-        labels = np.asanyarray(nib.load(source).dataobj)
-    except Exception as e:  # noqa: BLE001 - nibabel raises many kinds; the user needs one line
-        raise DataError(f"{source}: not a readable NIfTI file ({type(e).__name__}: {e})".splitlines()[0]) from None
-    if not np.all(np.isfinite(labels)) or np.any(labels < 0) or np.any(labels != np.round(labels)):
-        raise DataError(f"{source}: label values must be non-negative integers")
+    # the training data's reader: its header checks (colour, complex, oversized, truncated) and its orientation
+    path = Path(source)
+    nifti.check_file(path)
+    labels = nifti.read_volume(path)
+    nifti.label_counts(labels, path)
     t = torch.from_numpy(np.asarray(labels, dtype=np.float32))[None, None]
     shape = (size,) * 3 if isinstance(size, int) else tuple(size)
     return F.interpolate(t, size=shape, mode="nearest")[0, 0].numpy().astype(np.uint8)
