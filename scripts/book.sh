@@ -6,6 +6,8 @@
 #   BOOK_OUT         folder that receives _build/ (default: the repository root)
 #   BOOK_SKIP_SETUP  1: skip scripts/setup.sh (the environment is already set up)
 #   BOOK_JOBS        pages read (executed) in parallel by this many processes (default: nproc, at most 4)
+#   MEDDDPM_STRICT_DATA  1 (the default here): a run folder the pages would leave out (unreadable, incomplete)
+#                    fails the build, naming it; 0: the pages leave it out with a warning and show the rest
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
@@ -16,6 +18,7 @@ export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
 data=${MEDDDPM_DATA:-$repo/data}
 [ -d "$data" ] || { echo "book: MEDDDPM_DATA=$data is not a folder" >&2; exit 1; }
 export MEDDDPM_DATA=$(cd "$data" && pwd)
+export MEDDDPM_STRICT_DATA=${MEDDDPM_STRICT_DATA:-1}
 out=${BOOK_OUT:-$repo}
 mkdir -p "$out"
 # Charts must not depend on the build machine's clock or locale.

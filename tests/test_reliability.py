@@ -279,7 +279,7 @@ def test_the_lock_names_its_holder_is_reentrant_and_refuses_a_file(tmp_path):
                             "with output_lock(sys.argv[1], 'training'): pass", str(folder)],
                            env=os.environ | {"PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
         assert p.returncode == 1 and "is in use by training (pid" in p.stderr.splitlines()[-1]
-    assert not (folder / lock.LOCK_NAME).exists()
+    assert not lock.lock_path(folder).exists() and not folder.exists(), "the lock creates nothing, leaves nothing"
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="is a file, not a folder"):
         with lock.output_lock(tmp_path / "file"):
@@ -458,7 +458,7 @@ def test_a_table_rewritten_by_pandas_unchanged_still_reads(tmp_path, env):
         read_table(path)
 
 
-def test_one_bad_folder_is_named_and_left_out_the_rest_is_shown(tmp_path, producer):
+def test_one_bad_folder_is_named_and_left_out_the_rest_is_shown(tmp_path, producer, monkeypatch):
     _sweep(tmp_path, "baseline,opt1,opt2,opt12")
     root = tmp_path / "data" / "cpu"
     (root / "opt2" / "run.parquet").unlink()  # an incomplete run
@@ -473,6 +473,9 @@ def test_one_bad_folder_is_named_and_left_out_the_rest_is_shown(tmp_path, produc
     assert any(str(root / "opt1" / "run.parquet") in m for m in messages)
     assert any(str(root / "opt12" / "steps.parquet") in m and "is not the run of its folder" in m for m in messages)
     assert all("\n" not in m for m in messages)
+    monkeypatch.setenv("MEDDDPM_STRICT_DATA", "1")  # the published book's build: every folder must read
+    with pytest.raises(loading.DataError, match="opt"):
+        loading.load_all(tmp_path / "data")
 
 
 def test_the_ablation_page_reads_one_identity_per_configuration(tmp_path, producer):

@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from medddpm.cli.main import main
-from medddpm.store.lock import LOCK_NAME
 from medddpm.train import checkpoint, loop
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +48,7 @@ def _small_model(monkeypatch):
 def files(folder: Path) -> dict:
     """Every file under `folder` (the lock file aside: its text names the last holder) with its digest."""
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != LOCK_NAME}
+            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 PROGRESS = re.compile(r"^train \S+: +\d+%\|")  # the training's progress bar, also on stderr
@@ -361,8 +360,10 @@ def test_a_killed_trainings_folder_is_free_at_once_while_its_workers_live_on(tmp
     out = tmp_path / "run"
     holder = subprocess.Popen(
         [sys.executable, "-c", "import os, sys, time\nfrom medddpm.store.lock import output_lock\n"
-         "with output_lock(sys.argv[1], what='training'):\n    if os.fork() == 0:\n        time.sleep(30)\n"
-         "        os._exit(0)\n    print('held', flush=True)\n    time.sleep(60)\n", str(out)],
+         "with output_lock(sys.argv[1], what='training'):\n    r, w = os.pipe()\n    if os.fork() == 0:\n"
+         "        os.write(w, b'x')\n        time.sleep(30)\n        os._exit(0)\n"
+         "    os.read(r, 1)  # the child runs: its fork hook has run\n    print('held', flush=True)\n"
+         "    time.sleep(60)\n", str(out)],
         cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert holder.stdout.readline().strip() == "held"

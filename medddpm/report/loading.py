@@ -14,7 +14,8 @@ a variant like those above.
 One bad folder never takes the tree down with it: a folder with other parquet but no ``run.parquet`` (an
 incomplete run), a table that does not read or holds another run's rows, a row in another folder than it
 names, is left out with a `DataWarning` naming it (one line), and every other folder is shown; a page never
-drops a measurement silently. A missing tree is a `DataError`.
+drops a measurement silently. A missing tree is a `DataError`, and so is a folder left out where
+``MEDDDPM_STRICT_DATA=1`` (the published book's build, `scripts/book.sh`: every committed folder must read).
 
 Nothing here names a GPU: every summary is grouped by the ``gpu_slug`` found in the data, so a GPU added
 under ``data/`` appears on every page without an edit.
@@ -53,6 +54,8 @@ class DataWarning(UserWarning):
 
 
 def _leave_out(why: str) -> None:
+    if os.environ.get("MEDDDPM_STRICT_DATA") == "1":
+        raise DataError(why)
     warnings.warn(f"left out of the data: {why}", DataWarning, stacklevel=3)
 
 

@@ -5,13 +5,14 @@
     with output_lock(folder, what="sweep"):
         ...  # only this process writes under `folder` until the block ends
 
-The lock is an advisory `flock` on `<folder>/.medddpm.lock`, so the kernel releases it when its holder
+The lock is an advisory `flock` on `.<folder>.lock` beside the folder (`lock_path`), so that taking it creates
+nothing in a folder a bad input then leaves unwritten, and the kernel releases it when its holder
 ends in any way (killed, out of memory, power lost on a local disk): a lock left by a dead process never
 blocks. The file holds the holder's pid, host, start time and what it does, for the one-line message a
 second writer gets (`FolderInUse`, a ValueError: the command line prints it as `error: ...`, exit code 2).
 The holder removes the file as it releases the lock; a writer that locked a file removed meanwhile (its
 path now names another file, or none) drops it and tries again, so two writers never hold two files of one
-name. `lock_file` puts the file elsewhere than in the folder: beside a folder that is replaced as a whole.
+name. `lock_file` puts the file elsewhere: one lock for several folders (a run and its variants).
 
 Within one process the lock is re-entrant: a sweep that holds its folder may call code that locks it again.
 """
@@ -29,7 +30,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-LOCK_NAME = ".medddpm.lock"
+
+
+def lock_path(folder: str | os.PathLike) -> Path:
+    """`.<name>.lock` beside `folder`: where its lock lives unless told otherwise."""
+    folder = Path(folder).absolute()
+    return folder.parent / f".{folder.name}.lock"
+
 
 _held: dict[Path, int] = {}  # folders this process holds, with their nesting depth
 _guard = threading.Lock()
@@ -66,7 +73,7 @@ def lock_holder(folder: str | os.PathLike, lock_file: str | os.PathLike | None =
     """What the lock file of `folder` says of its holder: pid, host, since, what ({} if none). Whether the
     lock is held is known only by trying to take it (`output_lock`)."""
     try:
-        text = Path(lock_file or Path(folder) / LOCK_NAME).read_text(errors="replace")
+        text = Path(lock_file or lock_path(folder)).read_text(errors="replace")
     except OSError:
         return {}
     info = {}
@@ -105,9 +112,9 @@ def output_lock(folder: str | os.PathLike, what: str = "sweep", *,
                 lock_file: str | os.PathLike | None = None) -> Iterator[Path]:
     """Hold `folder`'s lock for the block (creating the folder, for a lock inside it); raise `FolderInUse` at
     once if another process holds it. `what` names this writer in the message another one gets ("sweep",
-    "training"); `lock_file`: where the lock lives (default `<folder>/.medddpm.lock`)."""
+    "training"); `lock_file`: where the lock lives (default `lock_path(folder)`, beside it)."""
     folder = Path(folder)
-    lock_file = Path(lock_file) if lock_file is not None else folder / LOCK_NAME
+    lock_file = Path(lock_file) if lock_file is not None else lock_path(folder)
     key = lock_file.resolve()
     with _guard:
         if key in _held:

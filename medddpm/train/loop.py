@@ -103,6 +103,9 @@ def train(spec: ModelSpec, config: Config | str, dataset, *, out_dir: str | os.P
     main = rank == 0
     out = Path(out_dir)
     with output_lock(out, what="training") if main else contextlib.nullcontext():
+        if main:
+            with writing(out, "making the training folder"):
+                out.mkdir(parents=True, exist_ok=True)
         return _train(spec, get_config(config), dataset, out=out, steps=steps, device=device, grad_accum=grad_accum,
                       lr=lr, seed=seed, save_every=save_every, log_every=log_every, progress=progress, ddp=ddp,
                       fixed_noise=fixed_noise, allow_changed=allow_changed, rank=rank, world=world)
