@@ -3,6 +3,8 @@
 import json
 import os
 import socket
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,7 +120,7 @@ def test_two_gloo_ranks_match_one_process(tiny_spec, tmp_path):
     for a, b in zip(torch.load(tmp_path / "train0.pt"), torch.load(tmp_path / "train1.pt")):
         assert torch.equal(a, b)
     run = tmp_path / "run"
-    state = torch.load(run / "checkpoint.pt", weights_only=False)
+    state = torch.load(run / "checkpoint.pt", weights_only=True)
     assert state["step"] == 2 and state["world_size"] == WORLD
     assert [r["step"] for r in read_loss_log(run)] == [1, 2]
     rows = [json.loads(line) for line in (run / "ranks.jsonl").read_text().splitlines()]
@@ -165,3 +167,39 @@ def test_ddp_refuses_cuda_graphs_and_a_missing_process_group(tiny_spec):
     engine.run = dataclasses.replace(engine.run, cuda_graphs=True)  # as "graphs" resolves on a GPU
     with pytest.raises(ValueError, match="CUDA graphs are not supported with DDP"):
         engine.wrap_ddp()
+
+
+def _refused_worker(rank, port, out):
+    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                   "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank)}
+    torch.set_num_threads(1)
+    from medddpm.measure import distributed
+
+    distributed.init_from_env()
+    try:
+        spec = ModelSpec(**SPEC)
+        train(spec, "baseline", Pairs(spec), out_dir=f"{out}/run", steps=1, grad_accum=1, lr=LR, progress=False,
+              ddp=True)
+    except ValueError as e:
+        Path(out, f"refused{rank}").write_text(str(e))
+    finally:
+        distributed.cleanup()
+
+
+@pytest.mark.slow
+def test_every_rank_stops_when_the_folder_is_in_use(tmp_path):
+    """Rank 0 alone takes the folder's lock; when another training holds it, every rank stops with its message
+    instead of waiting at a collective for rank 0."""
+    from medddpm.store.lock import output_lock
+
+    with output_lock(tmp_path / "run", what="training"):
+        ctx = mp.spawn(_refused_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=False)
+        try:
+            deadline = time.monotonic() + 120
+            while not ctx.join(timeout=5):
+                assert time.monotonic() < deadline, "a rank still waits"
+        finally:
+            for p in ctx.processes:
+                p.kill()
+    for rank in range(WORLD):
+        assert "is in use by training" in (tmp_path / f"refused{rank}").read_text()

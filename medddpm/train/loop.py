@@ -102,10 +102,21 @@ def train(spec: ModelSpec, config: Config | str, dataset, *, out_dir: str | os.P
         rank, world = dist.get_rank(), dist.get_world_size()
     main = rank == 0
     out = Path(out_dir)
-    with output_lock(out, what="training") if main else contextlib.nullcontext():
-        if main:
-            with writing(out, "making the training folder"):
-                out.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as held:
+        error = None
+        if main:  # rank 0 alone writes, so it alone holds the folder
+            try:
+                held.enter_context(output_lock(out, what="training"))
+                with writing(out, "making the training folder"):
+                    out.mkdir(parents=True, exist_ok=True)
+            except ValueError as e:
+                error = e
+        if ddp:  # every rank learns whether rank 0 holds the folder: none waits at a collective for a rank that left
+            said = [str(error) if error else ""]
+            dist.broadcast_object_list(said, src=0)
+            error = error or (ValueError(said[0]) if said[0] else None)
+        if error:
+            raise error
         return _train(spec, get_config(config), dataset, out=out, steps=steps, device=device, grad_accum=grad_accum,
                       lr=lr, seed=seed, save_every=save_every, log_every=log_every, progress=progress, ddp=ddp,
                       fixed_noise=fixed_noise, allow_changed=allow_changed, rank=rank, world=world)
