@@ -278,7 +278,7 @@ def test_a_full_disk_while_writing_a_loss_line(trained, tmp_path, capsys, monkey
     monkeypatch.setattr(loop, "open", lambda path, mode="r", *a, **kw: HalfWritten(real_open(path, mode, *a, **kw)),
                         raising=False)
     assert train_cli(out, steps=3) == 2
-    line = one_error(capsys, str(log), "disk full")
+    line = one_error(capsys, str(log), "the disk is full")
     assert log.read_text() == before, line
     assert torch.load(out / checkpoint.CHECKPOINT, weights_only=True)["step"] == 2
 

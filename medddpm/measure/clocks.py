@@ -76,13 +76,6 @@ class ClockMonitor:
             self._thread.join()
             self._thread = None
 
-    def __enter__(self):
-        self.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()
-
     def summary(self) -> dict:
         """Median SM and memory clocks, the highest temperature, the enforced power limit, the slowdown reasons
         seen (comma-separated names, '' if none) and the share of samples that had one."""

@@ -20,7 +20,6 @@ Within one process the lock is re-entrant: a sweep that holds its folder may cal
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import os
 import socket
@@ -29,6 +28,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+
+from medddpm.store.storage import os_error_reason
 
 
 
@@ -93,18 +94,10 @@ def _open(folder: Path, lock_file: Path) -> int:
             folder.mkdir(parents=True, exist_ok=True)
         lock_file.parent.mkdir(parents=True, exist_ok=True)
         return os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o666)
-    except FileExistsError:  # a parent is a file
-        raise ValueError(f"{folder}: a part of this path is a file, not a folder") from None
-    except NotADirectoryError:
-        raise ValueError(f"{folder}: a part of this path is a file, not a folder") from None
-    except PermissionError:
-        raise ValueError(f"{folder}: permission denied (cannot write into this folder)") from None
-    except OSError as e:
-        if e.errno == errno.ENOSPC:
-            raise ValueError(f"{folder}: the disk is full (no space left on device)") from None
-        if e.errno == errno.EROFS:
-            raise ValueError(f"{folder}: the file system is read-only") from None
-        raise
+    except OSError as e:  # a parent that is a file, no permission, a full disk, a read-only file system
+        if (reason := os_error_reason(e)) is None:
+            raise
+        raise ValueError(f"{folder}: {reason}") from None
 
 
 @contextmanager

@@ -21,7 +21,13 @@ _REASONS = {
     errno.EPERM: "permission denied",
     errno.ENOTDIR: "a part of the path is a file, not a folder",
     errno.EEXIST: "a part of the path is a file, not a folder",
+    errno.EISDIR: "a folder, not a file",
 }
+
+
+def os_error_reason(e: OSError) -> str | None:
+    """What the file system said, in words a user acts on ("the disk is full"), or None for another fault."""
+    return _REASONS.get(e.errno)
 
 
 class StorageError(ValueError):
@@ -30,7 +36,7 @@ class StorageError(ValueError):
 
 def storage_error(path: str | os.PathLike, e: OSError) -> Exception:
     """`e` as a one-line StorageError where its cause is the file system's, else `e` itself."""
-    reason = _REASONS.get(e.errno)
+    reason = os_error_reason(e)
     return StorageError(f"cannot write {path}: {reason}") if reason else e
 
 

@@ -8,7 +8,6 @@ instead of run.
 
 from __future__ import annotations
 
-import errno
 import io
 import os
 import re
@@ -18,19 +17,15 @@ from typing import Iterator
 
 import torch
 
-from medddpm.store.storage import atomic_write
+from medddpm.store.storage import atomic_write, os_error_reason
 
 CHECKPOINT = "checkpoint.pt"
 REQUIRED = ("model", "opt", "step", "spec", "config")  # what every checkpoint of `train` holds
 
 
 def os_error_line(path: str | os.PathLike, e: OSError, doing: str) -> str:
-    """One line for an OSError while `doing` something at `path`: a full disk says so."""
-    reasons = {errno.ENOSPC: "disk full (no space left on device)", errno.EDQUOT: "disk quota exceeded",
-               errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
-               errno.EPERM: "permission denied", errno.ENOTDIR: "a part of this path is a file, not a folder",
-               errno.EEXIST: "a part of this path is a file, not a folder", errno.EISDIR: "a folder, not a file"}
-    return f"{path}: {reasons.get(e.errno) or e.strerror or type(e).__name__} while {doing}"
+    """One line for an OSError while `doing` something at `path`: a full disk says so (`storage.os_error_reason`)."""
+    return f"{path}: {os_error_reason(e) or e.strerror or type(e).__name__} while {doing}"
 
 
 @contextmanager

@@ -17,6 +17,7 @@ import nibabel as nib
 import numpy as np
 
 from medddpm.store.storage import atomic_write
+from medddpm.train.folders import BRATS_2023_NAMES
 from medddpm.train.nifti import DataError, shape3
 from medddpm.train.synthetic import BRATS_MODALITIES, BRATS_SPACING_MM, make_brats_case, make_mni_pair
 
@@ -25,7 +26,6 @@ LAYOUTS = ("reference", "brats", "brats2023")
 # BraTS files; neither is RAS, so reading them unreoriented would give another anatomy.
 ORIENTATION = {"reference": ("P", "S", "L"), "brats": ("L", "P", "S"), "brats2023": ("L", "P", "S")}
 BRATS_ON_DISK = (240, 240, 155)  # BraTS' 1 mm grid, cropped to the preset's 192 x 192 x 144 as the reference does
-_2023 = {"t1": "t1n", "t1ce": "t1c", "t2": "t2w", "flair": "t2f"}
 
 
 def _image(array: np.ndarray, spacing: float, axcodes: tuple[str, str, str], dtype) -> nib.Nifti1Image:
@@ -78,6 +78,6 @@ def export_folder(out: str | os.PathLike, *, pairs: int, layout: str = "referenc
         sep = "-" if new else "_"
         volumes = {"seg": labels, **dict(zip(BRATS_MODALITIES, image))}
         for m, volume in volumes.items():
-            name = _2023.get(m, m) if new else m
+            name = BRATS_2023_NAMES.get(m, m) if new else m
             written.append(_save(_image(volume, BRATS_SPACING_MM, axcodes, np.float64), out / name / f"{case}{sep}{name}.nii.gz"))
     return written
