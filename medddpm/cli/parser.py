@@ -211,10 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("study", help="convergence study: train configurations from the same seeds, weights, data "
                                      "and noise, sample their EMA weights and score the samples into "
                                      "OUT/<gpu>/convergence/; resumes")
-    p.add_argument("--configs", default="opt1,bf16,fp16,best", help="comma-separated names; the first is the "
-                                                                    "reference the book weighs the others against")
-    p.add_argument("--seeds", type=seeds_arg, default=[0, 1, 2], help="a count (3: seeds 0, 1, 2) or a list (0,4,7)")
-    p.add_argument("--steps", type=positive, default=2000, help="optimizer steps per run")
+    p.add_argument("--configs", default="baseline,opt1,bf16,fp16,best",
+                   help="comma-separated names (the book pairs each seed's runs: opt1 against baseline, best, bf16 "
+                        "and fp16 against opt1, fp16 against bf16)")
+    p.add_argument("--seeds", type=seeds_arg, default=[0, 1, 2, 3, 4],
+                   help="a count (5: seeds 0 to 4) or a list (0,4,7)")
+    p.add_argument("--steps", type=positive, default=4000, help="optimizer steps per run")
     p.add_argument("--size", type=positive, default=64, help="voxels per side of the cubic input")
     p.add_argument("--base-channels", type=positive, default=64, help="channels of the U-Net's first level")
     p.add_argument("--pairs", type=positive, default=32, help="embedded training pairs")

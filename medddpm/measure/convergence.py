@@ -23,7 +23,6 @@ import json
 import math
 import multiprocessing as mp
 import os
-import pickle
 import shutil
 import time
 import traceback
@@ -41,6 +40,7 @@ from medddpm.measure.env import environment, gpu_slug, pick_device
 from medddpm.model.diffusion import TIMESTEPS
 from medddpm.model.unet import ModelSpec
 from medddpm.store import convergence as store
+from medddpm.store import schema
 from medddpm.store.storage import atomic_write
 
 LABEL_SEED = 100_000  # the held-out subjects are mni:100000, mni:100001, ...: far from any training pair's seed
@@ -62,7 +62,7 @@ class Settings:
 
     size: int = 64
     base_channels: int = 64
-    steps: int = 2000
+    steps: int = 4000
     pairs: int = 32
     lr: float = 1e-4
     grad_accum: int = 1
@@ -154,9 +154,9 @@ class Job:
     progress: bool = True
     threads: int = 0  # torch CPU threads in a worker process (0: leave as is)
 
-    @property
-    def result_path(self) -> Path:
-        return Path(self.work) / "result.pkl"
+    def result_path(self, table: str) -> Path:
+        """Where a worker process leaves one of its result tables for the parent (parquet: data, never code)."""
+        return Path(self.work) / f"result-{table}.parquet"
 
 
 def _row(job: Job, **values) -> dict:
@@ -177,11 +177,20 @@ def _result(job: Job, row: dict, losses: pd.DataFrame | None = None, samples: pd
             "samples": samples if samples is not None else empty}
 
 
+def _losses(job: Job) -> pd.DataFrame:
+    from medddpm.train.loop import read_loss_log
+
+    log = read_loss_log(job.work)
+    return pd.DataFrame({"config": job.config, "seed": job.seed, "step": [int(r["step"]) for r in log],
+                         "loss": [float(r["loss"]) for r in log]})
+
+
 def run_one(job: Job) -> dict:
-    """Train, sample and score one (configuration, seed); returns its rows for the three tables. An error is
-    recorded in the run row (status error, one line), not raised."""
+    """Train, sample and score one (configuration, seed); returns its rows for the three tables. A run whose loss
+    went non-finite (`Diverged`) is recorded with status diverged and its losses up to that step, unsampled; an
+    error is recorded in the run row (status error, one line), not raised."""
     from medddpm.train.data import MNIPairs, one_hot_condition
-    from medddpm.train.loop import CHECKPOINT, read_loss_log, train
+    from medddpm.train.loop import CHECKPOINT, Diverged, train
     from medddpm.train.sampling import load_checkpoint
 
     s, device, work = job.settings, torch.device(job.device), Path(job.work)
@@ -197,9 +206,7 @@ def run_one(job: Job) -> dict:
                 "precision_used": engine.run.precision, "not_applicable": json.dumps(engine.run.not_applicable),
                 "ema_decay": engine.ema.decay, "ema_start": engine.ema.start}
         del engine
-        log = read_loss_log(work)
-        losses = pd.DataFrame({"config": job.config, "seed": job.seed, "step": [r["step"] for r in log],
-                               "loss": [r["loss"] for r in log]})
+        losses = _losses(job)
         row["final_loss"] = float(losses["loss"].tail(100).mean())
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -223,6 +230,9 @@ def run_one(job: Job) -> dict:
             png = sm.slices_png(image)
             atomic_write(Path(job.out) / store.SLICES / store.slice_file("sample", job.config, job.seed, i),
                          lambda f: f.write(png))
+    except Diverged as e:  # a result, not a fault: the configuration's numerics failed from this seed
+        row |= {"status": "diverged", "message": str(e), "train_s": time.perf_counter() - t0}
+        losses = _losses(job)
     except Exception as e:  # noqa: BLE001 - recorded in runs.parquet; the other runs go on
         traceback.print_exc()
         text = str(e).strip().splitlines()[0] if str(e).strip() else ""
@@ -231,11 +241,25 @@ def run_one(job: Job) -> dict:
 
 
 def _worker(job: Job) -> None:
-    """A process's entry: one run, its rows pickled beside its checkpoint for the parent to read."""
+    """A process's entry: one run, its tables written beside its checkpoint as parquet for the parent to read
+    (the runs table last: its file says the result is whole)."""
     if job.threads:
         torch.set_num_threads(job.threads)
     result = run_one(job)
-    atomic_write(job.result_path, lambda f: pickle.dump(result, f))
+    for table in ("losses", "samples", "runs"):
+        atomic_write(job.result_path(table), lambda f, df=result[table]: df.to_parquet(f, index=False))
+
+
+def _read_result(job: Job) -> dict | None:
+    """A worker's tables, checked against the schema; None where it left no whole result."""
+    if not job.result_path("runs").is_file():
+        return None
+    result = {}
+    for table in ("losses", "samples", "runs"):
+        path = job.result_path(table)
+        result[table] = schema.read_table(path, store.table_name(f"{table}.parquet"))
+        path.unlink()
+    return result
 
 
 # -------------------------------------------------------------------------------------- the study
@@ -306,9 +330,13 @@ def study(configs: list[str], seeds: list[int], settings: Settings = Settings(),
     env["gpu_name"] = gpu_label or env["gpu_name"]
     folder = store.folder(out, slug)
     tables = {t: store.read(folder, t) for t in store.TABLES}
-    done = tables["runs"][tables["runs"]["status"] == "ok"]
+    done = tables["runs"][tables["runs"]["status"].isin(store.DONE)]
     _check_settings(done, settings, folder)
     todo = [(c, s) for s in seeds for c in names if force or not ((done["config"] == c) & (done["seed"] == s)).any()]
+    # longest first, by the training time of the configuration's runs already done (parallel runs then end
+    # together, and a time limit stops fewer long runs); configurations not yet timed keep the order given
+    took = done.groupby("config")["train_s"].median().dropna().to_dict()
+    todo.sort(key=lambda cs: -took.get(cs[0], math.inf))
 
     reference, labels, real = prepare_data(settings, processes=os.cpu_count() or 1, progress=progress)
     real_rows = score(np.stack(real), labels, list(range(len(real))), reference, config=store.REAL, seed=0,
@@ -339,7 +367,7 @@ def study(configs: list[str], seeds: list[int], settings: Settings = Settings(),
                                   ignore_index=True)
             store.write(folder, t, tables[t])
         run = result["runs"].iloc[0]
-        if run["status"] == "ok" and not keep_checkpoints:
+        if run["status"] in store.DONE and not keep_checkpoints:
             from medddpm.train.loop import CHECKPOINT
 
             (Path(job.work) / CHECKPOINT).unlink(missing_ok=True)
@@ -392,7 +420,8 @@ def _run_parallel(jobs: list[Job], n: int, devices: list[str], deadline: float |
             if slot not in running and pending:
                 job = dataclasses.replace(pending.pop(0), device=devices[slot % len(devices)])
                 Path(job.work).mkdir(parents=True, exist_ok=True)
-                job.result_path.unlink(missing_ok=True)
+                for table in ("losses", "samples", "runs"):
+                    job.result_path(table).unlink(missing_ok=True)
                 proc = ctx.Process(target=_worker, args=(job,), name=f"study {job.config} seed {job.seed}")
                 proc.start()
                 running[slot] = (proc, job)
@@ -401,11 +430,11 @@ def _run_parallel(jobs: list[Job], n: int, devices: list[str], deadline: float |
             if proc.is_alive():
                 continue
             proc.join()
-            if job.result_path.is_file():
-                with open(job.result_path, "rb") as f:
-                    result = pickle.load(f)
-                job.result_path.unlink()
-            else:  # killed for memory, or a crash inside a library
+            try:
+                result = _read_result(job)
+            except (schema.SchemaError, OSError, ValueError) as e:
+                result = _result(job, _row(job, status="error", message=f"unreadable result: {e}".splitlines()[0]))
+            if result is None:  # killed for memory, or a crash inside a library
                 result = _result(job, _row(job, status="error",
                                            message=f"worker exited with code {proc.exitcode} before its result"))
             record(job, result)

@@ -24,6 +24,7 @@ from medddpm.store import schema
 CONVERGENCE_DIR = "convergence"
 TABLES = ("runs", "losses", "samples")  # file stems; the schema's tables are convergence_<stem>
 SLICES = "slices"
+DONE = ("ok", "diverged")  # run statuses that are results: a re-run skips them (an error is measured again)
 REAL = "real"  # the configuration name of the held-out subjects' own images in samples.parquet
 
 

@@ -257,8 +257,8 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
     "convergence_runs": {
         "config": (S, "configuration name"),
         "seed": (I, "seed of the initial weights, the data order and the training noise"),
-        "status": (S, "ok | error"),
-        "message": (S, "why, when status is error"),
+        "status": (S, "ok | diverged (a non-finite loss that fp16's scaler did not skip: stopped, unsampled) | error"),
+        "message": (S, "why, when status is diverged or error"),
         "switches": (S, "JSON: the configuration's switches"),
         "precision_used": (S, "precision that ran on this device"),
         "not_applicable": (S, "JSON: switches that could not apply on this device, with why"),
@@ -392,7 +392,7 @@ ENUMS: dict[str, dict[str, tuple[str, ...]]] = {
     "kernels": {"pass": ("forward", "backward", "optimizer", "graph", "other"), "device_type": ("cuda", "cpu")},
     "ncu": {"kind": ("metric", "rule")},
     "bench": {"phase": ("train", "sample")},
-    "convergence_runs": {"status": ("ok", "error")},
+    "convergence_runs": {"status": ("ok", "diverged", "error")},
 }
 RANGES: dict[str, dict[str, tuple[float, float]]] = {  # inclusive bounds; NaN passes (not measured)
     "steps": {"step": (0, math.inf), "step_ms": (0, math.inf)},

@@ -181,6 +181,10 @@ class Engine:
             self.opt.zero_grad(set_to_none=True)
         return total
 
+    def skipped_counter(self) -> torch.Tensor:
+        """The count of skipped steps so far, copied on the device (no host sync): a step's own reading."""
+        return self._skipped.clone()
+
     @property
     def skipped_steps(self) -> int:
         """Optimizer steps the fp16 loss scaler skipped for an inf or NaN gradient (0 without one); waits for

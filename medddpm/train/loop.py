@@ -25,6 +25,16 @@ LOSS_LOG = "loss.jsonl"
 RANK_LOG = "ranks.jsonl"  # under DDP: one line per rank and step, {"step", "rank", "world_size", "step_ms"}
 
 
+class Diverged(ValueError):
+    """Training reached a non-finite loss on a step that fp16's loss scaler did not skip: the run stops there, its
+    log holds the steps up to that one, and its last checkpoint (written before the loss went bad) is kept."""
+
+    def __init__(self, step: int, loss: float, kept: int):
+        self.step, self.loss, self.kept = step, loss, kept
+        where = f"the checkpoint of step {kept} is kept" if kept else "no checkpoint had been written"
+        super().__init__(f"training diverged: loss {loss} at step {step} ({where})")
+
+
 def batch_indices(n_items: int, step: int, micro: int, *, seed: int) -> int:
     """Which item feeds micro-batch `micro` of optimizer step `step`: a pure function of its
     arguments, so a resumed run reads exactly the data an uninterrupted one would have."""
@@ -155,14 +165,16 @@ def _train(spec, config, dataset, *, out, steps, device, grad_accum, lr, seed, s
             _truncate_log(rank_path, start)
     extra = hyper | ({"world_size": world} if ddp else {})
 
-    pending: list[tuple[int, torch.Tensor]] = []
+    # (step, loss, the scaler's skipped-step count after it), all on the device until a flush reads them
+    pending: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
     timer = StepTimer(engine.device) if ddp else None
+    counted = {"skipped": engine.skipped_steps if engine.scaler is not None else 0, "saved": start}
 
     def flush():
         if not pending:
             return
         if ddp:  # one collective per flush: every rank's losses and step times, gathered everywhere
-            local = torch.cat([torch.stack([loss for _, loss in pending]).float(),
+            local = torch.cat([torch.stack([loss for _, loss, _ in pending]).float(),
                                torch.tensor(timer.read()[0], device=engine.device, dtype=torch.float32)])
             gathered = [torch.empty_like(local) for _ in range(world)]
             dist.all_gather(gathered, local)
@@ -170,14 +182,26 @@ def _train(spec, config, dataset, *, out, steps, device, grad_accum, lr, seed, s
             values = table[:, :len(pending)].double().mean(0).tolist()
             times = table[:, len(pending):].tolist()
         else:
-            values = torch.stack([loss for _, loss in pending]).tolist()  # one host sync per flush
+            values = torch.stack([loss for _, loss, _ in pending]).tolist()  # one host sync per flush
+        skipped = (torch.stack([n for *_, n in pending]).tolist() if engine.scaler is not None
+                   else [counted["skipped"]] * len(pending))
+        bad = None  # the first non-finite loss of a step the scaler did not skip (a skipped one changed nothing)
+        for (s, *_), v, n in zip(pending, values, skipped):
+            if bad is None and not math.isfinite(v) and n == counted["skipped"]:
+                bad = (s, v)
+            counted["skipped"] = n
+        if bad:  # the log ends at the step that went bad
+            keep = [i for i, (s, *_) in enumerate(pending) if s <= bad[0]]
+            pending[:], values = [pending[i] for i in keep], [values[i] for i in keep]
         if main:
-            _append(log_path, [{"step": s, "loss": v} for (s, _), v in zip(pending, values)])
+            _append(log_path, [{"step": s, "loss": v} for (s, *_), v in zip(pending, values)])
             if ddp:
                 _append(rank_path, [{"step": s, "rank": r, "world_size": world, "step_ms": times[r][i]}
-                                    for i, (s, _) in enumerate(pending) for r in range(world)])
+                                    for i, (s, *_) in enumerate(pending) for r in range(world)])
             bar.set_postfix(loss=f"{values[-1]:.4f}")
         pending.clear()
+        if bad:
+            raise Diverged(bad[0], bad[1], counted["saved"])
 
     bar = tqdm(range(start, steps), initial=start, total=steps, desc=f"train {engine.config.name}",
                disable=not (progress and main))
@@ -199,7 +223,8 @@ def _train(spec, config, dataset, *, out, steps, device, grad_accum, lr, seed, s
             # Each rank draws its own timesteps and noise; reseeding per step keeps resume exact.
             torch.manual_seed(seed * 1_000_003 + step * 1009 + rank * 7919 + 1)
             timer.start()
-        pending.append((step + 1, engine.step(batches)))
+        loss = engine.step(batches)
+        pending.append((step + 1, loss, engine.skipped_counter() if engine.scaler is not None else None))
         if ddp:
             timer.stop()
         if (step + 1) % log_every == 0:
@@ -208,6 +233,7 @@ def _train(spec, config, dataset, *, out, steps, device, grad_accum, lr, seed, s
             flush()
             if main:
                 save_checkpoint(engine, ckpt, extra=extra)
+            counted["saved"] = step + 1
     flush()
     return engine
 

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Lease of 2026-12-06: the convergence study (64^3, 4,000 optimizer steps, 5 seeds) on the H100, resumed call after
+# call. The study writes into runs/study (ignored), not data/: the working tree that each call copies in would
+# otherwise replace the folder the study is writing. A fresh machine starts from the committed tables; a warm one
+# keeps its tables, checkpoints and Inductor cache. Each call packs the study folder into $OUT/convergence.tgz
+# (unpack here with: tar -xzf convergence.tgz -C data/).
+# Usage: COMMIT=<sha> LIMIT=<s> CONFIGS=a,b JOBS=n bash lab/leases/2026-12-06-study.sh
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out=${OUT:-runs/out}; mkdir -p "$out" runs
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 2
+export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+export TORCHINDUCTOR_CACHE_DIR=$PWD/runs/inductor MEDDDPM_GIT_COMMIT=${COMMIT:?the commit the call runs}
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw,power.limit,clocks_throttle_reasons.active \
+  --format=csv >> "$out/gpu-state.csv"
+if [ ! -d runs/study ]; then
+  mkdir -p runs/study
+  for d in data/*/convergence; do [ -d "$d" ] && mkdir -p "runs/study/${d#data/}" && cp -r "$d"/. "runs/study/${d#data/}"; done
+fi
+python3 -m medddpm study --configs "${CONFIGS:-baseline,opt1,bf16,fp16,best}" --jobs "${JOBS:-4}" \
+  --time-limit "${LIMIT:-540}" --out runs/study --work runs/convergence 2>&1 | grep -v "it/s\]$"
+(cd runs/study && tar czf "$out/convergence.tgz" */convergence)
+nvidia-smi --query-gpu=clocks.sm,temperature.gpu,power.draw --format=csv >> "$out/gpu-state.csv"
+ls runs/convergence/*/ 2>/dev/null | head -40
+echo "lease: done at $SECONDS s"
