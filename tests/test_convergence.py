@@ -218,26 +218,37 @@ def test_the_command_line_parses_seeds():
 # -------------------------------------------------------------------------------------- the page
 
 
-def fake_study(folder: Path, slug: str = "gpu-x", dice: dict | None = None) -> None:
-    """A study folder with made-up scores: opt1 the reference, bf16 worse beyond the seeds' spread, fp16 within."""
+def fake_study(folder: Path, slug: str = "gpu-x", dice: dict | None = None, w1: dict | None = None,
+               ssim: dict | None = None, diverged: dict | None = None) -> None:
+    """A study folder with made-up per-seed scores: `dice`, `w1` and `ssim` map a configuration to one value per
+    seed (hist_w1 0.05 and MS-SSIM 0.6 where not given); `diverged` maps a configuration to the seeds whose run
+    diverged (no samples)."""
     dice = dice or {"opt1": [0.80, 0.82, 0.84], "bf16": [0.40, 0.62, 0.64], "fp16": [0.81, 0.79, 0.85]}
+    w1, ssim, diverged = w1 or {}, ssim or {}, diverged or {}
     settings = conv.Settings(size=16, steps=10)
     env = {"gpu_name": slug, "torch": "2", "cuda": "", "cudnn": "", "git_commit": "abc"}
     runs, losses, samples = [], [], []
     for config, values in dice.items():
         for seed, value in enumerate(values):
             job = conv.Job(config, seed, settings, "cpu", "", str(folder), env, {}, [])
+            bad = seed in diverged.get(config, ())
             runs.append(conv._row(job, skipped_steps=3 if config == "fp16" else 0, final_loss=0.1, ema_decay=0.995,
-                                  ema_start=2000, sample_precision="bf16", train_s=1.0, sample_s=1.0))
+                                  ema_start=2000, sample_precision="bf16", train_s=1.0, sample_s=1.0,
+                                  **({"status": "diverged", "message": "training diverged: loss nan at step 4"}
+                                     if bad else {})))
             losses.append(pd.DataFrame({"config": config, "seed": seed, "step": range(1, 11),
                                         "loss": np.linspace(0.9, 0.1 + value / 10, 10)}))
+            if bad:
+                continue
             for k in range(4):
                 source = settings.label_sources[k // 2]
                 base = {"config": config, "seed": seed, "sample": k, "label_map": source, "other": -1}
                 samples += [base | {"metric": "label_dice", "tissue": t, "value": value} for t in ("csf", "gm", "wm", "mean")]
-                samples += [base | {"metric": "hist_w1", "tissue": t, "value": 0.05} for t in ("csf", "gm", "wm", "mean")]
+                samples += [base | {"metric": "hist_w1", "tissue": t, "value": w1.get(config, [0.05] * 99)[seed]}
+                            for t in ("csf", "gm", "wm", "mean")]
                 if k % 2 == 0:
-                    samples.append(base | {"other": k + 1, "metric": "ms_ssim", "tissue": "brain", "value": 0.6})
+                    samples.append(base | {"other": k + 1, "metric": "ms_ssim", "tissue": "brain",
+                                           "value": ssim.get(config, [0.6] * 99)[seed]})
     for k, source in enumerate(settings.label_sources):
         samples.append({"config": "real", "seed": 0, "sample": k, "label_map": source, "other": -1,
                         "metric": "label_dice", "tissue": "mean", "value": 0.85})
@@ -251,28 +262,97 @@ def fake_study(folder: Path, slug: str = "gpu-x", dice: dict | None = None) -> N
     (slices / store.slice_file("sample", "bf16", 0, 0)).write_bytes(sm.slices_png(image))
 
 
-def test_the_verdict_counts_a_difference_only_beyond_the_spread_between_seeds(tmp_path):
+# the reference's label_dice per seed; candidates below are made from it, seed by seed
+REF = [0.70, 0.80, 0.75, 0.85, 0.78]
+
+
+def paired_of(tmp_path, cand: dict, **kw) -> pd.DataFrame:
+    """Each candidate's verdict against opt1, the reference."""
+    fake_study(store.folder(tmp_path, "gpu-x"), dice={"opt1": REF, **cand}, **kw)
+    v = rc.verdicts(rc.load_study(tmp_path))
+    return v[v["reference"] == "opt1"].set_index("candidate")
+
+
+def test_the_equivalence_rule_comes_out_each_way():
+    from medddpm.report import equivalence as eq
+
+    assert eq.judge([0.01, -0.01, 0.0, 0.005, -0.004], 0.05).verdict == eq.EQUIVALENT
+    assert eq.judge([-0.10, -0.11, -0.09, -0.12, -0.10], 0.05).verdict == eq.WORSE
+    assert eq.judge([0.10, 0.11, 0.09, 0.12, 0.10], 0.05).verdict == eq.BETTER
+    # lower is better: a rise in distance is the losing side
+    assert eq.judge([0.10, 0.11, 0.09, 0.12, 0.10], 0.05, higher_is_better=False).verdict == eq.WORSE
+    wide = eq.judge([0.08, -0.07, 0.05, -0.06, 0.02], 0.05)
+    assert wide.verdict == eq.UNDECIDED and wide.seeds_needed > 5
+    # the seeds it asks for would decide it at the same spread: the interval then fits inside the margin
+    assert eq.half_width(wide.sd, wide.seeds_needed) < 0.05 - abs(wide.mean)
+    assert eq.half_width(wide.sd, wide.seeds_needed - 1) >= 0.05 - abs(wide.mean)
+    assert eq.judge([0.05, 0.05], 0.05).seeds_needed is None  # a mean on the margin: no number of seeds decides
+    assert eq.judge([0.01], 0.05).verdict == eq.UNDECIDED  # one seed: no spread
+    j = eq.judge([0.01, 0.03, 0.02], 0.05)
+    assert j.low < j.mean < j.high and j.high - j.mean == pytest.approx(2.920 * 0.01 / 3 ** 0.5, rel=1e-3)  # t(0.95, 2 df)
+    with pytest.raises(ValueError, match="margin"):
+        eq.judge([0.1, 0.2], 0)
+
+
+def test_paired_verdicts_take_differences_seed_by_seed(tmp_path):
+    """bf16 is worse by 0.1 on every seed, a shift far smaller than the reference's spread between seeds (sd 0.06):
+    unpaired, it would sit within the spread; paired, it is clearly worse. fp16 follows opt1 within 0.01."""
+    v = paired_of(tmp_path, {"bf16": [d - 0.1 for d in REF], "fp16": [d + 0.01 * (-1) ** i for i, d in enumerate(REF)]})
+    assert v.loc["bf16", "verdict"] == "worse" and v.loc["bf16", "label_dice_verdict"] == "worse"
+    assert v.loc["fp16", "verdict"] == "equivalent" and v.loc["fp16", "seeds"] == 5
+    p = rc.paired(rc.load_study(tmp_path)).set_index(["candidate", "reference", "metric"]).sort_index()
+    assert p.loc[("bf16", "opt1", "label_dice"), "mean"] == pytest.approx(-0.1)
+    assert p.loc[("bf16", "opt1", "label_dice"), "sd"] == pytest.approx(0, abs=1e-9)
+    assert set(p.loc[("fp16", "opt1")]["verdict"]) == {"equivalent"}  # hist_w1 and MS-SSIM the same on every seed
+    assert p.loc[("fp16", "bf16", "label_dice"), "verdict"] == "better"  # fp16 against bf16 too
+
+
+def test_a_worse_intensity_or_a_collapse_makes_a_comparison_worse(tmp_path):
+    v = paired_of(tmp_path, {"bf16": REF, "fp16": REF}, w1={"bf16": [0.15] * 5},
+                  ssim={"fp16": [0.9] * 5})
+    assert v.loc["bf16", "verdict"] == "worse" and v.loc["bf16", "hist_w1_verdict"] == "worse"
+    assert v.loc["bf16", "label_dice_verdict"] == "equivalent"
+    assert v.loc["fp16", "ms_ssim_verdict"] == "worse"  # samples of one map alike: less varied
+
+
+def test_undecided_says_how_many_seeds_would_decide(tmp_path):
+    noisy = [d + x for d, x in zip(REF, (0.08, -0.07, 0.05, -0.06, 0.02))]
+    v = paired_of(tmp_path, {"bf16": noisy})
+    assert v.loc["bf16", "verdict"] == "undecided"
+    text = rc.verdict_text(rc.load_study(tmp_path), "gpu-x")
+    assert "`bf16` is **undecided** against `opt1`" in text and "seeds would decide" in text
+
+
+def test_a_candidate_better_on_every_score_is_better(tmp_path):
+    v = paired_of(tmp_path, {"bf16": [d + 0.1 for d in REF]})
+    assert v.loc["bf16", "verdict"] == "better"
+
+
+def test_a_diverged_run_counts_as_a_failure_and_leaves_its_pair_out(tmp_path):
+    v = paired_of(tmp_path, {"fp16": REF}, diverged={"fp16": [2]})
+    assert v.loc["fp16", "verdict"] == "worse"  # the same scores where it finished, but one more failed run
+    assert v.loc["fp16", "candidate_failed"] == 1 and v.loc["fp16", "reference_failed"] == 0
+    assert v.loc["fp16", "seeds"] == 4
+    sc = rc.scores(rc.load_study(tmp_path)).set_index("config")
+    assert sc.loc["fp16", "failed"] == 1 and sc.loc["fp16", "seeds"] == 4
+    assert "Failed runs" in rc.verdict_text(rc.load_study(tmp_path), "gpu-x")
+
+
+def test_the_verdict_text_and_the_first_page_s_summary(tmp_path):
     fake_study(store.folder(tmp_path, "gpu-x"))
     study = rc.load_study(tmp_path)
-    comp = rc.comparison(study).set_index("config")
-    assert comp.loc["opt1", "label_dice_verdict"] == "reference" and comp.loc["opt1", "reference"] == "opt1"
-    assert comp.loc["bf16", "label_dice_verdict"] == rc.LOSES
-    assert comp.loc["fp16", "label_dice_verdict"] == rc.WITHIN
-    assert comp.loc["bf16", "failed"] == 1 and comp.loc["opt1", "failed"] == 0  # bf16 seed 0 scored 0.40
-    assert comp.loc["fp16", "skipped_steps"] == 9
-    spread = max(np.std([0.80, 0.82, 0.84], ddof=1), np.std([0.40, 0.62, 0.64], ddof=1))
-    assert comp.loc["bf16", "label_dice_spread"] == pytest.approx(spread)
-    text = rc.verdict_text(rc.comparison(study), "gpu-x", {"opt1": 200.0, "bf16": 50.0, "fp16": 60.0})
-    assert "**Loses quality**" in text and "`bf16`" in text.split("**Loses quality**")[1].split(".")[0]
-    assert "`fp16`" in text.split("Within the spread")[1]
-    assert "`bf16` 1 of 3" in text and "not within 0.05" in text
-    assert "0.850" in text  # the real images' score
+    text = rc.verdict_text(study, "gpu-x", {"opt1": 200.0, "bf16": 50.0, "fp16": 60.0})
+    assert "real images score a mean label_dice of 0.850" in text
+    assert "`bf16` is **worse** than `opt1`" in text  # seed 0 scored 0.40: a failed run
+    assert "`bf16` 1 of 3" in text and "The fastest configuration measured on this device is `bf16`" in text
+    head = rc.headline_text(study)
+    assert head.startswith("- **gpu-x**:") and "`fp16` against `opt1`" in head
 
 
-def test_one_seed_gives_no_verdict(tmp_path):
+def test_one_seed_gives_no_interval(tmp_path):
     fake_study(store.folder(tmp_path, "gpu-x"), dice={"opt1": [0.8], "bf16": [0.5]})
-    comp = rc.comparison(rc.load_study(tmp_path)).set_index("config")
-    assert comp.loc["bf16", "label_dice_verdict"] == rc.ONE_SEED
+    p = rc.paired(rc.load_study(tmp_path))
+    assert (p["verdict"] == "undecided").all() and p["low"].isna().all()
 
 
 def test_the_page_s_figures_and_gallery_draw_from_the_tables(tmp_path):
@@ -280,7 +360,10 @@ def test_the_page_s_figures_and_gallery_draw_from_the_tables(tmp_path):
     study = rc.load_study(tmp_path)
     binned = rc.loss_curves_binned(study, points=5)
     assert len(binned) == 9 * 5 and binned["step"].max() == 10
-    for chart in (rc.loss_chart(study), rc.metrics_chart(study)):
+    bands = rc.loss_bands(study, points=5)
+    assert len(bands) == 3 * 5 and (bands["low"] <= bands["median"]).all() and (bands["median"] <= bands["high"]).all()
+    assert (bands["seeds"] == 3).all()
+    for chart in (rc.loss_chart(study), rc.metrics_chart(study), rc.paired_chart(study)):
         spec = chart.to_dict()
         assert spec.get("params") or any(layer.get("params") for layer in spec.get("layer", []))
     page = rc.gallery(study, "gpu-x")
@@ -301,11 +384,11 @@ def test_a_study_of_another_gpu_in_a_folder_is_an_error(tmp_path):
 
 def test_without_a_study_everything_is_empty(tmp_path):
     study = rc.load_study(tmp_path)
-    assert study.empty and rc.comparison(study).empty and rc.per_seed(study).empty
-    assert rc.verdict_text(rc.comparison(study), "gpu-x").startswith("No finished run")
+    assert study.empty and rc.scores(study).empty and rc.per_seed(study).empty and rc.paired(study).empty
+    assert rc.verdict_text(study, "gpu-x").startswith("No finished run") and rc.headline_text(study) == ""
     assert rc.gpus_without_study(study, pd.DataFrame({"gpu_slug": ["cpu", "nvidia-h200"]})) == ["nvidia-h200"]
-    rc.loss_chart(study).to_dict()
-    rc.metrics_chart(study).to_dict()
+    for chart in (rc.loss_chart(study), rc.metrics_chart(study), rc.paired_chart(study)):
+        chart.to_dict()
 
 
 # --------------------------------------------------------------------------------------- slow: runs
@@ -402,17 +485,19 @@ def test_parallel_runs_resume_after_the_time_limit_and_fp16_records_its_skipped_
 
 
 @pytest.mark.parametrize("dice, verdict", [
-    ({"baseline": [0.80, 0.82, 0.84], "opt1": [0.79, 0.83, 0.81]}, "holds"),  # within the spread between seeds
-    ({"baseline": [0.80, 0.82, 0.84], "opt1": [0.70, 0.72, 0.71]}, "fails"),  # below it beyond the spread
-    ({"baseline": [0.80, 0.82, 0.84], "opt1": [0.90, 0.55, 0.92]}, "fails"),  # a mean within, but a failed run
-    ({"baseline": [0.80], "opt1": [0.81]}, "na"),  # one seed: no spread to weigh against
+    ({"baseline": REF, "opt1": [d + 0.01 * (-1) ** i for i, d in enumerate(REF)]}, "holds"),  # equivalent
+    ({"baseline": REF, "opt1": [d - 0.1 for d in REF]}, "fails"),  # worse on every seed
+    ({"baseline": REF, "opt1": [d + x for d, x in zip(REF, (0.08, -0.07, 0.05, -0.06, 0.02))]}, "undecided"),
+    ({"baseline": [0.80], "opt1": [0.81]}, "undecided"),  # one seed: no interval
+    ({"opt1": [0.80]}, "na"),  # no strict-FP32 run to pair with
 ])
-def test_the_tf32_claim_on_the_study_weighs_the_difference_against_the_seeds(tmp_path, dice, verdict):
+def test_the_tf32_claim_is_the_study_s_paired_verdict(tmp_path, dice, verdict):
     from types import SimpleNamespace
 
     from medddpm.report import claims
 
     fake_study(store.folder(tmp_path, "gpu-x"), dice=dice)
     v = claims.tf32_samples(SimpleNamespace(study=rc.load_study(tmp_path), slug="gpu-x"))
-    assert v.verdict == {"holds": claims.HOLDS, "fails": claims.FAILS, "na": claims.NA}[verdict], v.evidence
+    assert v.verdict == {"holds": claims.HOLDS, "fails": claims.FAILS, "undecided": claims.UNDECIDED,
+                         "na": claims.NA}[verdict], v.evidence
     assert claims.tf32_samples(SimpleNamespace(study=None, slug="gpu-x")).verdict == claims.NA

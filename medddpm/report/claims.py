@@ -26,8 +26,9 @@ import pandas as pd
 from medddpm.measure import layers
 
 from medddpm.measure import ncu_table
-from medddpm.report.convergence import FAIL_DICE, Study, per_seed
-from medddpm.report.loading import FAILS, HOLDS, NA, Data, is_cpu
+from medddpm.report import equivalence
+from medddpm.report.convergence import FAIL_DICE, MARGINS, Study, paired, verdicts as study_verdicts
+from medddpm.report.loading import FAILS, HOLDS, NA, UNDECIDED, Data, is_cpu
 from medddpm.report.quality import QUALITY_LOSS, QUALITY_REL_ERR
 
 SPEEDUP_MIN = 1.10  # a change "cuts" a time, cycle or instruction count when the ratio reaches 1.10
@@ -44,7 +45,7 @@ TENSOR_LOW = 50.0  # low tensor-core use: the TF32 step's step-weighted tensor p
 MEMORY_SECTIONS = ("Memory Workload Analysis", "Memory Workload Analysis Tables", "Memory Workload Analysis Chart")
 SCHEDULING_SECTIONS = ("Warp State Statistics", "Scheduler Statistics")
 PAPER_CONFIGS = ("baseline", "opt1", "opt2", "opt12")
-VERDICTS = (HOLDS, FAILS, NA)
+VERDICTS = (HOLDS, FAILS, UNDECIDED, NA)
 
 
 @dataclass(frozen=True)
@@ -325,24 +326,32 @@ def tf32_quality(g: GPU) -> Verdict:
 
 
 def tf32_samples(g: GPU) -> Verdict:
-    """The trained model, not one step: opt1 against strict FP32 in the convergence study (same weights, data order
-    and noise per seed), by the label agreement of their samples."""
+    """The trained model, not one step: opt1 against strict FP32 in the convergence study, seed by seed (same
+    weights, data order and noise), by the study's equivalence test (`convergence.verdicts`)."""
     if g.study is None or g.study.empty:
         return _na("no convergence study in the data (python -m medddpm study --configs baseline,opt1,...)")
-    ps = per_seed(g.study)
-    ps = ps[ps["gpu_slug"] == g.slug]
-    seeds = {c: ps.loc[ps["config"] == c, ["label_dice", "failed"]] for c in ("baseline", "opt1")}
-    if any(len(d) < 2 for d in seeds.values()):
-        return _na("the convergence study here has fewer than two seeds of "
-                   + " and ".join(c for c, d in seeds.items() if len(d) < 2) + " (a spread between seeds needs two)")
-    base, tf32 = seeds["baseline"], seeds["opt1"]
-    diff = tf32["label_dice"].mean() - base["label_dice"].mean()
-    spread = max(tf32["label_dice"].std(), base["label_dice"].std())
-    failed = (int(tf32["failed"].sum()), int(base["failed"].sum()))
-    ok = diff >= -spread and failed[0] <= failed[1]
-    return _judge(ok, f"mean label_dice opt1 {tf32['label_dice'].mean():.3f} vs strict FP32 {base['label_dice'].mean():.3f} "
-                  f"({diff:+.3f}; spread between seeds {spread:.3f}); failed runs {failed[0]} of {len(tf32)} vs "
-                  f"{failed[1]} of {len(base)}", label_dice_diff=diff, spread=spread, failed=list(failed))
+    v = study_verdicts(g.study, (("opt1", "baseline"),))
+    v = v[v["gpu_slug"] == g.slug]
+    if v.empty:
+        return _na("the convergence study here lacks opt1 or baseline runs of a shared seed")
+    r = v.iloc[0]
+    p = paired(g.study, (("opt1", "baseline"),))
+    p = p[p["gpu_slug"] == g.slug].set_index("metric")
+    parts = []
+    for m, row in p.iterrows():
+        interval = (f"{row['mean']:+.3f} [{row['low']:+.3f}, {row['high']:+.3f}]" if pd.notna(row["low"])
+                    else f"{row['mean']:+.3f} (no interval)")
+        need = (f", about {int(row['seeds_needed'])} seeds would decide" if pd.notna(row["seeds_needed"]) else "")
+        parts.append(f"{m} {interval} against ±{row['margin']:g}: {row['verdict']}{need}")
+    evidence = (f"opt1 minus strict FP32 over {int(r['seeds'])} paired seeds ({equivalence.CONFIDENCE:.0%} "
+                f"t-intervals): " + "; ".join(parts) +
+                f"; failed runs {int(r['candidate_failed'])} against {int(r['reference_failed'])}")
+    figures = {f"{m}_{k}": row[k] for m, row in p.iterrows() for k in ("mean", "low", "high")} | {
+        "seeds": int(r["seeds"]), "failed": [int(r["candidate_failed"]), int(r["reference_failed"])],
+        "verdicts": {m: row["verdict"] for m, row in p.iterrows()}}
+    state = {equivalence.EQUIVALENT: HOLDS, equivalence.BETTER: HOLDS, equivalence.WORSE: FAILS,
+             equivalence.UNDECIDED: UNDECIDED}[r["verdict"]]
+    return Verdict(state, evidence, figures)
 
 
 # ------------------------------------------------------------------------------------------- table
@@ -403,8 +412,11 @@ CLAIMS = [
           f"opt1 against strict FP32 from the same weights: forward relative error <= {QUALITY_REL_ERR:g} and mean "
           f"relative loss difference <= {QUALITY_LOSS:.0%}, where TF32 really ran (quality.parquet).", tf32_quality),
     Claim("tf32-samples", "TF32 trains as good a model", "TF32 does not degrade synthesis quality.",
-          "Convergence study, same seeds: opt1's mean label_dice is not below strict FP32's by more than the larger "
-          f"standard deviation between seeds, and no more of opt1's runs fail (mean label_dice < {FAIL_DICE}).",
+          "Convergence study, paired seeds: opt1 minus strict FP32, seed by seed, judged by an equivalence test "
+          f"({equivalence.CONFIDENCE:.0%} t-interval of the mean difference within ±{MARGINS['label_dice']:g} label_dice, "
+          f"±{MARGINS['hist_w1']:g} hist_w1 and ±{MARGINS['ms_ssim']:g} MS-SSIM), and no more of opt1's runs fail "
+          f"(diverged, or mean label_dice < {FAIL_DICE}). Holds when equivalent or better; does not hold when worse; "
+          "undecided otherwise.",
           tf32_samples),
 ]
 COLUMNS = ["claim_id", "short", "claim", "gpu_slug", "verdict", "rule", "evidence", "figures"]

@@ -1,11 +1,10 @@
 """The convergence page: does a faster configuration train as good a model? (`python -m medddpm study`)
 
-Reads ``data/<gpu-slug>/convergence/`` (`medddpm.store.convergence`), summarises the runs per configuration
-with the spread between seeds, weighs each configuration against the reference one, and draws the page's
-figures (Altair) and its sample gallery (small PNGs inlined, each with alt text).
-
-A difference between two configurations counts only when it exceeds the spread between seeds: the larger of
-the two configurations' standard deviations of their seeds' mean scores. A run fails when its samples' mean
+Reads ``data/<gpu-slug>/convergence/`` (`medddpm.store.convergence`), summarises the runs per configuration,
+compares configurations seed by seed (`COMPARISONS`: runs of one seed share their initial weights, data order and
+noise, so their difference is the configurations' alone) with an equivalence test against a stated margin per
+score (`MARGINS`, `medddpm.report.equivalence`), and draws the page's figures (Altair) and its sample gallery
+(small PNGs inlined, each with alt text). A run fails when its loss went non-finite or its samples' mean
 label_dice falls below `FAIL_DICE`.
 """
 
@@ -21,19 +20,33 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from medddpm.report import equivalence
 from medddpm.store import convergence as store
 from medddpm.store import schema
 from medddpm.report.loading import DataError, _sort, config_order, data_root
 
-REFERENCES = ("opt1", "baseline")  # the reference configuration: TF32 where it ran, else strict FP32
 FAIL_DICE = 0.6  # a run whose samples' mean label_dice is below this drew tissue in the wrong places
-NEAR_DICE = 0.05  # the issue's bar: the fastest configuration's mean label_dice within this of the reference's
 METRICS = {  # metric -> (tissue of its summary row, what a reader is told, higher is better)
     "label_dice": ("mean", "tissue agreement with the label map (label_dice, mean of CSF, GM, WM)", True),
     "hist_w1": ("mean", "intensity distance to the real images (hist_w1, mean over tissues)", False),
-    "ms_ssim": ("brain", "likeness of two samples of one label map (MS-SSIM; lower: more varied)", None),
+    # two samples of one label map alike: a model collapsing towards one volume whatever its noise
+    "ms_ssim": ("brain", "likeness of two samples of one label map (MS-SSIM; higher: less varied)", False),
 }
-LOSES, GAINS, WITHIN, ONE_SEED = "loses quality", "better", "within the spread", "one seed: no spread"
+# Each seed's runs share initial weights, data order and noise: the configurations are compared seed by seed.
+COMPARISONS = (("opt1", "baseline"), ("best", "opt1"), ("bf16", "opt1"), ("fp16", "opt1"), ("fp16", "bf16"))
+# The smallest paired difference that matters (`equivalence.judge`):
+MARGINS = {
+    # a twentieth of the score's [0, 1] scale; real subjects' own scores lie within about 0.02 of each other
+    "label_dice": 0.05,
+    # in the images' [-1, 1] units: a seventh of the gap between the grey- and white-matter medians of the
+    # embedded data (0.31 and 0.67), and under the spread of real subjects' own hist_w1 (0.04 to 0.12), whose
+    # intensity augmentation already moves them that far
+    "hist_w1": 0.05,
+    # a twentieth of its [0, 1] scale, as label_dice's; two unrelated real subjects score about 0.75
+    "ms_ssim": 0.05,
+}
+PAIRED_COLUMNS = ["gpu_slug", "candidate", "reference", "metric", "seeds", "mean", "sd", "low", "high", "margin",
+                  "verdict", "seeds_needed", "differences"]
 
 
 @dataclass(frozen=True)
@@ -84,11 +97,6 @@ def gpus_without_study(study: Study, run: pd.DataFrame) -> list[str]:
     """GPUs measured elsewhere in the book (main runs) that have no convergence study."""
     measured = sorted(set(run["gpu_slug"]) - {"cpu"}) if len(run) else []
     return [g for g in measured if g not in study.folders]
-
-
-def reference_config(configs) -> str | None:
-    present = set(configs)
-    return next((c for c in REFERENCES if c in present), next(iter(config_order(present)), None) if present else None)
 
 
 # ------------------------------------------------------------------------------------------ summaries
@@ -150,128 +158,188 @@ def tissue_dice(study: Study) -> pd.DataFrame:
     return _sort(out, "tissue")
 
 
-def comparison(study: Study) -> pd.DataFrame:
-    """Per (GPU, configuration): seeds, failed runs, each metric's mean over seeds and standard deviation between
-    seeds, and against the GPU's reference configuration: the difference, the spread it must exceed, and a
-    verdict per metric (label_dice and hist_w1; MS-SSIM measures diversity, which has no better direction)."""
+def scores(study: Study) -> pd.DataFrame:
+    """Per (GPU, configuration): seeds scored, failed runs (`failures`), fp16's skipped steps, and each metric's mean
+    over seeds with its standard deviation between seeds (the held-out subjects' real images as 'real')."""
+    ps = per_seed(study)
+    failed = failures(study)
+    rows = []
+    for (slug, config), d in ps.groupby(["gpu_slug", "config"]):
+        row = {"gpu_slug": slug, "config": config, "seeds": len(d),
+               "failed": 0 if config == store.REAL else int(failed.get((slug, config), pd.Series(dtype=bool)).sum()),
+               "skipped_steps": d["skipped_steps"].sum(min_count=1)}
+        for metric in METRICS:
+            row[metric] = d[metric].mean()
+            row[f"{metric}_sd"] = d[metric].std() if len(d) > 1 else np.nan
+        rows.append(row)
+    cols = ["gpu_slug", "config", "seeds", "failed", "skipped_steps"] + [f"{m}{x}" for m in METRICS for x in ("", "_sd")]
+    return _sort(pd.DataFrame(rows, columns=cols)) if rows else pd.DataFrame(columns=cols)
+
+
+def failures(study: Study) -> dict:
+    """(GPU, configuration) -> a boolean Series by seed: whether that run failed. A run fails when its loss went
+    non-finite (status diverged) or its samples' mean label_dice is below `FAIL_DICE`; a run that ended in an
+    error is a fault of the machine, not a result, and is left out."""
+    runs = study.runs[study.runs["status"].isin(store.DONE)]
+    ps = per_seed(study).set_index(["gpu_slug", "config", "seed"])["label_dice"]
+    out = {}
+    for (slug, config), r in runs.groupby(["gpu_slug", "config"]):
+        dice = [ps.get((slug, config, seed), np.nan) for seed in r["seed"]]
+        out[(slug, config)] = pd.Series([status == "diverged" or (not np.isnan(d) and d < FAIL_DICE)
+                                         for status, d in zip(r["status"], dice)], index=r["seed"].to_numpy())
+    return out
+
+
+def paired(study: Study, comparisons=COMPARISONS) -> pd.DataFrame:
+    """Per (GPU, comparison, metric): the seed-by-seed differences candidate minus reference over the seeds where
+    both runs were scored, their mean with its `equivalence.CONFIDENCE` t-interval, the margin, the verdict
+    (`equivalence.judge`) and the seeds an undecided one would need."""
     ps = per_seed(study)
     rows = []
     for slug, g in ps.groupby("gpu_slug"):
-        trained = g[g["config"] != store.REAL]
-        ref = reference_config(trained["config"])
-        stats = {c: d for c, d in g.groupby("config")}
-        for config in [c for c in config_order(g["config"]) if c in stats]:
-            d = stats[config]
-            row = {"gpu_slug": slug, "config": config, "reference": ref, "seeds": len(d),
-                   "failed": int(d["failed"].sum()) if config != store.REAL else 0,
-                   "skipped_steps": d["skipped_steps"].sum(min_count=1)}
+        for cand, ref in comparisons:
+            a, b = (g[g["config"] == c].set_index("seed") for c in (cand, ref))
+            if a.empty or b.empty:
+                continue
+            seeds = sorted(set(a.index) & set(b.index))
             for metric, (_, _, higher) in METRICS.items():
-                row[metric] = d[metric].mean()
-                row[f"{metric}_sd"] = d[metric].std() if len(d) > 1 else np.nan
-            if config != store.REAL and ref is not None:
-                r = stats[ref]
-                for metric in ("label_dice", "hist_w1"):
-                    higher = METRICS[metric][2]
-                    diff = row[metric] - r[metric].mean()
-                    spread = np.nanmax([row[f"{metric}_sd"], r[metric].std() if len(r) > 1 else np.nan]) \
-                        if len(d) > 1 or len(r) > 1 else np.nan
-                    row[f"{metric}_diff"], row[f"{metric}_spread"] = diff, spread
-                    if config == ref:
-                        verdict = "reference"
-                    elif len(d) < 2 or len(r) < 2 or np.isnan(spread):
-                        verdict = ONE_SEED
-                    elif abs(diff) <= spread:
-                        verdict = WITHIN
-                    else:
-                        verdict = GAINS if (diff > 0) == higher else LOSES
-                    row[f"{metric}_verdict"] = verdict
-            rows.append(row)
-    cols = ["gpu_slug", "config", "reference", "seeds", "failed", "skipped_steps"] + \
-        [f"{m}{x}" for m in METRICS for x in ("", "_sd")] + \
-        [f"{m}_{x}" for m in ("label_dice", "hist_w1") for x in ("diff", "spread", "verdict")]
-    return pd.DataFrame(rows).reindex(columns=cols)
+                diffs = (a.loc[seeds, metric] - b.loc[seeds, metric]).to_numpy()
+                j = equivalence.judge(diffs, MARGINS[metric], higher_is_better=higher)
+                rows.append({"gpu_slug": slug, "candidate": cand, "reference": ref, "metric": metric,
+                             "seeds": j.n, "mean": j.mean, "sd": j.sd, "low": j.low, "high": j.high,
+                             "margin": j.margin, "verdict": j.verdict, "seeds_needed": j.seeds_needed,
+                             "differences": json.dumps([round(float(x), 6) for x in diffs])})
+    return pd.DataFrame(rows, columns=PAIRED_COLUMNS)
 
 
-def verdict_text(comp: pd.DataFrame, slug: str, step_ms: dict | None = None) -> str:
-    """The page's verdict for one GPU, in sentences computed from `comparison` (Markdown)."""
-    g = comp[(comp["gpu_slug"] == slug) & (comp["config"] != store.REAL)]
-    if g.empty:
-        return f"No finished run on `{slug}` yet."
-    ref = g["reference"].iloc[0]
-    r = g[g["config"] == ref].iloc[0]
-    out = [f"Reference: `{ref}`, mean label_dice {r.label_dice:.3f}"
-           + (f" (± {r.label_dice_sd:.3f} between {r.seeds} seeds)" if r.seeds > 1 else " (one seed)") + "."]
-    real = comp[(comp["gpu_slug"] == slug) & (comp["config"] == store.REAL)]
-    if len(real):
-        out.append(f"The held-out subjects' real images score {real['label_dice'].iloc[0]:.3f}.")
-    losers, within, better, unsure = [], [], [], []
-    for row in g[g["config"] != ref].itertuples():
-        verdicts = {m: getattr(row, f"{m}_verdict") for m in ("label_dice", "hist_w1")}
-        desc = (f"`{row.config}` ({row.label_dice:.3f}, {row.label_dice_diff:+.3f} against a spread of "
-                f"{row.label_dice_spread:.3f}" if not np.isnan(row.label_dice_spread) else
-                f"`{row.config}` ({row.label_dice:.3f}, {row.label_dice_diff:+.3f}")
-        desc += f"; hist_w1 {row.hist_w1_diff:+.3f})" if not np.isnan(row.hist_w1_diff) else ")"
-        if LOSES in verdicts.values():
-            what = " and ".join(m for m, v in verdicts.items() if v == LOSES)
-            losers.append(f"{desc} on {what}")
-        elif ONE_SEED in verdicts.values():
-            unsure.append(desc)
-        elif GAINS in verdicts.values():
-            better.append(desc)
+def verdicts(study: Study, comparisons=COMPARISONS) -> pd.DataFrame:
+    """Per (GPU, comparison): one verdict from its metrics' and its failed runs'. Worse when a metric is worse or
+    the candidate failed on more seeds than the reference; undecided when a metric is; better when one is better
+    and none worse or undecided; equivalent when every metric is."""
+    p = paired(study, comparisons)
+    failed = failures(study)
+    rows = []
+    for (slug, cand, ref), g in p.groupby(["gpu_slug", "candidate", "reference"], sort=False):
+        fa, fb = (failed.get((slug, c), pd.Series(dtype=bool)) for c in (cand, ref))
+        both = sorted(set(fa.index) & set(fb.index))
+        more_failed = int(fa.loc[both].sum()) > int(fb.loc[both].sum())
+        by = dict(zip(g["metric"], g["verdict"]))
+        if more_failed or equivalence.WORSE in by.values():
+            verdict = equivalence.WORSE
+        elif equivalence.UNDECIDED in by.values():
+            verdict = equivalence.UNDECIDED
+        elif equivalence.BETTER in by.values():
+            verdict = equivalence.BETTER
         else:
-            within.append(desc)
-    if losers:
-        out.append("**Loses quality** beyond the spread between seeds: " + "; ".join(losers) + ".")
-    if within:
-        out.append("Within the spread between seeds (no difference to tell): " + "; ".join(within) + ".")
-    if better:
-        out.append("Better than the reference beyond the spread: " + "; ".join(better) + ".")
-    if unsure:
-        out.append("Too few seeds to weigh (a spread needs two): " + "; ".join(unsure) + ".")
-    failed = g[g["failed"] > 0]
+            verdict = equivalence.EQUIVALENT
+        rows.append({"gpu_slug": slug, "candidate": cand, "reference": ref, "verdict": verdict,
+                     "seeds": int(g["seeds"].min()), "candidate_failed": int(fa.loc[both].sum()),
+                     "reference_failed": int(fb.loc[both].sum()), **{f"{m}_verdict": v for m, v in by.items()}})
+    return pd.DataFrame(rows, columns=["gpu_slug", "candidate", "reference", "verdict", "seeds", "candidate_failed",
+                                       "reference_failed", *(f"{m}_verdict" for m in METRICS)])
+
+
+def _interval(row) -> str:
+    if pd.isna(row["low"]):
+        return f"{row['mean']:+.3f} (one seed: no interval)" if not pd.isna(row["mean"]) else "no pair"
+    return f"{row['mean']:+.3f} [{row['low']:+.3f}, {row['high']:+.3f}]"
+
+
+def verdict_text(study: Study, slug: str, step_ms: dict | None = None) -> str:
+    """The page's verdict for one GPU, in sentences computed from `verdicts` and `paired` (Markdown)."""
+    sc = scores(study)
+    sc = sc[sc["gpu_slug"] == slug]
+    trained = sc[sc["config"] != store.REAL]
+    if trained.empty:
+        return f"No finished run on `{slug}` yet."
+    v = verdicts(study)
+    v = v[v["gpu_slug"] == slug]
+    p = paired(study)
+    p = p[p["gpu_slug"] == slug].set_index(["candidate", "reference", "metric"])
+    out = []
+    real = sc[sc["config"] == store.REAL]
+    if len(real):
+        ceiling = float(real["label_dice"].iloc[0])
+        best = trained.loc[trained["label_dice"].idxmax()]
+        out.append(f"The held-out subjects' real images score a mean label_dice of {ceiling:.3f}; the trained models "
+                   f"reach {trained['label_dice'].min():.3f} to {trained['label_dice'].max():.3f} (mean over seeds; "
+                   f"`{best['config']}` highest, {best['label_dice'] - ceiling:+.3f} from the real images).")
+    for r in v.itertuples():
+        d = p.loc[(r.candidate, r.reference, "label_dice")]
+        what = {equivalence.EQUIVALENT: "is **equivalent** to", equivalence.BETTER: "is **better** than",
+                equivalence.WORSE: "is **worse** than", equivalence.UNDECIDED: "is **undecided** against"}[r.verdict]
+        line = (f"`{r.candidate}` {what} `{r.reference}` over {r.seeds} paired seeds: label_dice "
+                f"{_interval(d)} (margin ±{d['margin']:g})")
+        others = [f"{m} {p.loc[(r.candidate, r.reference, m), 'verdict']}" for m in METRICS if m != "label_dice"]
+        line += "; " + ", ".join(others)
+        if r.candidate_failed or r.reference_failed:
+            line += f"; failed runs {r.candidate_failed} against {r.reference_failed}"
+        undecided = [(m, p.loc[(r.candidate, r.reference, m), "seeds_needed"]) for m in METRICS
+                     if p.loc[(r.candidate, r.reference, m), "verdict"] == equivalence.UNDECIDED]
+        if undecided:
+            line += " (" + ", ".join(f"{m}: {'about ' + str(int(n)) + ' seeds would decide' if pd.notna(n) else 'no number of seeds would decide at this spread'}"
+                                     for m, n in undecided) + ")"
+        out.append(line + ".")
+    failed = trained[trained["failed"] > 0]
     if len(failed):
-        out.append(f"Runs whose samples' mean label_dice is below {FAIL_DICE}: " +
+        out.append(f"Failed runs (diverged, or samples' mean label_dice below {FAIL_DICE}): " +
                    ", ".join(f"`{r.config}` {int(r.failed)} of {int(r.seeds)}" for r in failed.itertuples()) + ".")
     else:
-        out.append(f"No run's samples fall below a mean label_dice of {FAIL_DICE}.")
+        out.append(f"No run diverged, and none's samples fall below a mean label_dice of {FAIL_DICE}.")
     if step_ms:
-        timed = g[g["config"].isin(step_ms)]
-        if len(timed):
-            fastest = min(timed["config"], key=lambda c: step_ms[c])
-            f = g[g["config"] == fastest].iloc[0]
-            gap = f.label_dice - r.label_dice
-            near = "within" if gap >= -NEAR_DICE else "not within"
-            out.append(f"The fastest configuration measured on this device, `{fastest}` ({step_ms[fastest]:.1f} ms a "
-                       f"micro-step in its main run), is {near} {NEAR_DICE} of the reference's mean label_dice "
-                       f"({gap:+.3f}).")
-    if r.label_dice < 0.7:
-        out.append(f"The reference's mean label_dice is below 0.7: at this length of training its samples have not "
-                   "learned the tissue contrast well, so every comparison here is between weak models.")
+        timed = [c for c in trained["config"] if c in step_ms]
+        if timed:
+            fastest = min(timed, key=lambda c: step_ms[c])
+            mine = v[v["candidate"] == fastest]
+            said = (f"judged {mine['verdict'].iloc[0]} against `{mine['reference'].iloc[0]}` above" if len(mine)
+                    else "not paired with another configuration here")
+            out.append(f"The fastest configuration measured on this device is `{fastest}` ({step_ms[fastest]:.1f} ms "
+                       f"a micro-step in its main run): {said}.")
     return " ".join(out)
 
 
-def scores_table(comp: pd.DataFrame) -> pd.DataFrame:
-    """`comparison` for a reader: each score as 'mean ± spread between seeds', each difference from the reference
-    with the spread it is weighed against and its verdict."""
+def headline_text(study: Study) -> str:
+    """Per GPU, one line of every comparison's verdict with its label_dice interval (Markdown): the first page's
+    summary of the convergence study."""
+    v, p = verdicts(study), paired(study)
+    if v.empty:
+        return ""
+    p = p[p["metric"] == "label_dice"].set_index(["gpu_slug", "candidate", "reference"])
+    lines = []
+    for slug, g in v.groupby("gpu_slug"):
+        parts = [f"`{r.candidate}` against `{r.reference}` **{r.verdict}** (label_dice "
+                 f"{_interval(p.loc[(slug, r.candidate, r.reference)])}, {r.seeds} seeds)" for r in g.itertuples()]
+        lines.append(f"- **{slug}**: " + "; ".join(parts) + ".")
+    return "\n".join(lines)
+
+
+def scores_table(sc: pd.DataFrame) -> pd.DataFrame:
+    """`scores` for a reader: each score as 'mean ± standard deviation between seeds'."""
     def pm(mean, sd, digits=3):
         if pd.isna(mean):
             return "-"
         return f"{mean:.{digits}f}" + ("" if pd.isna(sd) else f" ± {sd:.{digits}f}")
 
-    def against(row, metric):
-        diff, spread, verdict = (row.get(f"{metric}_{x}") for x in ("diff", "spread", "verdict"))
-        if not isinstance(verdict, str) or verdict == "reference":
-            return verdict if isinstance(verdict, str) else ""
-        return f"{diff:+.3f}" + ("" if pd.isna(spread) else f" (spread {spread:.3f})") + f": {verdict}"
-
     rows = []
-    for _, r in comp.iterrows():
+    for _, r in sc.iterrows():
         rows.append({"device": r["gpu_slug"], "configuration": r["config"], "seeds": int(r["seeds"]),
                      "failed runs": int(r["failed"]),
                      "skipped steps": "-" if pd.isna(r["skipped_steps"]) else f"{int(r['skipped_steps']):,}",
-                     "label_dice": pm(r["label_dice"], r["label_dice_sd"]), "label_dice vs reference": against(r, "label_dice"),
-                     "hist_w1": pm(r["hist_w1"], r["hist_w1_sd"]), "hist_w1 vs reference": against(r, "hist_w1"),
-                     "ms_ssim": pm(r["ms_ssim"], r["ms_ssim_sd"])})
+                     **{m: pm(r[m], r[f"{m}_sd"]) for m in METRICS}})
+    return pd.DataFrame(rows)
+
+
+def paired_table(p: pd.DataFrame) -> pd.DataFrame:
+    """`paired` for a reader: per comparison and metric, the mean difference with its interval, the margin, the
+    verdict and, when undecided, the seeds that would decide it."""
+    rows = []
+    for _, r in p.iterrows():
+        need = "" if r["verdict"] != equivalence.UNDECIDED else (
+            f"about {int(r['seeds_needed'])}" if pd.notna(r["seeds_needed"]) else "none at this spread")
+        rows.append({"device": r["gpu_slug"], "comparison": f"{r['candidate']} − {r['reference']}",
+                     "score": r["metric"], "seeds": int(r["seeds"]),
+                     f"mean difference [{equivalence.CONFIDENCE:.0%} interval]": _interval(r),
+                     "margin": f"±{r['margin']:g}", "verdict": r["verdict"], "seeds to decide": need})
     return pd.DataFrame(rows)
 
 
@@ -299,67 +367,37 @@ def loss_curves_binned(study: Study, points: int = 100) -> pd.DataFrame:
     return out.reset_index().drop(columns="bin")
 
 
+def loss_bands(study: Study, points: int = 100) -> pd.DataFrame:
+    """Per (GPU, configuration, window of steps): the median, lowest and highest window-mean loss over seeds."""
+    b = loss_curves_binned(study, points)
+    if b.empty:
+        return pd.DataFrame(columns=["gpu_slug", "config", "step", "median", "low", "high", "seeds"])
+    out = b.groupby(["gpu_slug", "config", "step"])["loss"].agg(median="median", low="min", high="max", seeds="count")
+    return out.reset_index()
+
+
 # ------------------------------------------------------------------------------------------- figures
 
 
 def loss_chart(study: Study):
-    """Training loss of every run, averaged over windows of steps; a line per seed, a colour per configuration;
-    GPU dropdown, legend picks configurations."""
+    """`charts.study_losses` of this study."""
     from medddpm.report import charts
-    import altair as alt
 
-    df = charts._light(loss_curves_binned(study), 5)
-    if df.empty:
-        return charts._empty("no convergence study in the data (python -m medddpm study)")
-    gpu = charts._gpu_param(df)
-    pick = alt.selection_point(fields=["config"], bind="legend")
-    return alt.Chart(df).transform_filter(alt.datum.gpu_slug == gpu).mark_line(strokeWidth=1.2).encode(
-        x=alt.X("step:Q", title="optimizer step"),
-        y=alt.Y("loss:Q", scale=alt.Scale(type="log"), title="L1 loss (window mean, log scale)"),
-        color=alt.Color("config:N", scale=charts.config_color(df["config"]), legend=charts._config_legend(df)),
-        detail="seed:N",
-        opacity=alt.condition(pick, alt.value(0.9), alt.value(0.08)),
-        tooltip=["config:N", "seed:N", alt.Tooltip("step:Q", title="up to step"),
-                 alt.Tooltip("loss:Q", format=".4f")],
-    ).add_params(gpu, pick).properties(width="container", height=300,
-                                       title="Training loss, one line per seed")
+    return charts.study_losses(loss_bands(study))
 
 
 def metrics_chart(study: Study):
-    """Each seed's mean score (points) and the mean over seeds (tick) per configuration, the real images' score
-    as a grey rule; GPU dropdown, metric radio buttons."""
+    """`charts.study_scores` of this study: each seed's scores, the real images' as a rule."""
     from medddpm.report import charts
-    import altair as alt
 
-    ps = per_seed(study)
-    if ps.empty:
-        return charts._empty("no convergence study in the data (python -m medddpm study)")
-    labels = {m: METRICS[m][1].split(" (")[0] for m in METRICS}
-    long = charts._light(ps.melt(id_vars=["gpu_slug", "config", "seed"], value_vars=list(METRICS),
-                                 var_name="metric", value_name="value").dropna(subset=["value"]))
-    long["what"] = long["metric"].map(labels)
-    real = long[long["config"] == store.REAL]
-    trained = long[long["config"] != store.REAL]
-    gpu = charts._gpu_param(long)
-    metric = charts._metric_param({m: m for m in METRICS})
-    order = [c for c in config_order(trained["config"]) if c in set(trained["config"])]
-    base = alt.Chart(trained).transform_filter((alt.datum.gpu_slug == gpu) & (alt.datum.metric == metric))
-    y = alt.Y("config:N", sort=order, title=None)
-    color = alt.Color("config:N", scale=charts.config_color(trained["config"]), legend=None)
-    points = base.mark_circle(size=70, opacity=0.8).encode(
-        x=alt.X("value:Q", scale=alt.Scale(zero=False), title="score (choose the metric below)"), y=y, color=color,
-        tooltip=["config:N", "seed:N", "what:N", alt.Tooltip("value:Q", format=".3f")])
-    means = base.mark_tick(thickness=3, size=22, color="#333").encode(
-        x="mean(value):Q", y=y, tooltip=["config:N", "what:N", alt.Tooltip("mean(value):Q", title="mean over seeds",
-                                                                           format=".3f")])
-    layers = [points, means]
-    if len(real):
-        layers.append(alt.Chart(real).transform_filter((alt.datum.gpu_slug == gpu) & (alt.datum.metric == metric))
-                      .mark_rule(color="#888", strokeDash=[4, 3]).encode(
-                          x="mean(value):Q", tooltip=[alt.Tooltip("mean(value):Q", title="real images", format=".3f")]))
-    return alt.layer(*layers).add_params(gpu, metric).properties(
-        width="container", height=max(120, 34 * len(order)),
-        title="Sample scores by seed")
+    return charts.study_scores(per_seed(study), {m: METRICS[m][1].split(" (")[0] for m in METRICS}, store.REAL)
+
+
+def paired_chart(study: Study):
+    """`charts.paired_differences` of this study's `paired` comparisons."""
+    from medddpm.report import charts
+
+    return charts.paired_differences(paired(study), {m: METRICS[m][1].split(" (")[0] for m in METRICS})
 
 
 # ------------------------------------------------------------------------------------------- gallery

@@ -12,7 +12,7 @@ appear only when the page asks for them with ``cpu=True``. Bars start at zero on
 axis and tooltip names its unit, and rankings number the largest first.
 
 Pages call `setup()` first: it is the one place where the renderer is chosen. One module per family:
-`theme` (what every chart shares), `timing`, `kernels`, `counters`, `device_memory`, `quality`.
+`theme` (what every chart shares), `timing`, `kernels`, `counters`, `device_memory`, `quality`, `study`.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from medddpm.report.charts.counters import (  # noqa: E402
 from medddpm.report.charts.device_memory import (  # noqa: E402
     FIT_COLORS, _model_param, card_label, memory_fits, memory_peaks, switch_costs)
 from medddpm.report.charts.quality import claims_grid, loss_curves, loss_difference, rel_err  # noqa: E402
+from medddpm.report.charts.study import OUTCOME_COLORS, paired_differences, study_losses, study_scores  # noqa: E402
 
 __all__ = [
     # shared
@@ -56,6 +57,8 @@ __all__ = [
     "FIT_COLORS", "card_label", "memory_fits", "memory_peaks", "switch_costs",
     # quality and claims
     "claims_grid", "loss_curves", "loss_difference", "rel_err",
+    # the convergence study
+    "OUTCOME_COLORS", "paired_differences", "study_losses", "study_scores",
 ]
 # Shared helpers other report modules draw with (explore, convergence, the workshop page).
 _PRIVATE = (_config_legend, _config_param, _configs_in, _default_gpu, _empty, _fold, _gpu_param, _height, _light,
