@@ -51,9 +51,9 @@ class Config:
     store_skip_grad: bool = False
     # with checkpointing: the stem and each decoder level's upsampling run inside the checkpoints of the blocks that
     # read their outputs, so that the checkpoints keep the narrow tensors before them (the stem's 4-8 input channels,
-    # the upsampling's 8x fewer voxels), not two full-size 64-channel tensors through the whole backward. On the H200
-    # (torch 2.11) compiled best-ckpt with it failed an Inductor stride check in its backward (pytorch/pytorch#174869),
-    # which medddpm.model.layout's pass now avoids; it then lowered best-ckpt's peak 4.30 -> 4.23 GiB
+    # the upsampling's 8x fewer voxels), not two full-size 64-channel tensors through the whole backward. Under torch
+    # 2.11 Inductor's stride check stops its backward (pytorch/pytorch#174869) unless medddpm.model.layout's pass
+    # writes the recomputed views out
     narrow_checkpoints: bool = False
     # compiled graphs: a reused pointwise result (a GroupNorm-SiLU chain in backward) is recomputed in each
     # kernel that reads it instead of being written out in float32 (Inductor's realize thresholds raised)
@@ -88,8 +88,8 @@ class Config:
 
 
 _fast = dict(precision="bf16", channels_last=True, fused_adam=True, attention="sdpa", recompute_attention=False)
-# best's levers past `compile`, each kept for its measured gain on the H200: best's step is 93.1 ms with `compile`
-# and a CUDA graph alone, 51.2 ms with all of them
+# best's levers past `compile`, each kept for its measured gain: the ablation (`python -m medddpm ablation`, the book's
+# "what each lever buys") times best without each of them
 _best = dict(_fast, compile=True, cuda_graphs=True, upsample="separable_ndhwc", pin_layout=True, group_norm="fused",
              pad_channels=True, recompute_pointwise=True, tap_gemm=True)
 
@@ -113,10 +113,10 @@ CONFIGS: dict[str, Config] = {c.name: c for c in [
     # Memory: the same step with activation checkpointing, so its cost is measured against its twin.
     Config("opt1-ckpt", precision="tf32", checkpointing=True,
            description="opt1 with activation checkpointing per U-Net block (less memory, one more forward)"),
-    # Its GroupNorm stays "chunked": the fused one raised the checkpointed peak from 4.64 to 5.74 GiB on the H200
-    # (6.14 GiB with a recompute-everything checkpoint policy). store_skip_grad and narrow_checkpoints lower its
-    # backward's peaks (4.64 -> 4.39 GiB with the first, 3.98 GiB with both); no CUDA graph: with checkpointing it
-    # saved no time (68.1 ms with, 68.4 without) and its pool held 0.09 GiB more
+    # Its GroupNorm stays "chunked": the fused one's saved statistics and recomputed inputs raise the checkpointed
+    # peak. store_skip_grad and narrow_checkpoints lower its backward's peaks; no CUDA graph: with checkpointing the
+    # step is long enough that launches are hidden, and the graph's pool holds memory the checkpoints saved (the
+    # memory page's switch costs measure each)
     Config("best-ckpt", **dict(_best, group_norm="chunked", cuda_graphs=False), checkpointing=True,
            store_skip_grad=True, narrow_checkpoints=True,
            description="best with activation checkpointing per U-Net block (less memory, one more forward), no CUDA graph, "

@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-ema", action="store_true", help="use the raw weights instead of the EMA")
     p.add_argument("--compiled", action="store_true",
                    help="keep the checkpoint's torch.compile and CUDA-graph switches: the first sample waits for "
-                        "compilation (about 40 s at 128^3 on an H200), later ones run at the compiled speed")
+                        "compilation (tens of seconds at 128^3), later ones run at the compiled speed")
     p.add_argument("--seed", type=int, default=0, help="noise seed of the first sample; the next ones count up")
     add_device_arg(p)
     p.add_argument("--out", required=True, help="writes OUT/image/sample_NNN.nii.gz and OUT/mask/sample_NNN.nii.gz")

@@ -12,8 +12,8 @@ ncu cannot name cuDNN's and cuBLAS's launches when it filters them (it gives the
 name), so a step is profiled in two passes (`PASSES`): "own" filters the selected kernels of PyTorch and
 Triton by name, one launch per launch configuration; "library" profiles every cuDNN and cuBLAS launch
 of the step in launch order (`LIBRARY_LAUNCH`), for as long as it is given. Their tables are joined. Each
-pass is its own process and pays the step's warm-up again; where that is long (opt2's cuDNN autotuning, 199 s
-at 128^3 on the H200), "both" takes both filters in one process, one launch a configuration.
+pass is its own process and pays the step's warm-up again; where that is long (opt2's cuDNN autotuning takes
+minutes at 128^3), "both" takes both filters in one process, one launch a configuration.
 """
 
 from __future__ import annotations
@@ -48,13 +48,13 @@ SECTIONS = (
 STOP_MARGIN_S = 60  # for ncu to write and export the report after the profiled program stopped
 STOPPED = "medddpm.capture: stopped"  # what capture prints when --stop-after ends it
 # If the program has not stopped itself by then, its processes are killed this long before the timeout, leaving ncu
-# that long to write what it profiled: on the H200, best-ckpt's pass under ncu ran 60 s past its stop, and the
-# timeout that then killed ncu took its report and log with it.
+# that long to write what it profiled: a compiled configuration's pass can run a minute past its stop, and a
+# timeout that then kills ncu takes its report and log with it.
 KILL_MARGIN_S = 20
 KILLED = "medddpm.ncu: the profiled program was killed"  # what the log says then
 NON_KERNEL_CATEGORIES = ("memcpy",)  # copies and fills (medddpm.measure.kernels files memsets here too): not kernels
 # Step time the selection aims at: 80% is what the counters must cover, and matching ncu's names back to
-# the profiler's loses a few points (cuDNN's dgrad launches, 2-3% of sdpa's and graphs' H200 steps)
+# the profiler's loses a few points (cuDNN's dgrad launches, a few percent of sdpa's and graphs' steps)
 COVERAGE = 0.85
 
 
@@ -71,7 +71,7 @@ def select_kernels(kernels: pd.DataFrame, *, coverage: float = 0.8) -> list[str]
     """Distinct kernels whose summed time reaches `coverage` of all kernel time, taken by time per launch,
     longest first (by total time where `calls` is absent).
 
-    Nsight Compute's cost grows with the launches it replays (about 2 s each at 128^3 on the H200), so a
+    Nsight Compute's cost grows with the launches it replays (seconds each at 128^3), so a
     kernel of many short launches comes last: in data/nvidia-h200/opt1, layout conversions are 398
     launches a step for 10% of its time; 80% by total time takes 698 launches a step, by time per launch 369.
     """
@@ -154,7 +154,7 @@ def ncu_command(*, name_regex: str, config: str, preset: str, report: Path, metr
 
     `launches_per_config`: profile only the first N launches of each launch configuration (kernel,
     grid, block, shared memory); a layer repeated with the same shape is measured once, which keeps
-    a 128^3 step inside the time limit (about 1.3 s of replay per profiled launch on the H200).
+    a 128^3 step inside the time limit (each profiled launch costs about a second of replay).
     None profiles every launch that matches (the library pass: see `LIBRARY_LAUNCH`).
     `launch_skip`: pass over the first N launches that match (ncu counts them after its filters), so that
     a library pass goes on where an earlier one stopped.

@@ -5,8 +5,8 @@ Dynamo and AOTAutograd trace on fake tensors, so no kernel runs and no activatio
 Inductor is stopped after the partition, before code generation. A 128^3 configuration takes about
 20 s on two cores. The graph is the CPU's (its autocast rules and decompositions), which can differ from
 a GPU's in detail. The saved set is a large part of a compiled step's peak memory, not the peak: the
-backward's own buffers and the training state add the rest: equal saved sets peaked 1.65 GiB apart on the
-H200 (best-ckpt, and a variant of it whose decoder blocks took their skip connections unconcatenated)."""
+backward's own buffers and the training state add the rest, so two configurations with equal saved sets can
+peak more than a GiB apart (the memory page measures the peaks)."""
 
 from __future__ import annotations
 

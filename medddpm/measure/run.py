@@ -410,8 +410,8 @@ class Measurement:
                                      f"seed{self.seed}-"
                                      f"{self.data_id}-q{self.preset.quality_steps}.pt")
             ref = torch.load(cache) if cache.is_file() and self.config.name != "baseline" else None
-            # No cuDNN autotuning: a reference needs no speed (baseline's first BraTS step, mostly
-            # autotuning, took 111 s).
+            # No cuDNN autotuning: a reference needs no speed, and strict FP32's autotuning at the BraTS size
+            # takes minutes.
             if ref is None:
                 ref = self._quality_side(get_config("baseline"), autotune=False)
                 atomic_write(cache, lambda f: torch.save(ref, f))

@@ -34,9 +34,9 @@ ALIGN_CHANNELS = 8  # bf16 channels per 16-byte vector: cuDNN's Hopper kernels w
 class PaddedConv3d(nn.Conv3d):
     """nn.Conv3d (same parameters) computed with its in- and out-channels zero-padded to a multiple of
     `ALIGN_CHANNELS`, then the extra outputs dropped: the same numbers. For the stem (4 or 8 channels
-    in) and the output (1 or 4 out) of the U-Net. Aimed at cuDNN's sm80 "indexed" kernels; on the H200
-    those stayed, and what went is the stem input's layout conversion (0.98 -> 0.04 ms a step; best
-    61.5 -> 59.9 ms in one process)."""
+    in) and the output (1 or 4 out) of the U-Net. Aimed at cuDNN's sm80 "indexed" kernels; on Hopper those
+    stay, and what goes is the stem input's layout conversion (the ablation's `best+pad_channels=false` row
+    measures it)."""
 
     def forward(self, x):
         pin, pout = -self.in_channels % ALIGN_CHANNELS, -self.out_channels % ALIGN_CHANNELS
@@ -74,8 +74,8 @@ class _TapSum(torch.autograd.Function):
 class TapConv3d(nn.Conv3d):
     """nn.Conv3d (same parameters; 3x3x3, stride 1, padding 1, few output channels) computed as a GEMM and
     a sum of shifted taps. For the U-Net's output layer, whose three convolution kernels cuDNN takes from
-    sm80 on the H200 even padded (`PaddedConv3d`): the layer's forward and backward at 128^3 take 4.93 ms
-    with cuDNN, 2.02 ms as compiled taps.
+    sm80 on Hopper even padded (`PaddedConv3d`): as compiled taps the layer's forward and backward take less
+    than half cuDNN's time (the ablation's `best+tap_gemm=false` row).
 
     The input times the (C_in, 27 * C_out) weights gives each voxel's share of its 27 neighbours' outputs,
     which are summed back by shifting, in float32 (one rounding, as a convolution's accumulator). The
@@ -182,8 +182,8 @@ def upsample2x_separable(x: torch.Tensor, *, dims: tuple[int, ...] = (2, 3, 4)) 
 
     Along an axis of length n: out[2i] = 0.75 x[i] + 0.25 x[i-1], out[2i+1] = 0.75 x[i] + 0.25 x[i+1],
     with the edges clamped. The same function, but its backward is slices and sums: Inductor lowers
-    interpolate's backward to an atomic index_put, which took 16.6 ms of best's 93 ms step on the H200
-    (75.7 ms with this form). Eager it is slower than interpolate; it pays under torch.compile.
+    interpolate's backward to an atomic index_put, a sixth of a compiled step (the ablation's
+    `best+upsample=interpolate` row). Eager it is slower than interpolate; it pays under torch.compile.
     `dims`: the spatial axes (1, 2, 3 for an (N, D, H, W, C) view).
     """
     for dim in dims:
@@ -199,8 +199,8 @@ class Upsample(nn.Module):
     (`upsample2x_separable`), or "separable_ndhwc": the same sums on the (N, D, H, W, C) view of a
     channels-last input. In the logical (N, C, D, H, W) order Inductor lays some per-axis results out
     contiguously, W fastest, and others channels-last, so kernels convert between the two on the way;
-    on the view every buffer has the channels fastest (tests/test_model.py reads the compiled code).
-    On the H200 best's three upsampling kernels at 128^3 ran at under a tenth of DRAM bandwidth."""
+    on the view every buffer has the channels fastest (tests/test_model.py reads the compiled code), and the
+    kernels stream at DRAM speed instead of converting layouts on the way."""
 
     def __init__(self, ch: int, *, kind: str = "interpolate"):
         super().__init__()

@@ -21,8 +21,8 @@ Inductor hands such a view to the operator with stride 0 there (pytorch/pytorch#
 `suggest_memory_format` does not take for channels-last: cuDNN then returns a contiguous weight
 gradient where the graph's fake tensors (normal strides) expected channels-last, and Inductor's
 stride check stops the step. Only recomputed inputs are such views (a saved one is a graph input):
-`narrow_checkpoints`' upsamplings: on the H200 with torch 2.11 a 64x64x3x3x3 weight gradient came back
-with strides (1728, 27, 9, 3, 1) where the graph expected channels-last. Written out, the view's producer
+`narrow_checkpoints`' upsamplings, whose 64x64x3x3x3 weight gradient comes back with strides
+(1728, 27, 9, 3, 1) where the graph expects channels-last (torch 2.11). Written out, the view's producer
 computes straight into the new buffer.
 """
 
@@ -103,7 +103,7 @@ def compile_options(*, pin_layout: bool) -> dict:
     convolutions it expects to gain from channels-last, `decide_layout_opt`), it pins channels-last
     at 2-D convolutions only and drops the fx-stride constraint on every convolution
     (`constrain_conv_to_fx_strides`), so a 3-D convolution's inputs fall back to contiguous and the
-    pinned strides are lost: the sampler's denoising step on the H200 spent 5.9 of 24.3 ms in cuDNN's
-    nchwToNhwc/nhwcToNchw copies, and takes 18.8 ms with layout optimization off."""
+    pinned strides are lost: the sampler's denoising step then spends a quarter of its time in cuDNN's
+    nchwToNhwc/nhwcToNchw copies, which layout optimization off removes."""
     options = {"post_grad_custom_post_pass": ConvolutionInputs(channels_last=pin_layout)}
     return {**options, "layout_optimization": False} if pin_layout else options

@@ -7,9 +7,7 @@ numbers, but SDPA's fused kernels carry that tag (they take a dropout probabilit
 device the wrapper is `graphsafe_run_with_rng_state`, a higher-order operator that torch 2.11's FX graph
 cache does not take (`_check_for_hop`; cacheable from torch 2.13): the compiled graphs of a checkpointed
 configuration bypassed the cache (`inductor.fxgraph_cache_bypass` in its run rows) and each phase of a run
-that builds its engine again compiled them again, so that best-ckpt@brats did not fit a 10-minute call
-(on the H200 the torch.profiler breakdown recompiled for 109 s at 128^3; at the BraTS size, after a first
-compile of 188-271 s, for about 3 minutes).
+that builds its engine again compiled them again: minutes per phase at 128^3 and at the BraTS size.
 
 `SaveRandomOps` is a joint-graph pass (`joint_custom_pre_pass`) that saves such an operator's outputs
 instead, as the partitioner itself does for effectful operators (`force_save_effectful_ops`) and as

@@ -145,9 +145,10 @@ class _StoreGradient(torch.autograd.Function):
 
     A compiled backward computes a decoder block's input gradient in float32 (the GroupNorm's) and casts and
     slices it where each slice is read; the skip connection's slice is read by the encoder block that made
-    the skip, at the end of the backward, so the whole float32 gradient is held until then: 1 GiB at the top
-    level of the 128^3 model, at best-ckpt's 4.64 GiB peak on the H200. Stored here, the slice is written in
-    bf16 right away and the float32 gradient is freed: the peak falls to 4.39 GiB."""
+    the skip, at the end of the backward, so the whole float32 gradient is held until then: at the top level
+    of the 128^3 model, 128 channels x 128^3 voxels x 4 bytes, 1 GiB, at a checkpointed step's peak. Stored
+    here, the slice is written in bf16 right away and the float32 gradient is freed (the memory page's
+    `best-ckpt+store_skip_grad=false` row measures the peak it lowers)."""
 
     @staticmethod
     def forward(ctx, x):
@@ -327,9 +328,8 @@ class UNet3D(nn.Module):
         keeps the step capturable in a CUDA graph and saves a device-state copy per block."""
         if self._checkpointing():
             # Plain checkpointing, also under torch.compile. A recompute-everything selective policy (which makes torch
-            # 2.11 recompute the fused GroupNorm's autograd.Function too, pytorch/pytorch#177396) measured slower
-            # and higher on the H200: best-ckpt+group_norm=fused 68.2 ms, 6.14 GiB with it, 60.8 ms, 5.74 GiB
-            # without
+            # 2.11 recompute the fused GroupNorm's autograd.Function too, pytorch/pytorch#177396) is both slower and
+            # higher in memory: it recomputes what plain checkpointing keeps
             return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
         return fn(*args)
 

@@ -86,8 +86,8 @@ class Engine:
                        store_skip_grad=config.store_skip_grad, narrow_checkpoints=config.narrow_checkpoints)
         self.model = model.to(self.device, memory_format=self.run.memory_format)
         self.denoiser = self._compile(self.model) if self.run.compile else self.model
-        # Sampling saves nothing for a backward, so `recompute_pointwise` only adds work there: its graph keeps
-        # Inductor's thresholds (best's denoising step on the H200: 18.8 ms without recompute_pointwise, 20.6 ms with).
+        # Sampling saves nothing for a backward, so `recompute_pointwise` only adds work there (a tenth of the
+        # denoising step): its graph keeps Inductor's thresholds.
         separate = self.run.recompute_pointwise  # needs compile
         self._sampler = self._compile(self.model, training=False) if separate else None
         self.diffusion = GaussianDiffusion(timesteps=timesteps).to(self.device)

@@ -28,7 +28,7 @@ def load_checkpoint(path: str | os.PathLike, *, device: torch.device | str = "cp
 
     By default it runs eagerly with the trained numerics; `compiled` keeps the configuration's
     torch.compile and CUDA-graph switches too, which makes the first sample wait for compilation
-    (about 40 s at 128^3 on an H200) and each later one run at the compiled speed."""
+    (tens of seconds at 128^3) and each later one run at the compiled speed."""
     path = Path(path)
     if path.is_dir():
         path = path / checkpoint.CHECKPOINT
