@@ -218,15 +218,16 @@ def test_bad_input_fails_with_one_clear_line(args, message, tmp_path):
 
 @pytest.mark.slow
 def test_device_bench_script_carries_tuned_block_sizes(tmp_path):
-    """scripts/device-bench.sh: the block sizes carried in reach Inductor's cache and go out again with the
-    bench's JSON, also when the bench fails (here on the CPU, where no Triton kernel is tuned)."""
+    """lab/leases/tools/device-bench.sh (a lease helper): the block sizes carried in reach Inductor's cache and
+    go out again with the bench's JSON, also when the bench fails (here on the CPU, where no Triton kernel is
+    tuned)."""
     carried = tmp_path / "autotune-in.tgz"
     with tarfile.open(carried, "w:gz") as tar:
         body = b'{"XBLOCK": 1024, "num_warps": 4, "found_by_coordesc": true}'
         info = tarfile.TarInfo("./ab/abcdef.best_config")
         info.size = len(body)
         tar.addfile(info, io.BytesIO(body))
-    script = Path(__file__).parent.parent / "scripts" / "device-bench.sh"
+    script = Path(__file__).parent.parent / "lab" / "leases" / "tools" / "device-bench.sh"
     env = os.environ | {"OUT": str(tmp_path / "out"), "BENCH_CACHE": str(tmp_path / "cache"),
                         "AUTOTUNE_IN": str(carried), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
 

@@ -162,7 +162,7 @@ def test_device_script_stops_on_a_bad_folder(run_dir, tmp_path):
     import subprocess
     import sys
 
-    script = Path(__file__).parent.parent / "scripts" / "device-counters.sh"
+    script = Path(__file__).parent.parent / "lab" / "leases" / "tools" / "device-counters.sh"
     env = os.environ | {"OUT": str(tmp_path / "out"), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     proc = subprocess.run(["bash", str(script), "300", str(tmp_path / "nowhere"), str(run_dir)], env=env,
                           capture_output=True, text=True, timeout=120)

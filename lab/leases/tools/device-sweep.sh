@@ -2,14 +2,14 @@
 # For a time-limited GPU lease: measure configurations one at a time until DEADLINE_S seconds after
 # the script started, and after each one pack the results (and Nsight Compute's logs and CSVs) into
 # $OUT, so that what was measured comes back even if the lease ends in the middle of the next one.
-# Usage: scripts/device-sweep.sh DEADLINE_S PRESET CONFIG [CONFIG ...]
+# Usage: lab/leases/tools/device-sweep.sh DEADLINE_S PRESET CONFIG [CONFIG ...]
 #   SWEEP_ARGS: more `python -m medddpm sweep` flags, e.g. "--ncu-timeout 150".
 # Each configuration runs with --time-limit set to what is left before the deadline (less a margin for
 # papermill and packing), so that Nsight Compute, its last phase, shrinks to fit rather than the whole
 # configuration being killed.
 # Unpack here with: tar -xzf data.tgz -C data/
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../../.."
 deadline=$1 preset=$2
 shift 2
 out=${OUT:-runs/out}

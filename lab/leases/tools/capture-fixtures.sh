@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a GPU machine: capture the real profiler outputs that the parsing tests run on
-# (tests/fixtures/h200/). Writes under ${OUT:-fixtures-out}. Needs ncu on PATH.
+# (tests/fixtures/h200/; run from the repository root). Writes under ${OUT:-fixtures-out}. Needs ncu on PATH.
 set -uo pipefail
 out=${OUT:-fixtures-out}; mkdir -p "$out"
 ncu --version > "$out/ncu-version.txt" 2>&1

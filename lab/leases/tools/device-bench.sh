@@ -7,17 +7,17 @@
 # into $OUT/autotune.tgz (small: the compiled kernels themselves stay behind). Next call: copy autotune.tgz to
 # runs/autotune.tgz, carry that path, and run the same bench: compilation again (about 2 minutes for best),
 # tuning only for the kernels not tuned yet.
-# Usage: scripts/device-bench.sh DEADLINE_S NAME BENCH_ARGS...   (writes $OUT/NAME.json)
-#   e.g. scripts/device-bench.sh 560 bench-best --size 128 --configs best --steps 30
+# Usage: lab/leases/tools/device-bench.sh DEADLINE_S NAME BENCH_ARGS...   (writes $OUT/NAME.json)
+#   e.g. lab/leases/tools/device-bench.sh 560 bench-best --size 128 --configs best --steps 30
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../../.."
 deadline=$1
 name=$2
 shift 2
 out=${OUT:-runs/out}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
-source scripts/inductor-cache.sh
+source lab/leases/tools/inductor-cache.sh
 autotune_in device-bench || exit 2
 # Leave time to pack what was tuned; `timeout` stops the bench, whose JSON holds every finished configuration.
 left=$((deadline - SECONDS - 15))
