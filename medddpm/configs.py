@@ -23,45 +23,70 @@ class ConfigError(ValueError):
     """An unknown configuration or a flag of the wrong type or value (one line)."""
 
 
+def switch(default, help: str, column: str | None = None):
+    """A switch of a configuration, declared once. Its default is also what result rows written before the switch
+    existed ran with; `help` is its command-line flag's (`--name-with-hyphens`), `column` its run-table column's
+    description (the help where not given). `switches` lists them; the command line (`medddpm.cli.args`) and the
+    run table's schema (`medddpm.store.schema`) are derived from them."""
+    return field(default=default, metadata={"help": help, "column": column or help})
+
+
 @dataclass(frozen=True)
 class Config:
     name: str
     # fp32 = strict IEEE (TF32 off and verified off); bf16 and fp16 = autocast, fp16 with a dynamic loss scale
-    precision: Precision = "fp32"
-    channels_last: bool = False  # channels-last 3D (NDHWC) for the model and its inputs
-    compile: bool = False  # torch.compile (Inductor) fusion of the model's forward and backward
-    cuda_graphs: bool = False  # capture the whole training step (fwd + bwd + optimizer) in one graph
-    fused_adam: bool = False  # one fused Adam kernel instead of PyTorch's foreach implementation
-    attention: AttentionKind = "math"  # "sdpa": F.scaled_dot_product_attention (flash / mem-efficient)
-    recompute_attention: bool = True  # the reference checkpoints attention blocks in backward
+    precision: Precision = switch("fp32", "arithmetic of convolutions and matmuls",
+                                  "fp32 | tf32 | bf16 | fp16 as requested")
+    channels_last: bool = switch(False, "channels-last 3D layout")  # NDHWC for the model and its inputs
+    compile: bool = switch(False, "torch.compile the training step", "torch.compile fusion")
+    cuda_graphs: bool = switch(False, "replay the step as one CUDA graph", "whole-step CUDA graph (as requested)")
+    fused_adam: bool = switch(False, "Adam as one fused kernel", "fused Adam kernel")
+    attention: AttentionKind = switch("math", "attention kernel", "math | sdpa")  # sdpa: flash / mem-efficient
+    recompute_attention: bool = switch(True, "recompute attention in the backward, not store it",
+                                       "attention recomputed in backward")  # the reference checkpoints it
     # "separable": the same trilinear 2x as per-axis sums (no atomics in backward); "separable_ndhwc": those
     # sums on the (N, D, H, W, C) view of channels-last activations, so that compiled buffers stay channels-last
-    upsample: UpsampleKind = "interpolate"
-    checkpointing: bool = False  # activation checkpointing per U-Net block: keep block inputs, recompute the rest
-    pin_layout: bool = False  # compiled graphs: channels-last 3D pinned at every convolution input (medddpm.model.layout)
+    upsample: UpsampleKind = switch("interpolate", "how the decoder upsamples",
+                                    "interpolate | separable (trilinear 2x as per-axis sums) | separable_ndhwc (those "
+                                    "sums on the channels-last view)")
+    checkpointing: bool = switch(False, "activation checkpointing per U-Net block")  # keep block inputs only
+    pin_layout: bool = switch(False, "compiled: pin channels-last 3D at every convolution input",
+                              "channels-last 3D pinned at every convolution input of compiled graphs (as requested)")
     # "chunked": statistics per channel over voxel chunks, then per group; "fused": those statistics, the SiLU
     # after the norm in the same function, and a hand-written backward (model._GroupNormSiLU)
-    group_norm: GroupNormKind = "aten"
-    pad_channels: bool = False  # stem and output convolutions zero-padded to 8 channels (model.PaddedConv3d)
+    group_norm: GroupNormKind = switch("aten", "GroupNorm kernel: chunked statistics, or those fused with the SiLU "
+                                               "after it",
+                                       "aten | chunked (GroupNorm statistics per channel over voxel chunks, then per "
+                                       "group) | fused (chunked statistics, the SiLU after it and a hand-written "
+                                       "backward in one function)")
+    pad_channels: bool = switch(False, "narrow stem and output convolutions padded to 8 channels",
+                                "stem and output convolutions zero-padded to 8 channels")  # model.PaddedConv3d
     # the output convolution as a GEMM and a sum of its 27 shifted taps, not cuDNN (model.TapConv3d)
-    tap_gemm: bool = False
+    tap_gemm: bool = switch(False, "the output convolution as a GEMM of 27 taps",
+                            "the output convolution as a GEMM and a sum of its 27 shifted taps, not cuDNN")
     # each skip connection's gradient written out (bf16 under autocast) as soon as its decoder block has computed
     # it, through an operator Inductor cannot fuse into (model._StoreGradient); otherwise compiled backward graphs
     # hold the top decoder blocks' whole float32 input gradient until the encoder reads the skip's slice
-    store_skip_grad: bool = False
+    store_skip_grad: bool = switch(False, "write each skip gradient out as soon as it is computed",
+                                   "each skip connection's gradient written out as soon as its decoder block "
+                                   "computed it")
     # with checkpointing: the stem and each decoder level's upsampling run inside the checkpoints of the blocks that
     # read their outputs, so that the checkpoints keep the narrow tensors before them (the stem's 4-8 input channels,
     # the upsampling's 8x fewer voxels), not two full-size 64-channel tensors through the whole backward. Under torch
     # 2.11 Inductor's stride check stops its backward (pytorch/pytorch#174869) unless medddpm.model.layout's pass
     # writes the recomputed views out
-    narrow_checkpoints: bool = False
+    narrow_checkpoints: bool = switch(False, "with checkpointing: recompute stem and upsamplings in later checkpoints",
+                                      "the stem and each decoder upsampling recomputed inside the checkpoints of the "
+                                      "blocks after them, which keep the narrow tensors before them")
     # compiled graphs: a reused pointwise result (a GroupNorm-SiLU chain in backward) is recomputed in each
     # kernel that reads it instead of being written out in float32 (Inductor's realize thresholds raised)
-    recompute_pointwise: bool = False
+    recompute_pointwise: bool = switch(False, "compiled: recompute reused pointwise results, not store them",
+                                       "compiled training graphs recompute a reused pointwise result in each kernel "
+                                       "that reads it, not store it (as requested)")
     description: str = field(default="", compare=False)
 
     def __post_init__(self):
-        hints = get_type_hints(Config)
+        hints = get_type_hints(type(self))
         for f in dataclasses.fields(self):
             value, hint = getattr(self, f.name), hints[f.name]
             if hint is bool and not isinstance(value, bool):
@@ -74,7 +99,7 @@ class Config:
     @property
     def flags(self) -> dict:
         """The switches alone (what a result row records)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("name", "description")}
+        return {f.name: getattr(self, f.name) for f in switches(type(self))}
 
     def with_flags(self, name: str | None = None, **flags) -> "Config":
         unknown = set(flags) - set(self.flags)
@@ -135,6 +160,17 @@ CONFIGS: dict[str, Config] = {c.name: c for c in [
 
 PAPER = ("baseline", "opt1", "opt2", "opt12")
 
+
+
+def switches(cls: type = Config) -> list[dataclasses.Field]:
+    """The switches of a configuration class, in declaration order: every field but its name and description."""
+    return [f for f in dataclasses.fields(cls) if f.name not in ("name", "description")]
+
+
+def switch_kind(f: dataclasses.Field, cls: type = Config) -> type | tuple:
+    """bool for an on/off switch, else the tuple of the values a choice switch takes."""
+    hint = get_type_hints(cls)[f.name]
+    return bool if hint is bool else get_args(hint)
 
 def get_config(name: str | Config) -> Config:
     if isinstance(name, Config):

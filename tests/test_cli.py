@@ -133,7 +133,7 @@ def test_info_shows_the_brats_model():
 
 def test_preset_names_match_the_presets():
     from medddpm.cli.args import PRESET_NAMES
-    from medddpm.measure.run import PRESETS
+    from medddpm.presets import PRESETS
 
     assert PRESET_NAMES == tuple(PRESETS)
 

@@ -129,3 +129,56 @@ def test_config_choices_are_the_model_s():
     assert get_config("best+upsample=separable_ndhwc").upsample == "separable_ndhwc"
     with pytest.raises(ConfigError, match="must be one of"):
         get_config("best+upsample=nearest")
+
+
+def test_a_switch_is_declared_once(tmp_path, monkeypatch):
+    """A switch added to a configuration class in a module of its own gets its command-line flag, its help and
+    values, its run-table column and the value older rows imply, with nothing else edited."""
+    import argparse
+    import importlib
+    import sys
+
+    from medddpm.cli.args import add_config_args, config_from
+    from medddpm.store import schema
+
+    (tmp_path / "dummy_lever.py").write_text(
+        "from dataclasses import dataclass\n"
+        "from typing import Literal\n"
+        "from medddpm.configs import Config, switch\n\n"
+        "@dataclass(frozen=True)\n"
+        "class DummyConfig(Config):\n"
+        "    dummy_lever: bool = switch(False, 'a dummy lever for the test', 'whether the dummy lever was on')\n"
+        "    dummy_kind: Literal['a', 'b'] = switch('a', 'a dummy choice')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    dummy = importlib.import_module("dummy_lever")
+    try:
+        parser = argparse.ArgumentParser()
+        add_config_args(parser, dummy.DummyConfig)
+        assert "a dummy lever for the test" in parser.format_help() and "{a,b}" in parser.format_help()
+        config = config_from(parser.parse_args(["--config", "opt1", "--dummy-lever", "true", "--dummy-kind", "b"]))
+        assert isinstance(config, dummy.DummyConfig) and config.dummy_lever and config.dummy_kind == "b"
+        assert config.precision == "tf32" and config.flags["dummy_lever"] is True  # opt1's switches kept
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--dummy-kind", "c"])
+        columns = schema.switch_columns(dummy.DummyConfig)
+        assert columns["dummy_lever"] == (schema.B, "whether the dummy lever was on")
+        assert columns["dummy_kind"] == (schema.S, "a dummy choice")
+        defaults = schema.switch_defaults(dummy.DummyConfig)
+        assert defaults["dummy_lever"] is False and defaults["dummy_kind"] == "a" and "precision" not in defaults
+    finally:
+        sys.modules.pop("dummy_lever", None)
+
+
+def test_the_run_table_has_a_column_and_the_command_line_a_flag_for_every_switch():
+    import argparse
+
+    from medddpm.cli.args import add_config_args
+    from medddpm.configs import switches
+    from medddpm.store import schema
+
+    parser = argparse.ArgumentParser()
+    add_config_args(parser)
+    flags = {a.dest for a in parser._actions}
+    for f in switches():
+        assert f.name in schema.TABLES["run"] and f.name in flags, f.name
+        assert f.metadata["help"] and f.metadata["column"]

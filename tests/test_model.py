@@ -121,7 +121,7 @@ def test_brats_parameter_count_and_flops():
     assert info["parameters"] == 57_562_564
     assert abs(info["forward_flops"] / 21.26e12 - 1) < 1e-3, info["forward_flops"]
     assert info["output_shape"] == [1, 4, 192, 192, 144]
-    from medddpm.measure.run import PRESETS
+    from medddpm.presets import PRESETS
 
     assert PRESETS["brats"].spec() == ModelSpec(**BRATS)
 
@@ -235,7 +235,7 @@ def test_saved_activations_match_the_known_figures():
     18.45 GiB on the H200, training state included), about 65 GiB for the BraTS one (the reference's users'
     OOM reports); checkpointing keeps a fraction."""
     from medddpm.model.flops import saved_activation_bytes
-    from medddpm.measure.run import PRESETS
+    from medddpm.presets import PRESETS
 
     head = saved_activation_bytes(ModelSpec(size=128, mask_channels=2)) / 2**30
     brats = saved_activation_bytes(PRESETS["brats"].spec()) / 2**30

@@ -16,7 +16,7 @@ from medddpm.model import unet as model
 from medddpm.measure import partition
 from medddpm.cli.main import main
 from medddpm.configs import CONFIGS
-from medddpm.measure.run import get_preset
+from medddpm.presets import get_preset
 from medddpm.measure.partition import activation_bytes, saved_tensors, summary
 from medddpm.store.schema import read_table
 

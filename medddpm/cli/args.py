@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import get_args
 
-from medddpm.configs import (AttentionKind, GroupNormKind, Precision, UpsampleKind, get_config)
+from medddpm.configs import Config, get_config, switch_kind, switches
+from medddpm.presets import PRESETS, get_preset
 from medddpm.model.unet import ModelSpec, parse_size
 from medddpm.store.schema import PHASES
 
-PRESET_NAMES = ("smoke", "paper", "brats")  # measure.PRESETS, without importing the measurement stack
+PRESET_NAMES = tuple(PRESETS)
 
 
 def phases_arg(text: str) -> str:
@@ -78,53 +78,36 @@ def add_model_args(p: argparse.ArgumentParser, *, mask_default: int | None = MAS
     p.set_defaults(mask_default=mask_default)
 
 
-def add_config_args(p: argparse.ArgumentParser) -> None:
+def add_config_args(p: argparse.ArgumentParser, config_class: type = Config) -> None:
+    """--config, and one expert flag per switch of `config_class` (`configs.switches`: name, help and values)."""
     p.add_argument("--config", default="baseline", metavar="NAME",
                    help="a named configuration (python -m medddpm configs lists them), or NAME+switch=value")
     # One switch each, apart from the common options: the named configurations already set them together.
     g = p.add_argument_group("expert: one switch of --config at a time",
                              "each sets one switch of the configuration (configs --wide shows them all)")
-    g.add_argument("--precision", choices=get_args(Precision), help="arithmetic of convolutions and matmuls")
-    g.add_argument("--channels-last", type=bool_arg, metavar="BOOL", help="channels-last 3D layout")
-    g.add_argument("--compile", type=bool_arg, metavar="BOOL", help="torch.compile the training step")
-    g.add_argument("--cuda-graphs", type=bool_arg, metavar="BOOL", help="replay the step as one CUDA graph")
-    g.add_argument("--fused-adam", type=bool_arg, metavar="BOOL", help="Adam as one fused kernel")
-    g.add_argument("--recompute-attention", type=bool_arg, metavar="BOOL",
-                   help="recompute attention in the backward, not store it")
-    g.add_argument("--attention", choices=get_args(AttentionKind), help="attention kernel")
-    g.add_argument("--upsample", choices=get_args(UpsampleKind), help="how the decoder upsamples")
-    g.add_argument("--group-norm", choices=get_args(GroupNormKind),
-                   help="GroupNorm kernel: chunked statistics, or those fused with the SiLU after it")
-    g.add_argument("--pad-channels", type=bool_arg, metavar="BOOL",
-                   help="narrow stem and output convolutions padded to 8 channels")
-    g.add_argument("--tap-gemm", type=bool_arg, metavar="BOOL", help="the output convolution as a GEMM of 27 taps")
-    g.add_argument("--recompute-pointwise", type=bool_arg, metavar="BOOL",
-                   help="compiled: recompute reused pointwise results, not store them")
-    g.add_argument("--checkpointing", type=bool_arg, metavar="BOOL", help="activation checkpointing per U-Net block")
-    g.add_argument("--store-skip-grad", type=bool_arg, metavar="BOOL",
-                   help="write each skip gradient out as soon as it is computed")
-    g.add_argument("--narrow-checkpoints", type=bool_arg, metavar="BOOL",
-                   help="with checkpointing: recompute stem and upsamplings in later checkpoints")
-    g.add_argument("--pin-layout", type=bool_arg, metavar="BOOL",
-                   help="compiled: pin channels-last 3D at every convolution input")
-
-
-OVERRIDES = ("precision", "channels_last", "compile", "cuda_graphs", "fused_adam", "recompute_attention", "attention",
-              "upsample", "checkpointing", "pin_layout", "group_norm", "pad_channels", "recompute_pointwise",
-              "tap_gemm", "store_skip_grad", "narrow_checkpoints")
+    for f in switches(config_class):
+        kind, flag = switch_kind(f, config_class), "--" + f.name.replace("_", "-")
+        if kind is bool:
+            g.add_argument(flag, type=bool_arg, metavar="BOOL", help=f.metadata["help"])
+        else:
+            g.add_argument(flag, choices=kind, help=f.metadata["help"])
+    p.set_defaults(config_class=config_class)
 
 
 def config_from(args):
+    """--config with the switches given alone applied over it."""
+    cls = getattr(args, "config_class", Config)
     base = get_config(args.config)
-    return base.with_flags(**{k: getattr(args, k) for k in OVERRIDES if getattr(args, k) is not None})
+    if not isinstance(base, cls):  # a configuration class with more switches: the named one, those at their defaults
+        base = cls(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
+    return base.with_flags(**{f.name: getattr(args, f.name) for f in switches(cls)
+                              if getattr(args, f.name, None) is not None})
 
 
 def preset_from(args):
     """The preset named by --preset, with --size / --base-channels applied; None without --preset."""
     if not args.preset:
         return None
-    from medddpm.measure.run import get_preset
-
     preset = get_preset(args.preset)
     changes = {k: getattr(args, k) for k in ("size", "base_channels") if getattr(args, k) is not None}
     return dataclasses.replace(preset, **changes)

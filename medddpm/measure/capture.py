@@ -18,7 +18,7 @@ import torch
 
 from medddpm.measure.bench import real_batch
 from medddpm.train.engine import Engine
-from medddpm.measure.run import get_preset
+from medddpm.presets import get_preset
 from medddpm.model.unet import parse_size
 
 NVTX_RANGE = "medddpm_step"

@@ -82,7 +82,7 @@ def _counts(spec) -> dict[str, int]:
 def layer_counts(run: pd.Series) -> pd.Series:
     """Instances of each convolution layer in one step of the run's model (layer range name -> count), from a
     forward pass on the meta device."""
-    from medddpm.measure.run import get_preset
+    from medddpm.presets import get_preset
     from medddpm.model.unet import ModelSpec, parse_size
 
     try:

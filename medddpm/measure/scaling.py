@@ -76,7 +76,7 @@ def scale(config: str | Config, world_sizes: str | list[int], *, preset: str = "
           timeout_s: int = 3600) -> Path:
     """Launch one torchrun per world size; returns the table's path."""
     from medddpm.measure.env import device_name, gpu_slug
-    from medddpm.measure.run import get_preset
+    from medddpm.presets import get_preset
 
     config = get_config(config)
     sizes = parse_world_sizes(world_sizes)
@@ -116,7 +116,7 @@ def _worker(argv: list[str] | None = None) -> int:
     from medddpm.measure.distributed import cleanup, init_from_env
     from medddpm.train.engine import Engine
     from medddpm.measure.env import environment, gpu_slug
-    from medddpm.measure.run import get_preset
+    from medddpm.presets import get_preset
 
     p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m medddpm.measure.scaling")
     p.add_argument("--config", required=True)

@@ -38,7 +38,8 @@ from medddpm import REPO
 from medddpm.configs import Config, parse_config_list
 from medddpm.measure.env import device_type, gpu_slug, host_name, pick_device
 from medddpm.train.data import open_dataset
-from medddpm.measure.run import get_preset, write_failed_run
+from medddpm.measure.run import write_failed_run
+from medddpm.presets import get_preset
 from medddpm.model.unet import parse_size
 from medddpm.measure.validate import check_label, check_text
 from medddpm.store.identity import SEPARATOR, encode, folder_name, key, run_identity

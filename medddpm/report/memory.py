@@ -241,7 +241,7 @@ def counted_models(presets=("paper", "brats")) -> pd.DataFrame:
     parameters, forward FLOPs, training state, and FP32 activations kept for backward without and with
     activation checkpointing."""
     from medddpm.model.flops import count, saved_activation_bytes
-    from medddpm.measure.run import get_preset
+    from medddpm.presets import get_preset
     from medddpm.model.unet import format_size
 
     rows = []

@@ -11,8 +11,7 @@ import pandas as pd
 from medddpm.configs import CONFIGS, PAPER
 from medddpm.report.loading import Data, _sort
 from medddpm.model.diffusion import TIMESTEPS
-
-REFERENCE_STEPS, REFERENCE_ACCUM = 100_000, 2  # the reference's optimizer steps, micro-steps per step
+from medddpm.presets import REFERENCE_ACCUM, REFERENCE_STEPS  # noqa: F401 - the pages' 100k-step costs
 
 # Peak throughputs (FLOP/s) that set a floor for one micro-step: 16.6 TFLOP / peak. Inputs, not results:
 # each with its source. A GPU missing here simply has no floor drawn.

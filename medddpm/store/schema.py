@@ -19,9 +19,28 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from medddpm.configs import Config, switch_kind, switches
 from medddpm.store.storage import atomic_write
 
 S, I, F, B = pa.string(), pa.int64(), pa.float64(), pa.bool_()
+
+
+def switch_columns(config_class: type = Config) -> dict[str, tuple[pa.DataType, str]]:
+    """The run table's column of each configuration switch: bool or text, described by its declaration."""
+    return {f.name: (B if switch_kind(f, config_class) is bool else S, f.metadata["column"])
+            for f in switches(config_class)}
+
+
+# The switches of the first run tables: every run table has them, and one without them is broken, not old.
+FIRST_SWITCHES = ("precision", "channels_last", "compile", "cuda_graphs", "fused_adam", "attention",
+                  "recompute_attention")
+
+
+def switch_defaults(config_class: type = Config) -> dict[str, object]:
+    """What older run tables imply for a switch added since the first ones: its default, the behaviour before it
+    existed."""
+    return {f.name: f.default for f in switches(config_class) if f.name not in FIRST_SWITCHES}
+
 
 # table -> {column: (type, description)}
 TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
@@ -45,27 +64,8 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "git_commit": (S, "commit of this repository (-dirty if modified)"),
         "container": (S, "docker | apptainer | '' (bare metal)"),
         "config": (S, "configuration name"),
-        "precision": (S, "fp32 | tf32 | bf16 | fp16 as requested"),
+        **switch_columns(),  # one column per configuration switch (medddpm.configs.switch)
         "precision_used": (S, "precision that ran on this device"),
-        "channels_last": (B, "channels-last 3D layout"),
-        "compile": (B, "torch.compile fusion"),
-        "cuda_graphs": (B, "whole-step CUDA graph (as requested)"),
-        "fused_adam": (B, "fused Adam kernel"),
-        "attention": (S, "math | sdpa"),
-        "recompute_attention": (B, "attention recomputed in backward"),
-        "upsample": (S, "interpolate | separable (trilinear 2x as per-axis sums) | separable_ndhwc (those sums on "
-                        "the channels-last view)"),
-        "checkpointing": (B, "activation checkpointing per U-Net block"),
-        "pin_layout": (B, "channels-last 3D pinned at every convolution input of compiled graphs (as requested)"),
-        "group_norm": (S, "aten | chunked (GroupNorm statistics per channel over voxel chunks, then per group) | fused "
-                              "(chunked statistics, the SiLU after it and a hand-written backward in one function)"),
-        "pad_channels": (B, "stem and output convolutions zero-padded to 8 channels"),
-        "tap_gemm": (B, "the output convolution as a GEMM and a sum of its 27 shifted taps, not cuDNN"),
-        "store_skip_grad": (B, "each skip connection's gradient written out as soon as its decoder block computed it"),
-        "narrow_checkpoints": (B, "the stem and each decoder upsampling recomputed inside the checkpoints of the "
-                                  "blocks after them, which keep the narrow tensors before them"),
-        "recompute_pointwise": (B, "compiled training graphs recompute a reused pointwise result in each kernel "
-                                   "that reads it, not store it (as requested)"),
         "not_applicable": (S, "JSON: switches that could not apply on this device, with why"),
         "backend_flags": (S, "JSON: fp32 math modes read back after setting them"),
         "preset": (S, "smoke | paper | brats"),
@@ -312,23 +312,15 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
 # A value may be a function of the old table (arrow), returning one value per row.
 ADDED: dict[str, dict[str, object]] = {
     "run": {
-        "upsample": "interpolate",  # rows written before the switch existed always upsampled with F.interpolate
+        **switch_defaults(),  # a switch's default is how rows written before it existed ran
         # rows written before the memory columns existed were all whole-head, cubic, one residual block a level,
-        # never checkpointed, and without the device's memory size
-        "checkpointing": False,
+        # and without the device's memory size
         "shape": lambda t: [f"{s}x{s}x{s}" for s in t.column("size").to_pylist()],
         "image_channels": 1,
         "num_res_blocks": 1,
         "gpu_total_bytes": -1,
         "gpu_other_bytes": -1,
-        "pin_layout": False,  # rows written before the switch existed ran without the pinning pass
-        "group_norm": "aten",  # rows written before the switch existed always used F.group_norm
-        "pad_channels": False,  # rows written before the switch existed ran the narrow convolutions unpadded
-        "recompute_pointwise": False,  # rows written before the switch existed ran without it
         "compile_cache": "",  # rows written before it was recorded: unknown
-        "tap_gemm": False,  # rows written before the switch existed ran the output convolution on cuDNN
-        "store_skip_grad": False,  # rows written before the switch existed ran without it
-        "narrow_checkpoints": False,  # rows written before the switch existed ran without it
         # rows written before the data source was recorded trained on their preset's embedded data
         "data_source": lambda t: ["mni-brats" if p == "brats" else "mni" for p in t.column("preset").to_pylist()],
         **dict.fromkeys(("cache_build_s", "e2e_median_ms", "e2e_drift", "loader_items_per_s", "sm_clock_mhz",
