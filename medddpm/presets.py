@@ -29,7 +29,7 @@ class Preset:
     steps: int = 30
     profile_steps: int = 2
     quality_steps: int = 20
-    sample_timesteps: int = 250  # denoising steps of the timed sample (the schedule's T)
+    sample_steps: int = 250  # denoising steps of the timed sample (the schedule's T)
     description: str = ""
 
     def spec(self, *, mask_channels: int | None = None, image_channels: int | None = None) -> ModelSpec:
@@ -47,7 +47,7 @@ class Preset:
 PRESETS = {
     # Every configuration on a 2-core CPU in a few minutes: the model's shape, tiny.
     "smoke": Preset("smoke", size=16, base_channels=32, channel_mult=(1, 2), attention_ds=(2,), warmup=1, steps=3,
-                    profile_steps=1, quality_steps=3, sample_timesteps=250,
+                    profile_steps=1, quality_steps=3, sample_steps=250,
                     description="the whole-head model's shape at 16^3 with 32 base channels (CPU)"),
     # The study's setting: whole-head Med-DDPM at 128^3, batch 1.
     "paper": Preset("paper", size=128, description="whole-head Med-DDPM, 128^3, 3 labels in, 1 image out"),
@@ -57,7 +57,7 @@ PRESETS = {
     # sample runs 20 denoising steps: a full one is 250 times sample_step_median_ms.
     "brats": Preset("brats", size=(192, 192, 144), channel_mult=(1, 1, 2, 3, 4), attention_ds=(), num_res_blocks=2,
                     image_channels=4, mask_channels=4, data="mni-brats", warmup=2, steps=10, profile_steps=1,
-                    quality_steps=3, sample_timesteps=20,
+                    quality_steps=3, sample_steps=20,
                     description="BraTS Med-DDPM, 192x192x144, 4 labels in, 4 modalities out (T1, T1ce, T2, FLAIR)"),
 }
 

@@ -440,7 +440,7 @@ def test_the_study_end_to_end_at_a_tiny_size_then_the_page(tmp_path):
     runs = tables["runs"]
     assert (runs["status"] == "ok").all(), runs["message"].tolist()
     assert sorted(zip(runs["config"], runs["seed"])) == [("bf16", 0), ("bf16", 1), ("opt1", 0), ("opt1", 1)]
-    assert (runs["sample_timesteps"] == 4).all() and (runs["skipped_steps"] == 0).all()
+    assert (runs["sample_steps"] == 4).all() and (runs["skipped_steps"] == 0).all()
     assert (runs["ema_start"] == 2000).all() and set(runs["precision_used"]) == {"fp32", "bf16"}
     losses = tables["losses"]
     assert losses.groupby(["config", "seed"]).size().tolist() == [3] * 4

@@ -49,7 +49,7 @@ SAVE_EVERY = 500  # steps between checkpoints: what a killed run loses at most
 LOG_EVERY = 50  # steps between reads of the loss from the device
 # what runs.parquet records of the study's settings: a re-run with other settings needs another folder
 SETTINGS = ("size", "base_channels", "data", "pairs", "steps", "grad_accum", "lr", "samples", "label_maps",
-            "sample_timesteps")
+            "sample_steps")
 
 
 class StudyError(ValueError):
@@ -102,7 +102,7 @@ class Settings:
     def record(self) -> dict:
         return {"size": self.size, "base_channels": self.base_channels, "data": self.data, "pairs": self.pairs,
                 "steps": self.steps, "grad_accum": self.grad_accum, "lr": float(self.lr), "samples": self.samples,
-                "label_maps": json.dumps(self.label_sources), "sample_timesteps": self.sample_steps}
+                "label_maps": json.dumps(self.label_sources), "sample_steps": self.sample_steps}
 
 
 # ------------------------------------------------------------------------------------------- scores

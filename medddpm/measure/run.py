@@ -99,7 +99,7 @@ class Measurement:
         self.device = pick_device(device)
         self.steps = steps or self.preset.steps
         self.warmup = self.preset.warmup if warmup is None else warmup
-        self.sample_steps = sample_steps or self.preset.sample_timesteps
+        self.sample_steps = sample_steps or self.preset.sample_steps
         self.batch, self.seed, self.phases = batch, seed, tuple(phases)
         data = self.preset.data if data is None else data  # an empty name is refused by open_dataset
         self.data = open_dataset(data, size=self.preset.size, n=pairs, seed=seed)
@@ -371,7 +371,7 @@ class Measurement:
         e.activate()
         torch.backends.cudnn.benchmark = autotune
         x0, cond = self._batch()
-        t = torch.full((self.batch,), self.preset.sample_timesteps // 2, dtype=torch.long)
+        t = torch.full((self.batch,), self.preset.sample_steps // 2, dtype=torch.long)
         noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(self.seed + 2))
         with e.autocast():  # grad enabled: the compiled training graph serves this call too
             x_t = e.diffusion.q_sample(*(e.prepare(v) for v in (x0, t, noise)))

@@ -246,7 +246,7 @@ def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.P
         return encode(run_identity(
             config=config.name, switches=config.flags, preset=preset, shape="x".join(map(str, size_shape)),
             batch=batch, warmup=given.get("warmup", spec_preset.warmup), steps=given.get("steps") or spec_preset.steps,
-            sample_steps=given.get("sample_steps") or spec_preset.sample_timesteps, data=data_source,
+            sample_steps=given.get("sample_steps") or spec_preset.sample_steps, data=data_source,
             mask_channels=mask_variant, label=slug, group=group))
 
     plans = [(c, run_folder(c.name, preset, batch, mask_variant), identity(c, params, shape, source),

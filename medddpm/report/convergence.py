@@ -117,7 +117,7 @@ def settings(study: Study) -> pd.DataFrame:
                      "EMA": f"decay {first['ema_decay']:g} every 10 steps from step {int(first['ema_start'])}",
                      "samples per run": str(first["samples"]),
                      "label maps": ", ".join(json.loads(first["label_maps"])),
-                     "denoising steps per sample": str(first["sample_timesteps"]),
+                     "denoising steps per sample": str(first["sample_steps"]),
                      "torch": first["torch"], "commit": str(first["git_commit"])[:12]})
     return pd.DataFrame(rows)
 

@@ -273,7 +273,7 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "final_loss": (F, "mean loss of the last 100 steps"),
         "ema_decay": (F, "EMA decay per update"),
         "ema_start": (I, "optimizer step from which the EMA averages (before it, a copy of the weights)"),
-        "sample_timesteps": (I, "denoising steps of each sample (the training schedule's T: full ancestral sampling)"),
+        "sample_steps": (I, "denoising steps of each sample (the training schedule's T: full ancestral sampling)"),
         "sample_precision": (S, "precision the samples were drawn in (the configuration's)"),
         "label_maps": (S, "JSON list: the label maps sampled (mni:SEED, subjects not among the training pairs)"),
         "samples": (I, "samples drawn: samples per label map x label maps"),
