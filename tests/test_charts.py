@@ -450,10 +450,14 @@ def test_gpu_busy_is_kernel_time_over_step_time(real):
     busy = bd.gpu_busy(data)
     assert len(busy) == 1 and busy.loc[0, "kernel_ms"] == pytest.approx(0.2) and busy.loc[0, "busy"] == pytest.approx(0.8)
     assert bd.gpu_busy(bd.Data(run=run, steps=real.steps, kernels=k.iloc[:0], ncu=real.ncu, quality=real.quality)).empty
-    # every real run: the kernel time stands beside its own step time
+    # kernels that overlap sum to more than the step: the device is busy the whole step, not more
+    over = bd.gpu_busy(bd.Data(run=run.assign(train_median_ms=0.15), steps=real.steps, kernels=k, ncu=real.ncu,
+                               quality=real.quality))
+    assert over.loc[0, "kernel_ms"] == pytest.approx(0.2) and over.loc[0, "busy"] == 1.0
+    # every real run: the kernel time stands beside its own step time, as a share of at most all of it
     b = bd.gpu_busy(real)
-    np.testing.assert_allclose(b["busy"] * b["train_median_ms"], b["kernel_ms"])
-    assert b["busy"].between(0.3, 1.2).all(), b
+    np.testing.assert_allclose(b["busy"] * b["train_median_ms"], b["kernel_ms"].clip(upper=b["train_median_ms"]))
+    assert b["busy"].between(0.3, 1.0).all(), b
 
 
 # ------------------------------------------------------------------------- what an expert checks first

@@ -57,8 +57,9 @@ def gpu_busy(data: Data) -> pd.DataFrame:
     (torch.profiler, profiled steps) beside the step's median time; `busy` is their ratio. Near 1 the
     device never waits for the host, so a CUDA graph has no launch gap to close. The host's time to
     issue a step (`dispatch_median_ms`) cannot tell that when steps run back to back: once the launch
-    queue is full the host waits for the device, and issues a step in the device's time. `busy` can
-    pass 1 a little where kernels overlap, or where the profiled steps ran slower than the timed ones."""
+    queue is full the host waits for the device, and issues a step in the device's time. The kernels' summed
+    time can pass the step's a little (kernels that overlap count twice, and the profiled steps are not the timed
+    ones); the device cannot be busy more than the whole step, so `busy` stops at 1 (`kernel_ms` keeps the sum)."""
     cols = ["gpu_slug", "device", "config", "train_median_ms", "dispatch_median_ms", "kernel_ms", "busy"]
     k = data.kernels
     ok = data.run[(data.run["status"] == "ok") & data.run["run_id"].isin(k["run_id"])].copy()
@@ -66,4 +67,4 @@ def gpu_busy(data: Data) -> pd.DataFrame:
         return pd.DataFrame(columns=cols)
     per_step = k.groupby("run_id")["total_us"].sum() / k.groupby("run_id")["steps"].max() / 1e3
     ok["device"], ok["kernel_ms"] = device_label(ok), ok["run_id"].map(per_step)
-    return _sort(ok.assign(busy=ok["kernel_ms"] / ok["train_median_ms"])[cols])
+    return _sort(ok.assign(busy=(ok["kernel_ms"] / ok["train_median_ms"]).clip(upper=1.0))[cols])

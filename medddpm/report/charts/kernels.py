@@ -9,30 +9,37 @@ from medddpm.report.charts.theme import (CATEGORIES, PASS_COLORS, PASS_ORDER, _c
                                          _gpu_param, _height, _light, _metric_param, _no_gpu, category_color,
                                          chosen_axis_title, duration_text, figure, gpu_rows, title)
 
+CATEGORY_METRICS = {"share": "share of the step's kernel time (%)", "ms_per_step": "kernel time per step (ms)"}
+
 
 @figure
-def category_shares(shares: pd.DataFrame, *, cpu: bool = False) -> alt.Chart:
-    """Stacked share of kernel time per category; GPU dropdown; click a category to highlight it."""
+def category_shares(shares: pd.DataFrame, *, cpu: bool = False) -> alt.LayerChart | alt.Chart:
+    """Kernel time per category and configuration, stacked; radio: share of the step's kernel time or ms per step
+    (in ms a configuration's whole bar is its kernel time, so a category that keeps its time while others grow is
+    seen to); GPU dropdown; click a category to highlight it."""
     df = gpu_rows(shares, cpu)
     if df.empty:
         return _no_gpu(shares, "kernel profiles")
-    df = _light(df.assign(order=df["category"].map({c: i for i, c in enumerate(CATEGORIES)}).fillna(99),
-                          time_text=df["us_per_step"].map(duration_text)))
+    df = df.assign(ms_per_step=df["us_per_step"] / 1e3, time_text=df["us_per_step"].map(duration_text),
+                   order=df["category"].map({c: i for i, c in enumerate(CATEGORIES)}).fillna(99))
+    df = _light(_fold(df.assign(share_text=df["share"].map("{:.1%}".format)), CATEGORY_METRICS,
+                      ["gpu_slug", "config", "category", "order", "time_text", "share_text"]))
     present = [c for c in CATEGORIES if c in set(df["category"])]
-    gpu = _gpu_param(df)
+    gpu, metric = _gpu_param(df), _metric_param(CATEGORY_METRICS)
     pick = alt.selection_point(fields=["category"], bind="legend")
-    return alt.Chart(df).transform_filter(alt.datum.gpu_slug == gpu).mark_bar().encode(
+    bars = alt.Chart(df).transform_filter((alt.datum.gpu_slug == gpu) & (alt.datum.metric == metric)).mark_bar().encode(
         y=alt.Y("config:N", sort=_configs_in(df), title=None),
-        x=alt.X("share:Q", stack="normalize", axis=alt.Axis(format="%"), title="share of profiled kernel time (%)"),
+        x=alt.X("value:Q", stack="zero", title=None,
+                axis=alt.Axis(labelExpr=f"{metric.name} == 'share' ? format(datum.value, '.0%') : datum.label")),
         color=alt.Color("category:N", scale=category_color(),
                         legend=alt.Legend(values=present, title="category (click)")),
         order=alt.Order("order:Q"),
         opacity=alt.condition(pick, alt.value(1.0), alt.value(0.2)),
         tooltip=[alt.Tooltip("config:N", title="configuration"), alt.Tooltip("category:N"),
-                 alt.Tooltip("share:Q", title="share of kernel time (%)", format=".1%"),
-                 alt.Tooltip("time_text:N", title="time per step")],
-    ).add_params(gpu, pick).properties(width="container", height=_height(df, len(present)),
-                                       title=title("Where the kernel time goes, by category"))
+                 alt.Tooltip("share_text:N", title="share of kernel time"),
+                 alt.Tooltip("time_text:N", title="time per step")])
+    return alt.layer(bars, chosen_axis_title(metric, CATEGORY_METRICS)).add_params(gpu, metric, pick).properties(
+        width="container", height=_height(df, len(present)), title=title("Where the kernel time goes, by category"))
 
 
 @figure
