@@ -71,12 +71,50 @@ def _stacked_counters(counters: pd.DataFrame, *, prefix: str, field: str, value:
 
 
 @figure
-def instruction_mix(counters: pd.DataFrame, *, cpu: bool = False) -> alt.Chart:
-    """Executed thread instructions by class per configuration (stacked); GPU dropdown, legend highlight."""
-    return _stacked_counters(counters, prefix="inst_", field="class", value="instructions", what="instruction counts",
-                             x_title="thread instructions executed per step (count; k, M, G, T: SI prefixes)",
-                             tip_title="instructions per step", fmt=".3~s", chart_title="Instruction mix",
-                             subtitle="kernels with counters; the smallest classes together as other", cpu=cpu)
+def instruction_mix(counters: pd.DataFrame, *, cpu: bool = False) -> alt.LayerChart | alt.Chart:
+    """Executed thread instructions per step by class (points) and in all (black tick) per configuration, on a log
+    axis: strict FP32 executes orders of magnitude more than a tensor-core configuration, which a linear axis would
+    leave as a sliver. GPU dropdown, legend highlight; the tooltip gives each class's share and the total's ratio
+    to strict FP32's on the same GPU."""
+    cols = [c for c in counters.columns if c.startswith("inst_") and c != "inst_total"]
+    if counters.empty or not cols:
+        return _empty(NO_COUNTERS)
+    rows = gpu_rows(counters, cpu)
+    df = rows.melt(id_vars=["gpu_slug", "config"], value_vars=cols, var_name="class", value_name="instructions")
+    df = df.dropna().assign(**{"class": lambda d: d["class"].str.removeprefix("inst_")})
+    df = df[df["instructions"] > 0]
+    if df.empty:
+        return _no_gpu(counters, "instruction counts")
+    df, parts = top_parts(df, "class", "instructions", ["gpu_slug", "config"])
+    total = df.groupby(["gpu_slug", "config"], as_index=False)["instructions"].sum()
+    base = total[total["config"] == "baseline"].set_index("gpu_slug")["instructions"]
+    total["vs_baseline"] = total["gpu_slug"].map(base) / total["instructions"]
+    df = df.merge(total.rename(columns={"instructions": "total"}), on=["gpu_slug", "config"])
+    df = _light(df.assign(share=df["instructions"] / df["total"]))
+    total = _light(total)
+    lo, hi = decades(df["instructions"])
+    scale = alt.Scale(type="log", domain=[10.0**lo, 10.0**hi])
+    axis = alt.Axis(values=[10.0**k for k in range(lo, hi + 1)], labelExpr="format(datum.value, '~s')",
+                    title="thread instructions executed per step (count, log scale; k, M, G, T: SI prefixes)")
+    gpu, pick = _gpu_param(df), alt.selection_point(fields=["class"], bind="legend")
+    y = alt.Y("config:N", sort=_configs_in(df), title=None)
+    points = alt.Chart(df).transform_filter(alt.datum.gpu_slug == gpu).mark_point(filled=True, size=70).encode(
+        x=alt.X("instructions:Q", scale=scale, axis=axis), y=y,
+        color=alt.Color("class:N", scale=parts_color(parts), legend=alt.Legend(values=parts), title="class (click)"),
+        opacity=alt.condition(pick, alt.value(0.95), alt.value(0.15)),
+        tooltip=[alt.Tooltip("config:N", title="configuration"), alt.Tooltip("class:N"),
+                 alt.Tooltip("instructions:Q", title="instructions per step", format=".3~s"),
+                 alt.Tooltip("share:Q", title="share of the configuration's (%)", format=".1%")])
+    totals = alt.Chart(total).transform_filter(alt.datum.gpu_slug == gpu).mark_tick(
+        color="#222", thickness=3, size=22).encode(
+        x=alt.X("instructions:Q", scale=scale, axis=axis), y=y,
+        tooltip=[alt.Tooltip("config:N", title="configuration"),
+                 alt.Tooltip("instructions:Q", title="instructions per step", format=".3~s"),
+                 alt.Tooltip("vs_baseline:Q", title="strict FP32 executes (x as many)", format=".3~r")])
+    return alt.layer(points, totals).add_params(gpu, pick).properties(
+        width="container", height=_height(df, len(parts)),
+        title=title("Instruction mix", "per class (points) and in all (tick), kernels with counters; "
+                                       "the smallest classes as other"))
 
 
 MEMORY_METRICS = {"l1_hit_pct": "L1 hit rate (%)", "l2_hit_pct": "L2 hit rate (%)",
