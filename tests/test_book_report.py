@@ -96,18 +96,23 @@ def _runs(rows) -> pd.DataFrame:
                          for s, c, p, n, ms in rows])
 
 
-def test_headline_takes_the_fastest_paper_configuration_and_the_fastest_overall():
+def test_headline_takes_the_paper_s_four_and_the_fastest_overall():
     run = _runs([("nvidia-h200", "baseline", "paper", 128, 800.0), ("nvidia-h200", "opt1", "paper", 128, 200.0),
                  ("nvidia-h200", "opt2", "paper", 128, 1000.0), ("nvidia-h200", "best", "paper", 128, 50.0),
                  ("cpu", "baseline", "smoke", 16, 200.0), ("cpu", "sdpa", "smoke", 16, 40.0),
                  ("nvidia-a100", "opt1", "paper", 128, 300.0)])  # no baseline: no speedup to state
     h = bd.headline(run)
-    assert list(h["gpu_slug"]) == ["nvidia-h200", "nvidia-h200", "cpu"]
-    g = h[h["gpu_slug"] == "nvidia-h200"].set_index("role")
-    assert g.loc["the paper's fastest", "config"] == "opt1" and g.loc["the paper's fastest", "speedup"] == 4.0
-    assert g.loc["fastest measured", "config"] == "best" and g.loc["fastest measured", "speedup"] == 16.0
+    assert list(h["gpu_slug"]) == ["nvidia-h200"] * 4 + ["cpu"] * 2
+    g = h[h["gpu_slug"] == "nvidia-h200"].set_index("config")
+    assert g["role"].tolist() == ["the paper's"] * 3 + ["fastest measured"]
+    assert g.loc["baseline", "speedup"] == 1.0 and g.loc["opt1", "speedup"] == 4.0
+    assert g.loc["opt2", "speedup"] == 0.8 and g.loc["opt2", "hi"] < 1  # slower than strict FP32: shown, not hidden
+    assert g.loc["best", "speedup"] == 16.0
     assert (h["lo"] < h["speedup"]).all() and (h["speedup"] < h["hi"]).all()
-    assert h.loc[h["gpu_slug"] == "cpu", "role"].tolist() == ["fastest measured"]
+    assert h.loc[h["gpu_slug"] == "cpu", "config"].tolist() == ["baseline", "sdpa"]
+    # the fastest being one of the paper's is not shown twice
+    only = bd.headline(run[run["config"] != "best"])
+    assert only.loc[only["gpu_slug"] == "nvidia-h200", "role"].eq("the paper's").all()
 
 
 def test_bench_table_sets_the_implementations_side_by_side():
