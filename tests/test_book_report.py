@@ -44,6 +44,20 @@ def test_strip_progress_keeps_what_a_cell_printed_and_drops_the_bars():
     assert outputs[1]["text"].startswith("\r"), "the stored outputs are not changed in place"
 
 
+def test_the_appendix_leaves_out_profiler_notes_narrows_padded_rows_and_lists_gpus_first(tmp_path):
+    wide = "profilers" + " " * 300 + '{"torch": "ok"}'
+    kept = book.strip_progress([_stream("stderr", "USDT:2026-11-29 23:43:26 1:1 Sync.cpp:52] profiler_start\n"
+                                                  "a warning\n"),
+                                _stream("stdout", f"run_id     x\n{wide}\n")])
+    assert kept[0]["text"] == "a warning\n"
+    assert kept[1]["text"] == 'run_id     x\nprofilers  {"torch": "ok"}\n'  # a narrow table keeps its columns
+    for label in ("cpu", "nvidia-h200", "cpu-node-1", "nvidia-a100"):
+        (tmp_path / label / "opt1").mkdir(parents=True)
+        (tmp_path / label / "opt1" / "produce.ipynb").write_text("{}")
+    assert [p.parent.parent.name for p in book.producer_notebooks(tmp_path)] == \
+        ["nvidia-a100", "nvidia-h200", "cpu", "cpu-node-1"]
+
+
 def test_committed_producer_notebooks_hold_no_progress_bars():
     paths = sorted((REPO / "data").glob("**/produce.ipynb"))
     assert paths, "no stored producer notebook under data/"
@@ -54,7 +68,7 @@ def test_committed_producer_notebooks_hold_no_progress_bars():
             stripped = book.strip_progress(outputs)
             texts = ["".join(o["text"]) if isinstance(o.get("text"), list) else o.get("text") for o in outputs]
             assert [("".join(o["text"]) if isinstance(o.get("text"), list) else o.get("text")) for o in stripped] \
-                == texts, f"{path.relative_to(REPO)} stores progress-bar output (lab/scripts/strip-progress.py)"
+                == texts, f"{path.relative_to(REPO)} stores progress bars or profiler notes (the appendix's filter)"
 
 
 def _frame(slugs_configs) -> pd.DataFrame:

@@ -168,9 +168,10 @@ def data_root() -> Path:
 
 
 def producer_notebooks(root: Path) -> list[Path]:
-    """``<root>/<gpu>/<config>/produce.ipynb``, hidden (in-progress) folders left out."""
-    found = [p for p in sorted(root.glob("*/*/produce.ipynb")) if not any(part.startswith(".") for part in p.relative_to(root).parts)]
-    return found
+    """``<root>/<gpu>/<config>/produce.ipynb``, hidden (in-progress) folders left out; GPUs before CPUs (a CPU's
+    folder is ``cpu`` or ``cpu-<host>``), as every page lists devices."""
+    found = [p for p in root.glob("*/*/produce.ipynb") if not any(part.startswith(".") for part in p.relative_to(root).parts)]
+    return sorted(found, key=lambda p: (bool(CPU_LABEL.match(p.relative_to(root).parts[0])), p.relative_to(root).parts))
 
 
 def _text(x) -> str:
@@ -211,10 +212,18 @@ TQDM_WARNING = re.compile(r"[^\n]*TqdmWarning: IProgress not found[^\n]*\n?"
                           r"(?:[ \t]+from \.autonotebook import[^\n]*\n?)?")
 
 
+# torch's profiler (kineto) notes "USDT: ... profiler_start" at every start and stop: native noise, not the run's
+USDT = re.compile(r"^USDT:")
+WIDE = 160  # a printed table this wide is padded out to its longest value: its runs of spaces are narrowed
+CPU_LABEL = re.compile(r"cpu(?:$|[-_@.])")
+
+
 def _strip_stream(text: str) -> str:
     text = TQDM_WARNING.sub("", PROGRESS.sub("", text))
     lines = [seg for line in text.split("\n") for seg in line.split("\r")]
-    return "\n".join(line for line in lines if line.strip()) + ("\n" if lines and any(s.strip() for s in lines) else "")
+    lines = [re.sub(r" {3,}", "  ", line.rstrip()) if len(line) > WIDE else line.rstrip()
+             for line in lines if line.strip() and not USDT.match(line)]
+    return "\n".join(lines) + ("\n" if lines else "")
 
 
 def strip_progress(outputs: list[dict]) -> list[dict]:

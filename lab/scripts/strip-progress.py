@@ -1,4 +1,6 @@
-"""One-off rewrite of the stored producer notebooks without their progress bars (2026-12-05).
+"""One-off rewrite of the stored producer notebooks without their progress bars (2026-12-05); run again on
+2026-12-06 when the book's filter also took out the profiler's "USDT:" notes and narrowed the padding of the
+transposed run row that older notebooks printed (31 KB of spaces in one output; the appendix was 1.2 MB).
 
 Every ``produce.ipynb`` under DATA_DIR (``<gpu>/<run>/`` and ``<gpu>/ablation/<run>/``) kept tqdm's text bars
 as the kernel streamed them: one stderr message per redraw, some 3,300 in all, which the appendix drew as
