@@ -327,6 +327,30 @@ def cmd_ablation(args) -> None:
     exit_if_failed(results)
 
 
+def cmd_roofs(args) -> None:
+    from medddpm.measure import roofs
+    from medddpm.measure.env import gpu_slug, pick_device
+    from medddpm.measure.sweep import machine_label
+    from medddpm.measure.validate import check_label
+    from medddpm.store.lock import output_lock
+    from medddpm.store.schema import read_table
+
+    dev = pick_device(args.device)
+    if args.gpu_label is not None:
+        check_label(args.gpu_label)
+    label = gpu_slug(args.gpu_label or machine_label(args.out, dev))
+    target = roofs.path(args.out, label)
+    if target.is_file() and not args.force:
+        print(roofs.describe(read_table(target, "roofs")))
+        print(f"measured before, in {target} (--force measures them again)")
+        return
+    with output_lock(target, what="roofs"):  # one measurement of a label at a time
+        df = roofs.measure(dev, label=label)
+        path = roofs.write(df, args.out)
+    print(roofs.describe(df))
+    print(f"wrote {path}")
+
+
 def cmd_counters(args) -> None:
     import time
 

@@ -23,7 +23,8 @@ import math
 import numpy as np
 import pandas as pd
 
-from medddpm.measure import ncu_names, ncu_table
+from medddpm.analysis import ncu_names
+from medddpm.measure import ncu_table
 
 # Per-launch counters compared across configurations: (column of `ncu_table.kernel_summary`, what it is)
 LAYER_METRICS = {
