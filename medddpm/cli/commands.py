@@ -120,12 +120,19 @@ def cmd_claims(args) -> None:
     for slug, rows in table.groupby("gpu_slug", sort=False):
         counts = rows["verdict"].value_counts()
         print(f"{slug}: " + ", ".join(f"{counts.get(v, 0)} {v}" for v in claims.VERDICTS))
-        if slug in cpus:
-            print(f"  {claims.ON_CPU}")
-            continue
-        for r in rows.itertuples():
-            print(f"  {r.verdict:<15} {r.short}")
-            print(textwrap.fill(r.evidence, 100, initial_indent=" " * 18, subsequent_indent=" " * 18))
+    if cpus & set(table["gpu_slug"]):
+        print(f"  {', '.join(sorted(cpus & set(table['gpu_slug'])))}: {claims.ON_CPU}")
+    gpus = table[~table["gpu_slug"].isin(cpus)]
+    width = max((len(s) for s in gpus["gpu_slug"]), default=0) + 2
+    for _, rows in gpus.groupby("claim_id", sort=False):  # each card's verdict side by side
+        r = rows.iloc[0]
+        about = ", ".join(filter(None, [r["scope"], f"paper: {r['paper']}" if r["paper"] else "",
+                                        f"the paper's card: {r['paper_card']}" if r["paper_card"] else ""]))
+        print(f"\n{r['short']} [{about}]")
+        for d in rows.itertuples():
+            print(f"  {d.gpu_slug:<{width}}{d.verdict}")
+            print(textwrap.fill(d.evidence, 100, initial_indent=" " * (width + 2),
+                                subsequent_indent=" " * (width + 2)))
 
 
 def cmd_train(args) -> None:

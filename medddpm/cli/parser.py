@@ -252,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("claims", help="the paper's claims judged on the measurements, per device (no book build)")
     p.add_argument("--data", metavar="DIR", help="the data tree to read (default: the repository's data/)")
     p.add_argument("--json", action="store_true",
-                   help="a JSON list of {claim, device, verdict, rule, evidence, figures}")
+                   help="a JSON list, a claim each: {claim, text, scope, paper, paper_card, rule, verdicts: {device: "
+                        "{verdict, evidence, figures}}}")
     p.set_defaults(func=cmd_claims)
 
     p = sub.add_parser("roofs", help="measure this device's roofs: DRAM bandwidth (a device-to-device copy) and "

@@ -36,6 +36,7 @@ LAYER_METRICS = {
     "l2_hit_pct": "L2 hit rate (%)",
     "dram_throughput_pct": "DRAM throughput, % of peak",
     "stall_long_scoreboard": "long-scoreboard stall cycles per issued instruction",
+    "stall_math_pipe_throttle": "math-pipe-throttle stall cycles per issued instruction",
 }
 # Rates that average over kernels (weighted by step time); counts (cycles, instructions) do not.
 STEP_RATES = ("tensor_pipe_pct", "sm_throughput_pct", "l1_hit_pct", "l2_hit_pct", "dram_throughput_pct",

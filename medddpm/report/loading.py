@@ -40,6 +40,7 @@ ABLATION_DIR = "ablation"  # data/<gpu>/ablation/<run>/: `python -m medddpm abla
 TABLES = ("run", "steps", "kernels", "ncu", "quality")  # one file each in every run folder
 
 HOLDS, FAILS, NA = "holds", "does not hold", "not measurable"
+MAGNITUDE = "direction holds, magnitude differs"  # the effect goes the paper's way, its size lies outside the paper's
 UNDECIDED = "undecided"  # measured, but the spread of the measurements cannot tell (more seeds would)
 NOT_MEASURED = "not measured yet"
 _GIB = 2**30
