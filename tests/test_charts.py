@@ -18,7 +18,7 @@ import pytest
 
 from medddpm import report as bd
 from medddpm.store import schema
-from medddpm.report import charts, claims
+from medddpm.report import cards, charts, claims
 from medddpm.configs import CONFIGS
 
 REAL = Path(__file__).resolve().parent.parent / "data"
@@ -97,11 +97,18 @@ def with_gpu(data: bd.Data, slug: str = GPU, tf32_speedup: float = 4.0) -> bd.Da
         steps.append(s)
         top = k.sort_values("total_us", ascending=False)["kernel"].drop_duplicates().head(5).tolist()
         ncu_.append(_ncu_rows(rid, top, name).assign(gpu_slug=slug, config=name))
+    measured = {"dram": 2e12, "fp32": 40e12, "tf32": 300e12, "bf16": 600e12, "fp16": 600e12}  # made-up roofs
+    roofs = pd.DataFrame([{"gpu_slug": slug, "gpu_name": "NVIDIA Test GPU", "gpu_type": slug, "host": "h", "roof": r,
+                           "unit": "byte/s" if r == "dram" else "FLOP/s", "value": v, "p10": v, "p90": v,
+                           "repeats": 3, "size": 1, "method": "made up", "sm_clock_mhz": np.nan,
+                           "mem_clock_mhz": np.nan, "driver": "", "cuda": "", "torch": "", "git_commit": "",
+                           "start_time": ""} for r, v in measured.items()])
     return bd.Data(run=pd.concat([data.run, pd.DataFrame(runs)], ignore_index=True),
                    steps=pd.concat([data.steps, *steps], ignore_index=True),
                    kernels=pd.concat([data.kernels, *kern], ignore_index=True),
                    ncu=pd.concat([data.ncu, *ncu_], ignore_index=True),
-                   quality=pd.concat([data.quality, *qual], ignore_index=True), bench=data.bench)
+                   quality=pd.concat([data.quality, *qual], ignore_index=True), bench=data.bench,
+                   roofs=pd.concat([data.roofs, roofs], ignore_index=True))
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +122,7 @@ def all_charts(data: bd.Data, **kw) -> dict[str, alt.TopLevelMixin]:
     counters = bd.ncu_by_run(data.ncu, data.kernels)
     run = data.run[data.run["status"] == "ok"]
     mem = bd.memory_runs(run)
+    predicted, kernels = cards.predictions(data)
     return {
         "step_time": charts.step_time(summary, bd.floors(data.run, roofs=data.roofs), **kw),
         "speedup": charts.speedup(summary, **kw),
@@ -137,10 +145,12 @@ def all_charts(data: bd.Data, **kw) -> dict[str, alt.TopLevelMixin]:
         "memory_peaks": charts.memory_peaks(mem, **kw),
         "memory_fits": charts.memory_fits(bd.fits(bd.memory_model(mem)), **kw),
         "switch_costs": charts.switch_costs(bd.switch_costs(run), **kw),
+        "card_steps": charts.card_steps(cards.step_times(data, predicted), **kw),
+        "category_ratios": charts.category_ratios(cards.category_ratios(data, kernels), **kw),
     }
 
 
-NCU_CHARTS = {"tensor_pipe", "instruction_mix", "memory", "stalls", "priorities", "roofline"}
+NCU_CHARTS = {"tensor_pipe", "instruction_mix", "memory", "stalls", "priorities", "roofline", "category_ratios"}
 
 
 def _datasets(spec: dict) -> list[dict]:
@@ -510,7 +520,9 @@ def test_gpu_views_leave_cpu_rows_out_unless_asked(two, specs):
     assert charts.is_cpu("cpu") and charts.is_cpu("cpu-my-laptop") and not charts.is_cpu("nvidia-h200")
     asked = {name: chart.to_dict() for name, chart in all_charts(two, cpu=True).items()}
     for name, spec in specs.items():
-        if name not in NCU_CHARTS | {"bench", "memory_peaks", "memory_fits", "switch_costs"}:  # no CPU rows exist
+        # no CPU rows exist: counters, bench timings and peak memory are a GPU's, and cards are GPUs
+        if name not in NCU_CHARTS | {"bench", "memory_peaks", "memory_fits", "switch_costs", "card_steps",
+                                     "category_ratios"}:
             assert "cpu" in {r.get("gpu_slug") for r in _datasets(asked[name])}, f"{name}: cpu=True drops the CPU"
     # data of a CPU only: the chart says why it is empty instead of drawing the CPU
     cpu_only = bd.step_summary(two.run[two.run["gpu_slug"] == "cpu"])

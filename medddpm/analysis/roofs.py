@@ -105,10 +105,12 @@ def card_roofs(roofs: pd.DataFrame, slug: str, gpu_type: str | None = None) -> d
 
 
 def pair_of(roofs: pd.DataFrame, a: tuple[str, str], b: tuple[str, str]) -> tuple[dict, dict, str]:
-    """Two cards' roofs, each card given as (label, device type), roof by roof from one kind of source: both
-    measured where both cards have that roof measured, else both datasheet (where both datasheets have it); a
-    roof neither way gives for both is left out. Returns the two value dicts (byte/s, FLOP/s) and the source
-    used: "measured", "datasheet", "mixed" (some roofs of each) or "none"."""
+    """Two cards' roofs, each card given as (label, device type), roof by roof from one kind of source where one
+    serves both: both measured where both cards have that roof measured, else both datasheet where both
+    datasheets have it, else each card's best (a card with no datasheet measured against one never measured: a
+    "mixed" roof); a roof one card lacks altogether is left out. Returns the two value dicts (byte/s, FLOP/s) and
+    the source used: "measured", "datasheet", "mixed" (some roofs of each kind, or of both kinds at once) or
+    "none"."""
     ra, rb = card_roofs(roofs, *a), card_roofs(roofs, *b)
     sa, sb = datasheet_roofs(a[1]), datasheet_roofs(b[1])
     av, bv, used = {}, {}, set()
@@ -119,6 +121,9 @@ def pair_of(roofs: pd.DataFrame, a: tuple[str, str], b: tuple[str, str]) -> tupl
         elif r in sa and r in sb:
             av[r], bv[r] = sa[r].value, sb[r].value
             used.add(DATASHEET_SOURCE)
+        elif r in ra and r in rb:
+            av[r], bv[r] = ra[r].value, rb[r].value
+            used.add("mixed")
     return av, bv, used.pop() if len(used) == 1 else ("mixed" if used else "none")
 
 

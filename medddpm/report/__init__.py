@@ -2,7 +2,8 @@
 
 A facade over one module per page (as HTA's `TraceAnalysis` is over its analyses): `loading` reads the data
 tree and `roofs` gives each card's roofs (measured, else its datasheet's); `step_time`, `beyond`, `kernels`,
-`counters`, `cards`, `quality`, `memory` and `scaling` summarise it for their pages; `claims` judges the paper's
+`counters`, `quality`, `memory` and `scaling` summarise it for their pages (`cards`, the cross-card page's, is read
+as a module: `report.cards`); `claims` judges the paper's
 claims on it; `charts` draws the figures, `workshop` and `explore` serve the hands-on pages. Pages call ``report.<summary>(...)`` and the ``check_*`` functions, which assert that
 their numbers are sane. The figure and widget modules (Altair, ipywidgets) load only when imported.
 """
