@@ -172,10 +172,12 @@ def ensure(out: str | Path, label: str, device: str | torch.device | None = None
         with output_lock(target, what="roofs"):
             if target.is_file():
                 return None
-            print(f"roofs: measuring the bandwidth and matmul rates of {label} once, into {target}", file=sys.stderr)
+            # a progress line, as the sweep's own "[i/n] config: ..." lines
+            print(f"[roofs] {label}: measuring the bandwidth and matmul rates once, into {target}", file=sys.stderr,
+                  flush=True)
             return write(measure(device, label=label), out)
     except FolderInUse as e:
-        print(f"roofs: not measured here ({e})", file=sys.stderr)
+        print(f"[roofs] {label}: not measured here ({e})", file=sys.stderr)
         return None
 
 
