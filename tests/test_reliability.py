@@ -196,7 +196,7 @@ def test_a_crash_at_any_step_of_publishing_leaves_the_old_or_the_new_result(tmp_
     with lock.output_lock(final, lock_file=root / ".baseline.lock"):  # what the next sweep does first
         sw._clean(root, "baseline")
     assert _same(_tables(final), old) or _same(_tables(final), new), step
-    assert sorted(p.name for p in root.iterdir()) == ["baseline", "roofs.parquet"]  # the label's roofs beside, "the leftovers are gone, whatever their pid"
+    assert sorted(p.name for p in root.iterdir()) == ["baseline"], "the leftovers are gone, whatever their pid"
 
 
 def test_concurrent_publishers_never_leave_the_folder_missing(tmp_path):

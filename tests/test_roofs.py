@@ -121,7 +121,7 @@ def test_a_card_s_roofs_come_from_its_own_measurement_then_its_type_s_then_its_d
     assert used == "mixed" and b["dram"] / a["dram"] == pytest.approx(0.8 / 0.9) and b["fp16"] == a["fp16"]
 
 
-def test_pages_read_the_measured_roofs_and_say_the_datasheet_where_there_are_none(tmp_path):
+def test_pages_read_the_measured_roofs_and_say_the_datasheet_where_there_are_none():
     data = bd.load_all()
     assert data.roofs.empty or set(data.roofs["gpu_slug"]) <= set(data.run["gpu_slug"])
     peaks = bd.peaks_of("nvidia-h200", data.run, data.roofs)

@@ -3,7 +3,7 @@ someone measured them (`medddpm.measure.roofs`, table ``roofs`` in ``data/<label
 its maker's datasheet, each value with where it comes from.
 
 Measured roofs are what a program reaches on random data (a device-to-device copy, a large matmul); datasheet
-roofs are what the silicon could do at its boost clock, usually a tenth to a fifth higher. A comparison of two
+roofs are what the silicon could do at its boost clock, which no program reaches. A comparison of two
 cards therefore takes both cards' roofs from one kind of source (`pair_of`): measured against measured where both
 were measured, datasheet against datasheet otherwise, so that the source's own bias cancels.
 

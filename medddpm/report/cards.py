@@ -2,20 +2,21 @@
 category beside what the two cards' roofs predict for its arithmetic intensity, and a roofline model that
 predicts a configuration's step on card B from card A's profile.
 
-**The model** (`predict`). Card A's profile is its step's kernels (torch.profiler: each kernel's time a step) with
-their Nsight Compute counters (`kernel_rates`: DRAM bytes and FLOPs, CUDA-core and tensor-core, per second of
-the kernel). On card A each kernel is nearest one of its roofs: its DRAM traffic is a share `u_mem` of A's
-bandwidth, its FLOPs a share `u_comp` of A's rate in the kernel's precision, and the larger share is its bound.
-On card B a memory-bound kernel's time scales by the bandwidth ratio A/B and a compute-bound one's by the compute
-ratio A/B in its precision (`whole`). A second reading moves only the share of the kernel's time its roof
-accounts for and keeps the rest, latency, launch and low occupancy, which the same SMs at the same clocks do not
-change (`roof_part`); the truth of a kernel far below both roofs lies between the two. A kernel without counters
-takes the time-weighted factor of its category's kernels that have them, in its run or else in the card's other
-runs. The step scales as its kernel time: B's step = A's step x (B's kernel time / A's).
+**The model** (`predictions`, kernel by kernel in `predict_kernels`). Card A's profile is its step's kernels
+(torch.profiler: each kernel's time a step) with their Nsight Compute counters (`kernel_rates`: DRAM bytes and
+FLOPs, CUDA-core and tensor-core, per second of the kernel). On card A each kernel is nearest one of its roofs: its
+DRAM traffic is a share `u_mem` of A's bandwidth, its FLOPs a share `u_comp` of A's rate in the kernel's precision,
+and the larger share is its bound. On card B a memory-bound kernel's time scales by the bandwidth ratio A/B and a
+compute-bound one's by the compute ratio A/B in its precision (`whole`). A second reading moves only the share of
+the kernel's time its roof accounts for and keeps the rest, latency, launch and low occupancy, which the same SMs
+at the same clocks do not change (`roof_part`); a kernel far below both roofs likely lies between the two. A kernel
+without counters takes the time-weighted factor of its category's kernels that have them, in its run or else in the
+card's other runs. The step scales as its kernel time: B's step = A's step x (B's kernel time / A's).
 
 The two cards' roofs come from one kind of source (`analysis.roofs.pair_of`): measured against measured where
-both cards were measured, datasheet against datasheet otherwise ("mixed" where neither serves both). A card nobody measured (`ESTIMATE_CARDS`: an
-A100, a B200) is estimated the same way from its datasheet, and every such row says "estimate" and cites it.
+both cards were measured, datasheet against datasheet otherwise ("mixed" where neither serves both). A card
+nobody measured (`ESTIMATE_CARDS`: an A100, a B200) is estimated the same way from its datasheet, and every such
+row says "estimate" and cites it.
 """
 
 from __future__ import annotations
@@ -200,6 +201,10 @@ def step_times(data: Data, predicted: pd.DataFrame | None = None) -> pd.DataFram
     parts = [m[cols]]
     if predicted is not None and len(predicted):
         e = predicted[predicted["kind"] == ESTIMATE]
+        # one reference card per estimated card: the one whose counters cover the most of its steps
+        best = e.groupby(["card", "from_card"])["covered"].mean().reset_index().sort_values(
+            "covered", ascending=False, kind="stable").drop_duplicates("card")
+        e = e.merge(best[["card", "from_card"]], on=["card", "from_card"])
         parts.append(pd.DataFrame({
             "card": [f"{card_name(c)}, estimate from {f}" for c, f in zip(e["card"], e["from_card"])],
             "gpu_slug": e["card"], "config": e["config"], "kind": ESTIMATE, "train_median_ms": e["predicted_ms"],
@@ -276,8 +281,9 @@ def why(row: pd.Series) -> str:
     """One line on a kernel the model gets wrong, from what the counters say of it."""
     if row["bound"] == "no counters":
         return "no counters: it took its category's factor"
-    said = (f"{row['bound']}-bound at {row['u_roof']:.0%} of card A's {'DRAM' if row['bound'] == 'memory' else 'compute'} "
-            f"roof; the model moves it x{row['predicted_factor']:.2f}, it moved x{row['measured_factor']:.2f}")
+    roof = "DRAM" if row["bound"] == "memory" else "compute"
+    said = (f"{row['bound']}-bound at {row['u_roof']:.0%} of card A's {roof} roof; the model moves it "
+            f"x{row['predicted_factor']:.2f}, it moved x{row['measured_factor']:.2f}")
     if row["bound"] == "memory" and row["u_roof"] < 0.5 and abs(row["measured_factor"] - 1) < abs(
             row["predicted_factor"] - 1):
         said += ": far below the bandwidth roof, its time is latency and occupancy, which the bandwidth does not move"

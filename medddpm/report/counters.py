@@ -11,6 +11,7 @@ import pandas as pd
 
 from medddpm.analysis import roofs as ar
 from medddpm.report.loading import Data, _sort, gpu_types
+from medddpm.report.roofs import card_roofs
 
 _WEIGHTED = ("tensor_pipe_pct", "sm_throughput_pct", "memory_throughput_pct", "dram_throughput_pct", "l1_hit_pct",
              "l2_hit_pct", "achieved_occupancy_pct")
@@ -120,8 +121,6 @@ def kernel_flops(k: pd.DataFrame, run: pd.DataFrame | None = None, roofs: pd.Dat
     FMA is two), `flops_tensor` from the tensor pipe's active cycles (Nsight Compute counts no tensor-core FLOPs:
     the pipe's active share x the SMs' active cycles x the SMs x the card's dense FLOPs per SM and cycle in the
     kernel's precision, `tensor_precision`), `flops` their sum and `dram_bytes` the DRAM traffic."""
-    from medddpm.report.roofs import card_roofs
-
     run = run if run is not None else pd.DataFrame(columns=["run_id", "gpu_slug", "gpu_type", "precision_used"])
     out = k.copy()
     for col in ("run_id", "sm_count", "sm_frequency_hz", "sm_active_cycles", "tensor_pipe_pct", "flop_fp16",

@@ -26,7 +26,9 @@ def card_steps(steps: pd.DataFrame, *, cpu: bool = False) -> alt.LayerChart | al
                        "source"]])
     cards = list(dict.fromkeys(df.sort_values("kind", key=lambda k: k != "measured", kind="stable")["card"]))
     pick = alt.selection_point(fields=["card"], bind="legend")
-    base = alt.Chart(df)
+    # estimates are off at first: a slow card's estimate sets the axis and squeezes the measured bars
+    shown = alt.param(name="estimates", value=False, bind=alt.binding_checkbox(name="show the estimates "))
+    base = alt.Chart(df).transform_filter((alt.datum.kind == "measured") | shown)
     y = alt.Y("config:N", sort=_configs_in(df), title=None)
     offset = alt.YOffset("card:N", sort=cards)
     tip = [alt.Tooltip("card:N"), alt.Tooltip("config:N", title="configuration"), alt.Tooltip("kind:N"),
@@ -36,18 +38,19 @@ def card_steps(steps: pd.DataFrame, *, cpu: bool = False) -> alt.LayerChart | al
     bars = base.mark_bar().encode(
         y=y, yOffset=offset, x=alt.X("train_median_ms:Q", title="median micro-step time (ms)"),
         color=alt.Color("card:N", sort=cards, scale=alt.Scale(domain=cards, range=distinct_colors(len(cards))),
-                        legend=alt.Legend(title="card (click)", orient="bottom", direction="vertical", labelLimit=420)),
+                        legend=alt.Legend(title="card (click)", orient="bottom", direction="vertical", labelLimit=420,
+                                          symbolOpacity=1)),
         opacity=alt.condition(pick, alt.Opacity("kind:N", scale=alt.Scale(domain=["measured", "estimate"],
                                                                            range=[1.0, 0.45]), legend=None),
                               alt.value(0.1)),
         tooltip=tip).add_params(pick)
     spread = base.transform_filter(alt.datum.kind == "measured").mark_rule(color="black").encode(
         y=y, yOffset=offset, x="train_p10_ms:Q", x2="train_p90_ms:Q", tooltip=tip)
-    return alt.layer(bars, spread).properties(
+    return alt.layer(bars, spread).add_params(shown).properties(
         width="container", height=alt.Step(max(8, 30 // max(len(cards), 1))),
         title=title("A training micro-step on every card",
                     ["forward + backward + Adam; whisker: p10-p90 of the measured steps",
-                     "pale: an estimate from another card's profile and this card's datasheet"]))
+                     "pale, with the box ticked: an estimate from another card's profile and this card's datasheet"]))
 
 
 @figure
@@ -70,14 +73,15 @@ def category_ratios(ratios: pd.DataFrame, *, cpu: bool = False) -> alt.LayerChar
     lo, hi = decades(long["ratio"])
     scale, axis = log_axis(lo, hi, "card B's time over card A's (x, log scale)")
     whats = list(WHAT.values())
+    legend = alt.Legend(title=None, orient="bottom", direction="vertical")  # one legend: shape and colour agree
     order = [c for c in CATEGORIES if c in set(long["category"])] + sorted(set(long["category"]) - set(CATEGORIES))
     points = alt.Chart(long).transform_filter((alt.datum.pair == pair) & (alt.datum.config == cfg)).mark_point(
         size=120, filled=True, strokeWidth=2.5).encode(
         y=alt.Y("category:N", sort=order, title=None),
+        yOffset=alt.YOffset("what:N", sort=whats),  # the three side by side: equal ratios would hide one another
         x=alt.X("ratio:Q", scale=scale, axis=axis),
-        shape=alt.Shape("what:N", sort=whats, scale=alt.Scale(domain=whats, range=WHAT_SHAPES),
-                        legend=alt.Legend(title=None, orient="bottom", direction="vertical")),
-        color=alt.Color("what:N", sort=whats, scale=alt.Scale(domain=whats, range=WHAT_COLORS), legend=None),
+        shape=alt.Shape("what:N", sort=whats, scale=alt.Scale(domain=whats, range=WHAT_SHAPES), legend=legend),
+        color=alt.Color("what:N", sort=whats, scale=alt.Scale(domain=whats, range=WHAT_COLORS), legend=legend),
         tooltip=[alt.Tooltip("pair:N", title="cards (A → B)"), alt.Tooltip("config:N", title="configuration"),
                  alt.Tooltip("category:N"), alt.Tooltip("what:N"),
                  alt.Tooltip("ratio:Q", title="B's time / A's (x)", format=".3~r"),
@@ -86,7 +90,7 @@ def category_ratios(ratios: pd.DataFrame, *, cpu: bool = False) -> alt.LayerChar
                  alt.Tooltip("bound_a:N", title="roof it is under at that intensity")])
     one = alt.Chart(pd.DataFrame({"x": [1.0]})).mark_rule(strokeDash=[4, 3], color="#666").encode(x="x:Q")
     return alt.layer(one, points).add_params(pair, cfg).properties(
-        width="container", height=alt.Step(26),
+        width="container", height=alt.Step(11),  # a step per marker: three to a category
         title=title("Card against card, kernel category by category",
                     ["dashed: the same time on both cards; a memory-bound category should move with the",
                      "bandwidth ratio, a compute-bound one with the compute ratio"]))

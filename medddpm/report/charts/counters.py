@@ -164,8 +164,9 @@ def _roofs(df: pd.DataFrame, roofs: pd.DataFrame, lo: int, hi: int) -> tuple[pd.
             for ai in (left, ridge, 10.0**hi):
                 if left <= ai <= 10.0**hi:
                     lines.append({"gpu_slug": slug, "roof": name, "intensity": ai, "tflops": min(peak, ai * bw) / 1e12})
+            # one line each: roofs a factor of two apart (TF32 and bf16) are a line's height apart on the plot
             labels.append({"gpu_slug": slug, "roof": name, "intensity": 10.0**hi, "tflops": peak / 1e12,
-                           "text": f"compute roof, {name} ({source})\n{peak / 1e12:.3g} TFLOP/s", "align": "right"})
+                           "text": f"compute roof {name} ({source}): {peak / 1e12:.3g} TFLOP/s", "align": "right"})
     return pd.DataFrame(lines), pd.DataFrame(labels)
 
 
@@ -220,7 +221,7 @@ def roofline(points: pd.DataFrame, roofs: pd.DataFrame | None = None, *,
         style = {"align": "right", "baseline": "bottom", "fontSize": 11, "color": "#333", "lineBreak": "\n"}
         layers = [roof.encode(x=x, y=y, detail="roof:N", tooltip=[alt.Tooltip("roof:N")]),
                   text.transform_filter(alt.datum.align == "right").mark_text(
-                      dx=-4, dy=-16, **style).encode(
+                      dx=-4, dy=-3, **style).encode(
                       x=x, y=y, text="text:N"),
                   text.transform_filter(alt.datum.align == "left").mark_text(
                       dx=-6, dy=-18, **style).encode(
