@@ -229,7 +229,8 @@ def roofline(points: pd.DataFrame, roofs: pd.DataFrame | None = None, *,
                   dots]
     return alt.layer(*layers).add_params(gpu).properties(
         width="container", height=380,
-        title=title("Roofline", "a dot per kernel, its area the kernel's duration; dashed: the roofs"))
+        title=title("Roofline", "a dot per kernel: its profiled launches, duration-weighted, their total time its "
+                    "area; dashed: roofs"))
 
 
 __all__ = ["MEMORY_METRICS", "instruction_mix", "memory", "priorities", "roofline", "stalls",
