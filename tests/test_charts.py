@@ -18,7 +18,7 @@ import pytest
 
 from medddpm import report as bd
 from medddpm.store import schema
-from medddpm.report import charts, claims
+from medddpm.report import cards, charts, claims
 from medddpm.configs import CONFIGS
 
 REAL = Path(__file__).resolve().parent.parent / "data"
@@ -97,11 +97,18 @@ def with_gpu(data: bd.Data, slug: str = GPU, tf32_speedup: float = 4.0) -> bd.Da
         steps.append(s)
         top = k.sort_values("total_us", ascending=False)["kernel"].drop_duplicates().head(5).tolist()
         ncu_.append(_ncu_rows(rid, top, name).assign(gpu_slug=slug, config=name))
+    measured = {"dram": 2e12, "fp32": 40e12, "tf32": 300e12, "bf16": 600e12, "fp16": 600e12}  # made-up roofs
+    roofs = pd.DataFrame([{"gpu_slug": slug, "gpu_name": "NVIDIA Test GPU", "gpu_type": slug, "host": "h", "roof": r,
+                           "unit": "byte/s" if r == "dram" else "FLOP/s", "value": v, "p10": v, "p90": v,
+                           "repeats": 3, "size": 1, "method": "made up", "sm_clock_mhz": np.nan,
+                           "mem_clock_mhz": np.nan, "driver": "", "cuda": "", "torch": "", "git_commit": "",
+                           "start_time": ""} for r, v in measured.items()])
     return bd.Data(run=pd.concat([data.run, pd.DataFrame(runs)], ignore_index=True),
                    steps=pd.concat([data.steps, *steps], ignore_index=True),
                    kernels=pd.concat([data.kernels, *kern], ignore_index=True),
                    ncu=pd.concat([data.ncu, *ncu_], ignore_index=True),
-                   quality=pd.concat([data.quality, *qual], ignore_index=True), bench=data.bench)
+                   quality=pd.concat([data.quality, *qual], ignore_index=True), bench=data.bench,
+                   roofs=pd.concat([data.roofs, roofs], ignore_index=True))
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +122,9 @@ def all_charts(data: bd.Data, **kw) -> dict[str, alt.TopLevelMixin]:
     counters = bd.ncu_by_run(data.ncu, data.kernels)
     run = data.run[data.run["status"] == "ok"]
     mem = bd.memory_runs(run)
+    predicted, kernels = cards.predictions(data)
     return {
-        "step_time": charts.step_time(summary, bd.floors(data.run), **kw),
+        "step_time": charts.step_time(summary, bd.floors(data.run, roofs=data.roofs), **kw),
         "speedup": charts.speedup(summary, **kw),
         "cost": charts.cost(summary, **kw),
         "bench": charts.bench(data.bench, **kw),
@@ -128,7 +136,7 @@ def all_charts(data: bd.Data, **kw) -> dict[str, alt.TopLevelMixin]:
         "memory": charts.memory(counters, **kw),
         "stalls": charts.stalls(counters, **kw),
         "priorities": charts.priorities(bd.ncu_priorities(data), **kw),
-        "roofline": charts.roofline(bd.roofline_points(data.ncu), **kw),
+        "roofline": charts.roofline(bd.roofline_points(data.ncu, data.run, data.roofs), bd.roofs_view(data), **kw),
         "gpu_busy": charts.gpu_busy(bd.gpu_busy(data), **kw),
         "loss_curves": charts.loss_curves(data.quality, **kw),
         "loss_difference": charts.loss_difference(data.quality, **kw),
@@ -137,10 +145,12 @@ def all_charts(data: bd.Data, **kw) -> dict[str, alt.TopLevelMixin]:
         "memory_peaks": charts.memory_peaks(mem, **kw),
         "memory_fits": charts.memory_fits(bd.fits(bd.memory_model(mem)), **kw),
         "switch_costs": charts.switch_costs(bd.switch_costs(run), **kw),
+        "card_steps": charts.card_steps(cards.step_times(data, predicted), **kw),
+        "category_ratios": charts.category_ratios(cards.category_ratios(data, kernels), **kw),
     }
 
 
-NCU_CHARTS = {"tensor_pipe", "instruction_mix", "memory", "stalls", "priorities", "roofline"}
+NCU_CHARTS = {"tensor_pipe", "instruction_mix", "memory", "stalls", "priorities", "roofline", "category_ratios"}
 
 
 def _datasets(spec: dict) -> list[dict]:
@@ -410,7 +420,8 @@ def test_ncu_coverage_says_what_the_counters_stand_for(real):
     ncu_df = real.ncu[real.ncu["run_id"] == run_id]
     one = ncu_df[ncu_df["kernel"] == ncu_df["kernel"].iloc[0]]
     k = real.kernels[real.kernels["run_id"] == run_id]
-    from medddpm.measure import ncu, ncu_names
+    from medddpm.analysis import ncu_names
+    from medddpm.measure import ncu
 
     share = ncu.covered(k, ncu_names.match_kernel(one["kernel"].iloc[0], k["kernel"].unique().tolist()))
     less = bd.ncu_coverage(bd.Data(run=real.run, steps=real.steps, kernels=real.kernels, ncu=one, quality=real.quality))
@@ -513,7 +524,9 @@ def test_gpu_views_leave_cpu_rows_out_unless_asked(two, specs):
     assert charts.is_cpu("cpu") and charts.is_cpu("cpu-my-laptop") and not charts.is_cpu("nvidia-h200")
     asked = {name: chart.to_dict() for name, chart in all_charts(two, cpu=True).items()}
     for name, spec in specs.items():
-        if name not in NCU_CHARTS | {"bench", "memory_peaks", "memory_fits", "switch_costs"}:  # no CPU rows exist
+        # no CPU rows exist: counters, bench timings and peak memory are a GPU's, and cards are GPUs
+        if name not in NCU_CHARTS | {"bench", "memory_peaks", "memory_fits", "switch_costs", "card_steps",
+                                     "category_ratios"}:
             assert "cpu" in {r.get("gpu_slug") for r in _datasets(asked[name])}, f"{name}: cpu=True drops the CPU"
     # data of a CPU only: the chart says why it is empty instead of drawing the CPU
     cpu_only = bd.step_summary(two.run[two.run["gpu_slug"] == "cpu"])
@@ -736,11 +749,13 @@ def test_roofline_names_its_roofs_and_its_x_labels_do_not_collide(specs):
         assert xb - xa >= 3.2 * (len(a) + len(b)) + 4, f"x labels {a!r} and {b!r} collide at 320 px"
     assert "memory roof" in svg and "TB/s" in svg, "the memory roof has no label"
 
-    from medddpm.report.step_time import PEAKS
-
-    drawn = re.findall(r"<tspan[^>]*>([^<]*)</tspan>", svg)  # the text marks' lines (aria labels repeat them)
-    assert sum(t.startswith("compute roof") for t in drawn) == len(PEAKS["nvidia-h200"]), drawn
-    assert sum(t.endswith(" TFLOP/s") for t in drawn) == len(PEAKS["nvidia-h200"]), drawn
+    # the H200's roofs: no measurement committed, so its datasheet's, one label per distinct rate
+    rates = {v for r, (v, _) in bd.peaks_of("nvidia-h200").items()}
+    # the text marks' lines: a label of one line is a <text>, of several a <tspan> each (aria labels repeat them)
+    drawn = re.findall(r"<tspan[^>]*>([^<]*)</tspan>", svg) + re.findall(r"<text[^>]*>([^<]+)</text>", svg)
+    assert sum(t.startswith("compute roof") for t in drawn) == len(rates) >= 3, drawn
+    assert sum(t.endswith(" TFLOP/s") for t in drawn) == len(rates), drawn
+    assert all("(datasheet)" in t for t in drawn if t.startswith(("compute roof", "memory roof"))), drawn
 
 
 def test_a_machine_kept_beside_ours_has_the_peaks_of_its_device_type(real):

@@ -1,6 +1,7 @@
-"""The claims as rules: each can come out either way, CPU rows never judge one, and the matched-layer and
-step-weighted figures compare what they say they compare. The data are built here, small and by hand: a GPU
-of the smoke model (16^3) whose counters are made to agree with every claim, or to contradict every one."""
+"""The claims as rules: each can come out every way it has (holds; direction holds but magnitude differs; does not
+hold), CPU rows never judge one, and the matched-layer and step-weighted figures compare what they say they
+compare. The data are built here, small and by hand: a GPU of the smoke model (16^3) whose counters are made to
+agree with every claim, to agree in direction but not in size, or to contradict every one."""
 
 from __future__ import annotations
 
@@ -23,13 +24,18 @@ RAW = {"duration_ns": "gpu__time_duration.sum", "sm_active_cycles": "sm__cycles_
        "sm_throughput_pct": "sm__throughput.avg.pct_of_peak_sustained_elapsed",
        "l1_hit_pct": "l1tex__t_sector_hit_rate.pct", "l2_hit_pct": "lts__t_sector_hit_rate.pct",
        "dram_throughput_pct": "dram__throughput.avg.pct_of_peak_sustained_elapsed",
-       "stall_long_scoreboard": "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio"}
+       "stall_long_scoreboard": "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
+       "stall_math_pipe_throttle": "smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio",
+       "inst_fp32": "smsp__sass_thread_inst_executed_op_fp32_pred_on.sum"}
 LAYER = "conv3d 32>32 k3 s1 @16x16x16"  # a layer of the smoke model (4 instances a step)
 CONV = {"baseline": "sm80_xmma_wgrad_implicit_gemm_f32f32_f32f32_f32_nchwkcrs_nchw_kernel",
         "opt1": "sm90_xmma_wgrad_indexed_implicit_gemm_f32f32_tf32f32_f32_nhwckrsc_nhwc_kernel__5x_cudnn"}
 NORM = "void at::native::(anonymous namespace)::RowwiseMomentsCUDAKernel<float>(long, float, float const*)"
 LAYOUT = "void cudnn::engines_precompiled::nchwToNhwcKernel<float, float, float, false, true>(params, float const*)"
 ADD = "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float> >(int)"
+TF32_ROOF = 400e12  # the made-up card's TF32 roof (FLOP/s)
+AGREE, SIZE, CONTRADICT = "agree", "direction only", "contradict"
+BANDED = {c.id for c in claims.CLAIMS if c.band is not None}
 
 
 def launch(kernel_id: int, kernel: str, *, layer: str = "", rules: dict | None = None, **metrics) -> list[dict]:
@@ -45,40 +51,59 @@ def launch(kernel_id: int, kernel: str, *, layer: str = "", rules: dict | None =
     return rows
 
 
-def gpu_data(agree: bool, slug: str = GPU) -> bd.Data:
-    """One GPU with the paper's four configurations, sdpa and compile: every claim holds (`agree`) or every
-    claim fails."""
-    def pick(yes, no):
-        return yes if agree else no
+def roofs_of(slug: str) -> pd.DataFrame:
+    """The made-up card's measured roofs."""
+    values = {"dram": 3e12, "fp32": 60e12, "tf32": TF32_ROOF, "bf16": 800e12, "fp16": 800e12}
+    return pd.DataFrame([{"gpu_slug": slug, "gpu_name": "NVIDIA Test", "gpu_type": slug, "host": "h", "roof": r,
+                          "unit": "byte/s" if r == "dram" else "FLOP/s", "value": v, "p10": v, "p90": v,
+                          "repeats": 3, "size": 1, "method": "made up", "sm_clock_mhz": 1.0, "mem_clock_mhz": 1.0,
+                          "driver": "", "cuda": "", "torch": "", "git_commit": "", "start_time": ""}
+                         for r, v in values.items()])
+
+
+def gpu_data(mode: str | bool, slug: str = GPU) -> bd.Data:
+    """One GPU with the paper's four configurations, sdpa and compile: every claim holds (`AGREE`, or True); every
+    claim goes the paper's way but each magnitude the paper gives lies outside its band (`SIZE`); or every claim
+    fails (`CONTRADICT`, or False)."""
+    mode = {True: AGREE, False: CONTRADICT}.get(mode, mode)
+
+    def pick(yes, no, size=None):
+        return no if mode == CONTRADICT else size if mode == SIZE and size is not None else yes
 
     ms = {"baseline": 1000.0, "opt1": pick(200.0, 990.0), "opt2": 1000.0, "opt12": pick(400.0, 1100.0),
           "sdpa": 300.0, "compile": pick(100.0, 290.0)}
-    conv_share = pick(0.9, 0.3)
+    conv_share = {c: pick(0.9, 0.3) for c in ms} | {"opt12": pick(0.3, 0.9)}
     layout_share = {"opt2": pick(0.3, 0.02), "opt12": pick(0.3, 0.02)}
+    add_share = {"opt12": pick(0.3, 0.01)}  # element-wise: outweighs the convolutions in opt12, or not
     rate = {  # step-weighted rates, per configuration
-        "tensor_pipe_pct": {"baseline": 1.0, "opt1": 20.0, "opt2": pick(1.5, 30.0), "opt12": pick(10.0, 25.0)},
-        "sm_throughput_pct": {"baseline": 60.0, "opt1": 40.0, "opt2": pick(30.0, 60.0), "opt12": 35.0},
+        "tensor_pipe_pct": {"baseline": 1.0, "opt1": 20.0, "opt2": pick(1.5, 30.0, 0.4), "opt12": pick(10.0, 25.0)},
+        "sm_throughput_pct": {"baseline": 60.0, "opt1": 40.0, "opt2": pick(30.0, 60.0, 48.0), "opt12": 35.0},
         "l1_hit_pct": {"baseline": pick(40.0, 80.0), "opt1": 20.0, "opt2": 40.0, "opt12": 20.0},
-        "l2_hit_pct": {"baseline": 70.0, "opt1": 60.0, "opt2": pick(85.0, 50.0), "opt12": 60.0},
+        "l2_hit_pct": {"baseline": pick(70.0, 70.0, 40.0), "opt1": 60.0, "opt2": pick(85.0, 50.0, 50.0), "opt12": 60.0},
         "dram_throughput_pct": {"baseline": 20.0, "opt1": 30.0, "opt2": pick(5.0, 40.0), "opt12": 30.0},
+        "inst_fp32": {"baseline": 1e9, "opt1": 1e8, "opt2": 1e9, "opt12": 1e8},  # a count: per launch
     }
     rate["tensor_pipe_pct"]["opt1"] = pick(20.0, 80.0)  # "low tensor-core use": under 50% or not
     # the matched layer's counters (a: baseline, b: opt1), kernel against kernel
-    layer = {"sm_active_cycles": (1e7, pick(1e6, 2e7)), "inst_executed": (1e9, pick(1e8, 2e9)),
-             "tensor_pipe_pct": (1.0, pick(40.0, 1.2)), "l1_hit_pct": (60.0, pick(20.0, 70.0)),
-             "dram_throughput_pct": (1.0, pick(10.0, 0.5)), "stall_long_scoreboard": (0.5, pick(1.0, 0.2))}
+    layer = {"sm_active_cycles": (1e7, pick(2e6, 2e7, 1e6)), "inst_executed": (1e9, pick(1e7, 2e9, 1e8)),
+             "tensor_pipe_pct": (1.0, pick(5.0, 1.05, 40.0)), "l1_hit_pct": (60.0, pick(20.0, 70.0)),
+             "dram_throughput_pct": (1.0, pick(10.0, 0.5)), "stall_long_scoreboard": (0.5, pick(1.0, 0.2)),
+             "stall_math_pipe_throttle": (0.4, pick(0.05, 0.6))}
     rules = {("Memory Workload Analysis Tables", "MemoryCacheAccessPattern"): pick(40.0, 1.0),
              ("Warp State Statistics", "CPIStall"): pick(40.0, 1.0)}
+    # opt12 reaches 10% of the TF32 roof, or 80%
+    flops = {c: 1e12 for c in ms} | {"opt12": pick(0.1, 0.8) * TF32_ROOF * ms["opt12"] / 1e3}
     runs, kernels, counters, quality = [], [], [], []
     for config, step in ms.items():
         rid = f"{slug}/{config}/20260101T000000Z"
         runs.append({**schema.empty("run").iloc[0:0].to_dict(), "run_id": rid, "status": "ok", "gpu_name": "NVIDIA Test",
-                     "gpu_slug": slug, "config": config, "train_median_ms": step, "preset": "smoke",
+                     "gpu_slug": slug, "gpu_type": slug, "config": config, "train_median_ms": step, "preset": "smoke",
                      "shape": "16x16x16", "mask_channels": 3, "image_channels": 1, "num_res_blocks": 1,
+                     "flops_per_step": flops[config],
                      "precision_used": "tf32" if config in ("opt1", "opt12") else "fp32"})
         conv = CONV["opt1" if config in ("opt1", "opt12") else "baseline"]
-        lay = layout_share.get(config, 0.01)
-        shares = {conv: conv_share, LAYOUT: lay, NORM: 1 - conv_share - lay - 0.01, ADD: 0.01}
+        lay, add = layout_share.get(config, 0.01), add_share.get(config, 0.01)
+        shares = {conv: conv_share[config], LAYOUT: lay, NORM: 1 - conv_share[config] - lay - add, ADD: add}
         kernels.append(pd.DataFrame({"run_id": rid, "kernel": list(shares), "share": list(shares.values()),
                                      "category": ["convolution", "layout", "normalization", "elementwise"],
                                      "total_us": [s * step * 1e3 for s in shares.values()], "calls": 2, "steps": 1,
@@ -103,7 +128,8 @@ def gpu_data(agree: bool, slug: str = GPU) -> bd.Data:
                                          "baseline_loss": [0.5, pick(0.4, 0.2)], "rel_err": pick(1e-3, 0.1),
                                          "gpu_slug": slug, "config": config}))
     return bd.Data(run=pd.DataFrame(runs), steps=schema.empty("steps"), kernels=pd.concat(kernels, ignore_index=True),
-                   ncu=pd.concat(counters, ignore_index=True), quality=pd.concat(quality, ignore_index=True))
+                   ncu=pd.concat(counters, ignore_index=True), quality=pd.concat(quality, ignore_index=True),
+                   roofs=roofs_of(slug))
 
 
 def study(agree: bool, slug: str = GPU):
@@ -126,11 +152,81 @@ def verdicts(data: bd.Data, slug: str = GPU) -> dict[str, str]:
     return t[t["gpu_slug"] == slug].set_index("claim_id")["verdict"].to_dict()
 
 
-def test_every_claim_holds_on_data_that_agrees_and_fails_on_data_that_contradicts_it():
-    agree, contradict = verdicts(gpu_data(True)), verdicts(gpu_data(False))
+def test_every_claim_comes_out_each_way_it_has():
+    """Data that agrees: every claim holds. Data that goes the paper's way at another size: every claim with a
+    magnitude says so, the others hold. Data that contradicts: every claim fails."""
+    agree, size, contradict = (verdicts(gpu_data(m)) for m in (AGREE, SIZE, CONTRADICT))
     assert set(agree) == {c.id for c in claims.CLAIMS}
     assert {c: v for c, v in agree.items() if v != bd.HOLDS} == {}
+    assert {c for c, v in size.items() if v == bd.MAGNITUDE} == BANDED
+    assert {c: v for c, v in size.items() if c not in BANDED and v != bd.HOLDS} == {}
     assert {c: v for c, v in contradict.items() if v != bd.FAILS} == {}
+    assert BANDED == {"tf32-cycles", "tf32-instructions", "tf32-tensor", "cl-tensor", "cl-sm", "cl-cache"}
+
+
+def test_a_magnitude_is_held_against_the_paper_s_band_in_the_claim_s_own_scope():
+    t = claims.verdicts(gpu_data(SIZE)).set_index("claim_id")
+    f = t.loc["tf32-cycles", "figures"]
+    assert f["magnitude"] == pytest.approx(10.0) and f["band"] == pytest.approx([5 / 1.5, 7.5])
+    assert "outside 3.33-7.5x" in t.loc["tf32-cycles", "evidence"] and t.loc["tf32-cycles", "paper"] == "up to 5x"
+    assert t.loc["cl-tensor", "figures"]["magnitude"] == pytest.approx(0.4) and t.loc["cl-tensor", "scope"] == claims.STEP
+    assert set(t["scope"]) <= set(claims.SCOPES) and t.loc["tf32-memory", "scope"] == claims.MATCHED
+    assert {c.scope for c in claims.CLAIMS if c.id.startswith("tf32-") and c.id not in
+            ("tf32-quality", "tf32-samples")} == {claims.MATCHED}
+    holds = claims.verdicts(gpu_data(AGREE)).set_index("claim_id")
+    assert "inside" in holds.loc["tf32-cycles", "evidence"]
+
+
+def test_figures_of_another_scope_stand_beside_as_context_and_name_their_scope():
+    """The L1 hit rate of the matched layer and of the whole step differ; each claim says which it judged, and the
+    TF32 instruction cut shows the per-step figure beside the per-layer one."""
+    t = claims.verdicts(gpu_data(AGREE)).set_index("claim_id")
+    assert "over its whole step" in t.loc["inefficiency-sources", "evidence"]
+    memory = t.loc["tf32-memory", "evidence"]
+    assert memory.startswith("matched layer") and "(context, step-weighted: the whole step's L1 hit rate" in memory
+    assert "(context, step-weighted: the thread instructions of a whole step" in t.loc["tf32-instructions", "evidence"]
+    assert "(context, step time: the whole step" in t.loc["tf32-cycles", "evidence"]
+
+
+@pytest.mark.parametrize("part, change", [
+    ("math-pipe-throttle stalls fall", {"stall_math_pipe_throttle": (0.4, 0.6)}),
+    ("long-scoreboard stalls rise", {"stall_long_scoreboard": (0.5, 0.3)}),
+])
+def test_the_h100_stall_claim_needs_both_of_its_parts(part, change):
+    data = gpu_data(AGREE)
+    ncu = data.ncu.copy()
+    for metric, (a, b) in change.items():
+        at = (ncu["metric"] == RAW[metric]) & (ncu["kernel_id"] == 10)
+        ncu.loc[at & (ncu["config"] == "baseline"), "value"] = a
+        ncu.loc[at & (ncu["config"] == "opt1"), "value"] = b
+    row = claims.verdicts(bd.Data(**{**data.__dict__, "ncu": ncu})).set_index("claim_id").loc["tf32-stalls"]
+    assert row["verdict"] == bd.FAILS and row["evidence"].endswith(f"(not so: {part})")
+    assert row["paper_card"] == "H100"
+
+
+def test_opt12_against_the_card_s_roof_reads_the_measured_roofs_else_says_what_is_missing():
+    data = gpu_data(AGREE)
+    row = claims.verdicts(data).set_index("claim_id").loc["opt12-peak"]
+    assert row["verdict"] == bd.HOLDS and row["figures"]["fraction_of_peak"] == pytest.approx(0.1)
+    assert "TF32 roof (400 TFLOP/s, measured under nvidia-test-gpu" in row["evidence"]
+    no_roofs = bd.Data(**{**data.__dict__, "roofs": schema.empty("roofs")})
+    row = claims.verdicts(no_roofs).set_index("claim_id").loc["opt12-peak"]
+    assert row["verdict"] == bd.NA and "no roof" in row["evidence"]
+
+
+def test_each_card_s_verdicts_stand_side_by_side():
+    a, b = gpu_data(AGREE), gpu_data(SIZE, slug="nvidia-h100-test")
+    both = bd.Data(**{k: pd.concat([getattr(a, k), getattr(b, k)], ignore_index=True)
+                      for k in ("run", "steps", "kernels", "ncu", "quality", "roofs")})
+    table = claims.verdicts(both)
+    wide = claims.side_by_side(table).set_index("claim_id")
+    assert list(wide.columns) == ["short", "scope", "paper", "paper_card", "nvidia-h100-test", GPU]
+    assert wide.loc["tf32-cycles", GPU] == bd.HOLDS and wide.loc["tf32-cycles", "nvidia-h100-test"] == bd.MAGNITUDE
+    assert wide.loc["opt12-peak", "paper_card"] == "H100"
+    doc = {c["claim"]: c for c in json.loads(claims.as_json(table))}
+    assert set(doc["tf32-cycles"]["verdicts"]) == {GPU, "nvidia-h100-test"}
+    assert doc["tf32-cycles"]["verdicts"]["nvidia-h100-test"]["verdict"] == bd.MAGNITUDE
+    assert doc["tf32-cycles"]["paper"] == "up to 5x" and doc["conv-dominates"]["paper"] is None
 
 
 def test_inefficiency_sources_names_each_source_it_could_not_show():
@@ -150,13 +246,14 @@ def test_cpu_rows_never_judge_a_claim_and_the_headline_counts_gpus_only():
     cpu = gpu_data(True, slug="cpu")
     cpu.run["gpu_name"] = "cpu"
     both = bd.Data(run=pd.concat([gpu.run, cpu.run]), steps=gpu.steps, kernels=pd.concat([gpu.kernels, cpu.kernels]),
-                   ncu=pd.concat([gpu.ncu, cpu.ncu]), quality=pd.concat([gpu.quality, cpu.quality]))
+                   ncu=pd.concat([gpu.ncu, cpu.ncu]), quality=pd.concat([gpu.quality, cpu.quality]), roofs=gpu.roofs)
     table = claims.verdicts(both, study=study(True))
     assert list(dict.fromkeys(table["gpu_slug"])) == [GPU, "cpu"]  # GPUs first
     on_cpu = table[table["gpu_slug"] == "cpu"]
     assert (on_cpu["verdict"] == bd.NA).all() and (on_cpu["evidence"] == claims.ON_CPU).all()
     head = claims.headline(table)
     assert list(head.index) == [GPU] and head.loc[GPU, bd.HOLDS] == len(claims.CLAIMS)
+    assert list(head.columns) == list(claims.VERDICTS)
 
 
 def test_tf32_claims_are_not_measurable_without_a_matched_layer_and_say_what_to_run():
@@ -180,9 +277,9 @@ def test_matched_layers_compare_the_main_kernel_of_one_layer_and_direction():
     assert m[["layer", "direction", "instances"]].values.tolist() == [[LAYER, "wgrad", 4]]
     row = m.iloc[0]
     assert "reduce_wgrad" not in row["kernel_a"] + row["kernel_b"]  # a helper never stands for the layer
-    assert row["sm_cycles_ratio"] == pytest.approx(10.0) and row["instructions_ratio"] == pytest.approx(10.0)
+    assert row["sm_cycles_ratio"] == pytest.approx(5.0) and row["instructions_ratio"] == pytest.approx(100.0)
     assert row["step_ms_a"] == pytest.approx(4 * 4e6 / 1e6)
-    assert m.loc[0, "tensor_pipe_pct_a"] == 1.0 and m.loc[0, "tensor_pipe_pct_b"] == 40.0
+    assert m.loc[0, "tensor_pipe_pct_a"] == 1.0 and m.loc[0, "tensor_pipe_pct_b"] == 5.0
 
 
 def test_step_weighted_rates_weight_kernels_by_their_step_share_not_by_profiled_duration():
@@ -199,19 +296,41 @@ def test_step_weighted_rates_weight_kernels_by_their_step_share_not_by_profiled_
     assert s["tensor_pipe_pct"] == pytest.approx(90.0) and s["covered"] == pytest.approx(0.2)
 
 
-def test_claims_command_prints_json_with_the_figures_each_verdict_used(capsys):
+def test_claims_command_prints_json_with_every_card_s_verdict_and_the_figures_it_used(capsys):
     assert main(["claims", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert {r["verdict"] for r in rows} <= set(claims.VERDICTS)
-    assert all(set(r) == {"claim", "device", "verdict", "rule", "evidence", "figures"} for r in rows)
-    gpu = {r["claim"]: r for r in rows if r["device"] != "cpu"}
+    assert [r["claim"] for r in rows] == [c.id for c in claims.CLAIMS]
+    assert all(set(r) == {"claim", "text", "scope", "paper", "paper_card", "rule", "verdicts"} for r in rows)
+    assert all(set(v) == {"verdict", "evidence", "figures"} for r in rows for v in r["verdicts"].values())
+    assert {v["verdict"] for r in rows for v in r["verdicts"].values()} <= set(claims.VERDICTS)
+    gpu = {r["claim"]: v for r in rows for d, v in r["verdicts"].items() if d == "nvidia-h200"}
+    judged = (bd.HOLDS, bd.MAGNITUDE, bd.FAILS)
     for cid, key in (("tf32-cycles", "sm_cycles_ratio"), ("tf32-instructions", "instructions_ratio")):
-        if gpu.get(cid, {}).get("verdict") in (bd.HOLDS, bd.FAILS):
-            assert isinstance(gpu[cid]["figures"][key], float)
-    if gpu.get("tf32-tensor", {}).get("verdict") in (bd.HOLDS, bd.FAILS):
+        if gpu.get(cid, {}).get("verdict") in judged:
+            assert isinstance(gpu[cid]["figures"][key], float) and isinstance(gpu[cid]["figures"]["magnitude"], float)
+    if gpu.get("tf32-tensor", {}).get("verdict") in judged:
         assert [type(x) for x in gpu["tf32-tensor"]["figures"]["tensor_pipe_pct"]] == [float, float]
     assert main(["claims", "--data", "/nonexistent"]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_claims_command_prints_each_card_s_verdict_under_each_claim(capsys, monkeypatch):
+    from medddpm import report
+    from medddpm.report import convergence
+
+    a, b = gpu_data(AGREE), gpu_data(SIZE, slug="nvidia-h100-test")
+    both = bd.Data(**{k: pd.concat([getattr(a, k), getattr(b, k)], ignore_index=True)
+                      for k in ("run", "steps", "kernels", "ncu", "quality", "roofs")})
+    monkeypatch.setattr(report, "load_all", lambda root=None: both)
+    monkeypatch.setattr(convergence, "load_study", lambda root=None: study(True))
+    assert main(["claims"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith("nvidia-h100-test: 9 holds, 6 direction holds, magnitude differs")
+    block = out.split("TF32 cuts SM cycles (up to 5x) [matched layer, paper: up to 5x]\n")[1].split("\n\n")[0]
+    assert [line.split()[0] for line in block.splitlines() if not line.startswith(" " * 5)] == [
+        "nvidia-h100-test", GPU]
+    assert "direction holds, magnitude differs" in block and "holds" in block
+    assert "[step-weighted, the paper's card: H100]" in out
 
 
 def test_channels_last_shift_falls_back_to_the_tf32_pair_and_then_says_what_is_missing():

@@ -10,7 +10,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from medddpm.measure import ncu, ncu_layers, ncu_names, ncu_table
+from medddpm.analysis import ncu_names
+from medddpm.measure import ncu, ncu_layers, ncu_table
 
 FIX = Path(__file__).parent / "fixtures"
 DETAILS = {name: FIX / f"h200/ncu-{name}-size32-details.csv.gz" for name in ("opt1", "bf16-cl")}

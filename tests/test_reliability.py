@@ -230,7 +230,7 @@ def test_a_sweep_removes_leftovers_of_any_pid_and_puts_back_a_result_a_crash_too
     (root / ".baseline.stage-vm-999999").mkdir()
     assert _sweep(tmp_path)[0]["status"] == "done before"
     assert _same(_tables(root / "baseline"), before)
-    assert sorted(p.name for p in root.iterdir()) == ["baseline"]
+    assert sorted(p.name for p in root.iterdir()) == ["baseline", "roofs.parquet"]  # the label's roofs beside
 
 
 # -------------------------------------------------------------------------------------- the lock

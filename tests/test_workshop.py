@@ -72,7 +72,9 @@ def test_cost_model():
     assert 0 < ws.matmul_tflops(device="cpu", n=128, repeats=2) < 100
     eff = ws.efficiencies(bd.load_all())
     assert ((eff["efficiency"] > 0) & (eff["efficiency"] <= 1)).all()
-    assert set(eff["gpu_slug"]) <= set(bd.PEAKS)
+    data = bd.load_all()
+    assert set(eff["gpu_slug"]) <= {s for s in data.run["gpu_slug"] if bd.peaks_of(s, data.run, data.roofs)}
+    assert eff["peak_source"].str.startswith(("datasheet", "measured")).all()
 
 
 def test_profile_conv_layouts_on_the_cpu():

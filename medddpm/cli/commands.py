@@ -120,12 +120,19 @@ def cmd_claims(args) -> None:
     for slug, rows in table.groupby("gpu_slug", sort=False):
         counts = rows["verdict"].value_counts()
         print(f"{slug}: " + ", ".join(f"{counts.get(v, 0)} {v}" for v in claims.VERDICTS))
-        if slug in cpus:
-            print(f"  {claims.ON_CPU}")
-            continue
-        for r in rows.itertuples():
-            print(f"  {r.verdict:<15} {r.short}")
-            print(textwrap.fill(r.evidence, 100, initial_indent=" " * 18, subsequent_indent=" " * 18))
+    if cpus & set(table["gpu_slug"]):
+        print(f"  {', '.join(sorted(cpus & set(table['gpu_slug'])))}: {claims.ON_CPU}")
+    gpus = table[~table["gpu_slug"].isin(cpus)]
+    width = max((len(s) for s in gpus["gpu_slug"]), default=0) + 2
+    for _, rows in gpus.groupby("claim_id", sort=False):  # each card's verdict side by side
+        r = rows.iloc[0]
+        about = ", ".join(filter(None, [r["scope"], f"paper: {r['paper']}" if r["paper"] else "",
+                                        f"the paper's card: {r['paper_card']}" if r["paper_card"] else ""]))
+        print(f"\n{r['short']} [{about}]")
+        for d in rows.itertuples():
+            print(f"  {d.gpu_slug:<{width}}{d.verdict}")
+            print(textwrap.fill(d.evidence, 100, initial_indent=" " * (width + 2),
+                                subsequent_indent=" " * (width + 2)))
 
 
 def cmd_train(args) -> None:
@@ -325,6 +332,30 @@ def cmd_ablation(args) -> None:
     for r in results:
         print(f"{r['config']:<34}{r['status']:<14}{r['seconds']:>8.0f} s  {r['folder']}")
     exit_if_failed(results)
+
+
+def cmd_roofs(args) -> None:
+    from medddpm.measure import roofs
+    from medddpm.measure.env import gpu_slug, pick_device
+    from medddpm.measure.sweep import machine_label
+    from medddpm.measure.validate import check_label
+    from medddpm.store.lock import output_lock
+    from medddpm.store.schema import read_table
+
+    dev = pick_device(args.device)
+    if args.gpu_label is not None:
+        check_label(args.gpu_label)
+    label = gpu_slug(args.gpu_label or machine_label(args.out, dev))
+    target = roofs.path(args.out, label)
+    if target.is_file() and not args.force:
+        print(roofs.describe(read_table(target, "roofs")))
+        print(f"measured before, in {target} (--force measures them again)")
+        return
+    with output_lock(target, what="roofs"):  # one measurement of a label at a time
+        df = roofs.measure(dev, label=label)
+        path = roofs.write(df, args.out)
+    print(roofs.describe(df))
+    print(f"wrote {path}")
 
 
 def cmd_counters(args) -> None:

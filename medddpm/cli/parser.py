@@ -9,7 +9,7 @@ from medddpm.measure.ncu import BOTH, COVERAGE, PASSES
 from medddpm.store.schema import PHASES
 from medddpm.cli.args import (DEVICE_HELP, PRESET_NAMES, WIDTH, add_config_args, add_device_arg, add_model_args,
                               fraction, phases_arg, positive, seeds_arg, size_arg)
-from medddpm.cli.commands import (cmd_ablation, cmd_bench, cmd_claims, cmd_configs, cmd_counters, cmd_info, cmd_peak, cmd_sample, cmd_saved, cmd_scale, cmd_study, cmd_summary, cmd_sweep, cmd_train)
+from medddpm.cli.commands import (cmd_ablation, cmd_bench, cmd_claims, cmd_configs, cmd_counters, cmd_info, cmd_roofs, cmd_peak, cmd_sample, cmd_saved, cmd_scale, cmd_study, cmd_summary, cmd_sweep, cmd_train)
 from medddpm.cli.commands import cmd_export_data
 
 
@@ -252,8 +252,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("claims", help="the paper's claims judged on the measurements, per device (no book build)")
     p.add_argument("--data", metavar="DIR", help="the data tree to read (default: the repository's data/)")
     p.add_argument("--json", action="store_true",
-                   help="a JSON list of {claim, device, verdict, rule, evidence, figures}")
+                   help="a JSON list, a claim each: {claim, text, scope, paper, paper_card, rule, verdicts: {device: "
+                        "{verdict, evidence, figures}}}")
     p.set_defaults(func=cmd_claims)
+
+    p = sub.add_parser("roofs", help="measure this device's roofs: DRAM bandwidth (a device-to-device copy) and "
+                                     "dense matmul rates in FP32, TF32, bf16 and fp16, into OUT/<label>/roofs.parquet "
+                                     "(the sweep measures them once per label)")
+    p.add_argument("--out", default="data", help="the data tree (default data)")
+    add_device_arg(p)
+    p.add_argument("--gpu-label", metavar="LABEL", help=LABEL_HELP)
+    p.add_argument("--force", action="store_true", help="measure again where the label has roofs (else: show them)")
+    p.set_defaults(func=cmd_roofs)
 
     p = sub.add_parser("counters", help="Nsight Compute counters for runs already measured (GPU): a run's "
                                         "ncu.parquet is replaced when the new counters cover more of its step")

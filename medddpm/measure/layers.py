@@ -23,7 +23,8 @@ import math
 import numpy as np
 import pandas as pd
 
-from medddpm.measure import ncu_names, ncu_table
+from medddpm.analysis import ncu_names
+from medddpm.measure import ncu_table
 
 # Per-launch counters compared across configurations: (column of `ncu_table.kernel_summary`, what it is)
 LAYER_METRICS = {
@@ -35,6 +36,7 @@ LAYER_METRICS = {
     "l2_hit_pct": "L2 hit rate (%)",
     "dram_throughput_pct": "DRAM throughput, % of peak",
     "stall_long_scoreboard": "long-scoreboard stall cycles per issued instruction",
+    "stall_math_pipe_throttle": "math-pipe-throttle stall cycles per issued instruction",
 }
 # Rates that average over kernels (weighted by step time); counts (cycles, instructions) do not.
 STEP_RATES = ("tensor_pipe_pct", "sm_throughput_pct", "l1_hit_pct", "l2_hit_pct", "dram_throughput_pct",

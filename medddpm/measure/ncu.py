@@ -5,7 +5,7 @@ only inside the NVTX range of `medddpm.measure.capture`'s one step, with the clo
 exported (`export_command`) and read into one long table (`medddpm.measure.ncu_table`, which derives the
 per-kernel summary and the rules' priorities from it), with the layer range of each launch
 (`medddpm.measure.ncu_layers`). Kernels are named to ncu's filter by their token skeleton
-(`medddpm.measure.ncu_names`). `run_ncu` never raises for a profiler problem: it returns an empty table and
+(`medddpm.analysis.ncu_names`). `run_ncu` never raises for a profiler problem: it returns an empty table and
 says why.
 
 ncu cannot name cuDNN's and cuBLAS's launches when it filters them (it gives them the launch before's
@@ -33,7 +33,7 @@ import pandas as pd
 import psutil
 from medddpm import REPO
 from medddpm.measure.ncu_layers import with_layers
-from medddpm.measure.ncu_names import kernel_regex, match_kernel
+from medddpm.analysis.ncu_names import kernel_regex, match_kernel
 from medddpm.measure.ncu_table import EXTRA_METRICS, empty_table, join_launches, parse_details_csv
 
 NVTX_RANGE = "medddpm_step"  # medddpm.capture.NVTX_RANGE (not imported: capture imports torch)

@@ -18,7 +18,7 @@ from typing import IO
 
 import pandas as pd
 
-from medddpm.measure.ncu_names import conv_direction, match_kernel
+from medddpm.analysis.ncu_names import conv_direction, match_kernel
 
 # Section identifier -> display name (`ncu --list-sections`, 2025.3). In the details CSV a metric row
 # names its section by display name, but a rule row by the identifier of the section file that holds
@@ -181,6 +181,9 @@ HEADLINE: dict[str, tuple[tuple[str, str] | str, ...]] = {
     "warp_cycles_per_inst": (("Warp State Statistics", "Warp Cycles Per Issued Instruction"),
                              "smsp__average_warp_latency_per_inst_issued.ratio"),
     "registers_per_thread": (("Launch Statistics", "Registers Per Thread"), "launch__registers_per_thread"),
+    # what turns the tensor pipe's active share into tensor-core FLOPs (`report.counters.kernel_flops`)
+    "sm_count": (("Launch Statistics", "# SMs"), "device__attribute_multiprocessor_count"),
+    "sm_frequency_hz": ((_SOL, "SM Frequency"), "smsp__cycles_elapsed.avg.per_second"),
     **{f"inst_{c}": (_inst_metric(c),) for c in INST_CLASSES},
     **{f"stall_{r}": (_stall_metric(r),) for r in STALL_REASONS},
 }

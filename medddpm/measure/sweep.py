@@ -17,6 +17,9 @@ presets at batch 1, and `<config>@<preset>[-b<batch>][-m<label channels>]` other
 type measured on another machine, else `<device-type>-<host>` (`machine_label`), so that a machine of a
 type already in the data is measured beside those rows, never over them; `gpu_label` names it instead.
 Each run records its device type (`gpu_type`) and host apart from the label.
+
+A label's roofs (its DRAM bandwidth and dense matmul rates, `medddpm.measure.roofs`) are measured once, before
+its first configuration, into ``data/<gpu-slug>/roofs.parquet``.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from medddpm import REPO
 from medddpm.configs import Config, parse_config_list
 from medddpm.measure.env import device_type, gpu_slug, host_name, pick_device
 from medddpm.train.data import open_dataset
+from medddpm.measure import roofs as measure_roofs
 from medddpm.measure.run import write_failed_run
 from medddpm.presets import get_preset
 from medddpm.model.unet import parse_size
@@ -196,12 +200,14 @@ def _run_notebook(pm, notebook: Path, stage: Path, parameters: dict, *, env: dic
 def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.PathLike = "data",
           device: str | None = None, gpu_label: str | None = None, force: bool = False,
           params: dict | None = None, notebook: Path = NOTEBOOK, timeout_s: int | None = None,
-          group: str = "") -> list[dict]:
+          group: str = "", roofs: bool = True) -> list[dict]:
     """Measure each configuration; returns one {config, status, seconds, folder} per configuration.
 
     `group`: runs that belong together apart from the main ones, in ``data/<gpu-slug>/<group>/<run>/``
     (the ablation's). Each configuration's folder is locked for the whole sweep (`store.lock`): a second
-    sweep of one of them fails at once, before any work, naming the first."""
+    sweep of one of them fails at once, before any work, naming the first. `roofs`: measure the label's
+    bandwidth and matmul rates first where ``out/<label>/roofs.parquet`` does not exist (`measure.roofs.ensure`),
+    while the device is idle."""
     import papermill as pm  # imported here: the package itself does not need the Jupyter stack
 
     # Everything that can be checked is checked before any configuration runs.
@@ -258,6 +264,8 @@ def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.P
         for plain in dict.fromkeys(plain for _, plain, _, _ in plans):
             held.enter_context(run_lock(root / plain, "sweep"))
             _clean(root, plain)
+        if roofs:  # once per label: every figure that uses a card's peaks reads them
+            measure_roofs.ensure(out, slug, dev)
         manager, sockets = _kernel_manager()
         held.callback(shutil.rmtree, sockets, ignore_errors=True)
         for i, (config, plain, ident, default) in enumerate(plans, 1):

@@ -1,14 +1,26 @@
 """The published claims of Ryoo et al. (2026), each a small rule judged on every GPU in the data.
 
-A rule reads the measurements of one GPU and returns a `Verdict`: holds, does not hold, or not measurable
-(and why, naming what is missing), with the figures it used. Every rule can come out either way; the
-thresholds are the constants below. The claims are about GPU kernels, so a CPU's rows never judge one: on a
-CPU every claim is "not measurable", and the headline counts GPUs only.
+A rule reads the measurements of one GPU and returns a `Verdict` in one of five states: it *holds*; its
+*direction holds but its magnitude differs* (the effect goes the paper's way, but its size lies outside the band
+the paper's own figure sets: "up to 5x", "~1.5%"); it *does not hold*; it is *undecided* (measured, but the
+spread cannot tell); or it is *not measurable* (and why, naming what is missing). A claim whose paper gives no
+figure holds or does not. Every rule can come out every way it has; the thresholds and bands are the constants
+below. The claims are about GPU kernels, so a CPU's rows never judge one: on a CPU every claim is "not
+measurable", and the headline counts GPUs only.
 
-Counter claims use two comparisons that hold the work fixed (`medddpm.measure.layers`): the TF32 claims compare the
-*same convolution layer and direction* in baseline and opt1, kernel against kernel, and judge the matched layer
-that carries the most of baseline's step time; the channels-last claims compare each configuration's counters
-*weighted by each kernel's share of the step* (torch.profiler), not by the launches that happened to be profiled.
+Each claim is judged in one **scope** (`SCOPES`), and each figure of its evidence names the scope it is of:
+
+- *matched layer*: the TF32 claims compare the same convolution layer and direction in baseline and opt1, kernel
+  against kernel (`medddpm.measure.layers`), and judge the matched layer that carries the most of baseline's step;
+  a band "up to X" is held against the largest value over the matched layers;
+- *step-weighted*: the channels-last claims, and the claims about the whole step, weight each kernel's counters by
+  its share of the step (torch.profiler), not by the launches that happened to be profiled; kernel-time shares
+  and step times are of this scope too;
+- *model output*: the quality claims compare what the trained or stepped model computes.
+
+A figure of another scope may stand beside the deciding one as context ("the whole step 3.9x faster"), named so;
+it never decides. Claims the paper makes about one card (`Claim.paper_card`, e.g. the H100's stalls) are still
+judged on every card, side by side (`side_by_side`).
 
     python -m medddpm claims [--data DIR] [--json]
 """
@@ -19,33 +31,77 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property
 
 import pandas as pd
 
-from medddpm.measure import layers
-
 from medddpm.measure import ncu_table
 from medddpm.report import equivalence
+from medddpm.report.claim_evidence import GPU
 from medddpm.report.convergence import FAIL_DICE, MARGINS, Study, paired, verdicts as study_verdicts
-from medddpm.report.loading import FAILS, HOLDS, NA, UNDECIDED, Data, is_cpu
+from medddpm.report.loading import FAILS, HOLDS, MAGNITUDE, NA, UNDECIDED, Data, is_cpu
 from medddpm.report.quality import QUALITY_LOSS, QUALITY_REL_ERR
 
 SPEEDUP_MIN = 1.10  # a change "cuts" a time, cycle or instruction count when the ratio reaches 1.10
 CONV_DOMINANT = 0.50  # "dominated by convolution": more than half of the baseline's kernel time
 SHIFT_MIN = 0.05  # a shift of kernel-time share counts from 5 percentage points
-TENSOR_GAIN = 1.45  # the paper's smallest tensor-core gain under TF32 (A100: 1.45x to 9.98x)
 TENSOR_NEAR = 2.0  # "near baseline" tensor-pipe use: within 2 percentage points
 SM_DROP = 0.90  # "SM throughput drops": channels-last's step-weighted SM throughput at most 90% of baseline's
+PEAK_FAR = 0.50  # "does not reach peak": a step's achieved FLOP/s under half the card's roof in its precision
 # The five sources of inefficiency the paper names, each with the figure and threshold that shows it:
 SOURCE_RULES_MIN = 0.05  # memory access, warp scheduling: ncu rules estimate at least 5% of baseline's step
 LAYOUT_MIN = 0.05  # layout conversion: conversion kernels take at least 5% of one paper configuration's step
 L1_LOW = 50.0  # cache residency: baseline's step-weighted L1 hit rate under 50%
 TENSOR_LOW = 50.0  # low tensor-core use: the TF32 step's step-weighted tensor pipe under 50% of peak
+# The paper's magnitudes as bands: "up to X" spans X / MAGNITUDE_FACTOR to X x MAGNITUDE_FACTOR (the largest
+# value of the claim's scope is held against it), "~X" spans X within ABOUT_REL of itself, "A-B" is [A, B].
+MAGNITUDE_FACTOR = 1.5
+ABOUT_REL = 0.20
 MEMORY_SECTIONS = ("Memory Workload Analysis", "Memory Workload Analysis Tables", "Memory Workload Analysis Chart")
 SCHEDULING_SECTIONS = ("Warp State Statistics", "Scheduler Statistics")
 PAPER_CONFIGS = ("baseline", "opt1", "opt2", "opt12")
-VERDICTS = (HOLDS, FAILS, UNDECIDED, NA)
+VERDICTS = (HOLDS, MAGNITUDE, FAILS, UNDECIDED, NA)
+
+MATCHED, STEP, OUTPUT = "matched layer", "step-weighted", "model output"
+SCOPES = {
+    MATCHED: "the same convolution layer and direction in both configurations, kernel against kernel (the NVTX "
+             "range of each layer); the matched layer that carries the most of baseline's step decides",
+    STEP: "the whole step: each kernel weighted by its share of the step's kernel time (torch.profiler), its "
+          "counters from the launches that stand for it; kernel-time shares and median step times",
+    "duration-weighted": "the profiled launches, each weighted by its own duration (the roofline; no claim)",
+    OUTPUT: "what the model computes: one forward pass and the losses from the same weights, or the samples of "
+            "trained models",
+}
+
+
+@dataclass(frozen=True)
+class Band:
+    """The paper's magnitude: `said` as published, [`low`, `high`] what counts as it, `of` which of our figures
+    is held against it."""
+
+    said: str
+    low: float
+    high: float
+    of: str
+    unit: str = ""  # what our figure is written with: "x", "%"
+
+    def holds(self, value: float) -> bool:
+        return self.low <= value <= self.high
+
+
+def up_to(value: float, said: str, of: str, unit: str = "", cap: float = math.inf) -> Band:
+    return Band(said, value / MAGNITUDE_FACTOR, min(value * MAGNITUDE_FACTOR, cap), of, unit)
+
+
+def about(value: float, said: str, of: str, unit: str = "") -> Band:
+    return Band(said, value * (1 - ABOUT_REL), value * (1 + ABOUT_REL), of, unit)
+
+
+BAND_CYCLES = up_to(5.0, "up to 5x", "the largest baseline/opt1 ratio over the matched layers", "x")
+BAND_INSTRUCTIONS = up_to(100.0, "up to 100x", "the largest baseline/opt1 ratio over the matched layers", "x")
+BAND_TENSOR = Band("1.45x-9.98x (A100)", 1.45, 9.98, "the top matched layer's opt1/baseline gain", "x")
+BAND_CL_TENSOR = about(1.5, "~1.5%", "opt2's step-weighted tensor pipe", "% of peak")
+BAND_CL_SM = about(0.5, "~50% drop", "opt2/baseline step-weighted SM throughput", "x")
+BAND_CL_L2 = up_to(85.0, "up to 85%", "opt2's step-weighted L2 hit rate", "%", cap=100.0)
 
 
 @dataclass(frozen=True)
@@ -55,85 +111,21 @@ class Verdict:
     figures: dict = field(default_factory=dict)
 
 
-def _judge(ok: bool, evidence: str, **figures) -> Verdict:
-    return Verdict(HOLDS if ok else FAILS, evidence, figures)
+def _judge(ok: bool, evidence: str, band: Band | None = None, value: float | None = None, fmt: str = ".3g",
+           **figures) -> Verdict:
+    """Does not hold where the direction fails (`ok` false); else holds, or, where the paper gives a `band` and
+    our `value` (its statistic) lies outside it, direction holds but magnitude differs."""
+    if band is None or value is None or not math.isfinite(value):
+        return Verdict(HOLDS if ok else FAILS, evidence, figures)
+    inside = band.holds(value)
+    evidence += (f"; magnitude: {band.of} {value:{fmt}}{band.unit} against the paper's {band.said} "
+                 f"({'inside' if inside else 'outside'} {band.low:.3g}-{band.high:.3g}{band.unit})")
+    figures |= {"magnitude": float(value), "band": [band.low, band.high]}
+    return Verdict(FAILS if not ok else HOLDS if inside else MAGNITUDE, evidence, figures)
 
 
 def _na(why: str) -> Verdict:
     return Verdict(NA, why)
-
-
-class GPU:
-    """The measurements of one GPU, with the summaries the rules share (computed once, on first use)."""
-
-    def __init__(self, data: Data, slug: str, study: Study | None = None):
-        self.data, self.slug, self.study = data, slug, study
-        self.run = data.run[data.run["gpu_slug"] == slug]
-        self.ok = self.run[self.run["status"] == "ok"].set_index("config")
-        self.is_gpu = not is_cpu(slug) and (self.run["gpu_name"] != "cpu").all()
-
-    def _table(self, name: str, config: str) -> pd.DataFrame:
-        t = getattr(self.data, name)
-        if config not in self.ok.index or t.empty:
-            return t.iloc[0:0]
-        return t[t["run_id"] == self.ok.loc[config, "run_id"]]
-
-    def kernels(self, config: str) -> pd.DataFrame:
-        return self._table("kernels", config)
-
-    def counters(self, config: str) -> pd.DataFrame:
-        return self._table("ncu", config)
-
-    def train_median_ms(self, config: str) -> tuple[float, str] | None:
-        """The configuration's median micro-step: the sweep's, else bench timings kept beside the data."""
-        if config in self.ok.index:
-            return float(self.ok.loc[config, "train_median_ms"]), "sweep"
-        b = self.data.bench
-        if not b.empty:
-            b = b[(b["gpu_slug"] == self.slug) & (b["implementation"] == "ours") & (b["config"] == config)]
-            if len(b):
-                return float(b["train_median_ms"].median()), "bench timings"
-        return None
-
-    def precision_used(self, config: str) -> str | None:
-        if config in self.ok.index:
-            return self.ok.loc[config, "precision_used"] or None
-        b = self.data.bench
-        b = b[(b["gpu_slug"] == self.slug) & (b["config"] == config)] if not b.empty else b
-        return {"tf32": "tf32", "ieee": "fp32"}.get(b["fp32_math"].iloc[0]) if len(b) else None
-
-    def category_share(self, config: str, categories: tuple[str, ...]) -> float | None:
-        k = self.kernels(config)
-        if k.empty:
-            return None
-        return float(k[k["category"].isin(categories)]["share"].sum() / k["share"].sum())
-
-    @cached_property
-    def step_weighted(self) -> dict[str, dict[str, float]]:
-        return {c: layers.step_weighted(self.kernels(c), self.counters(c))
-                for c in self.ok.index if not self.counters(c).empty}
-
-    def rate(self, config: str, column: str) -> float | None:
-        v = self.step_weighted.get(config, {}).get(column, math.nan)
-        return None if math.isnan(v) else v
-
-    @cached_property
-    def matched(self) -> pd.DataFrame:
-        """baseline (a) against opt1 (b), layer by layer (`layers.matched_layers`)."""
-        a, b = self.counters("baseline"), self.counters("opt1")
-        if a.empty or b.empty:
-            return layers.matched_layers(a.iloc[0:0], b.iloc[0:0], pd.Series(dtype="int64"))
-        return layers.matched_layers(a, b, layers.layer_counts(self.ok.loc["baseline"]))
-
-    def missing(self, *configs: str) -> str:
-        """Which of `configs` lack a run or counters here, with the command that gives them."""
-        unmeasured = [c for c in configs if c not in self.ok.index]
-        uncounted = [c for c in configs if c in self.ok.index and self.counters(c).empty]
-        parts = ([f"no run of {', '.join(unmeasured)} (`python -m medddpm sweep --preset paper --configs "
-                  f"{','.join(unmeasured)}`)"] if unmeasured else [])
-        parts += ([f"no counters for {', '.join(uncounted)} (`python -m medddpm counters "
-                   f"{' '.join(f'data/{self.slug}/{c}' for c in uncounted)}`)"] if uncounted else [])
-        return "; ".join(parts) or "the counters lack a metric this claim reads"
 
 
 # ------------------------------------------------------------------------------------------- rules
@@ -142,7 +134,8 @@ def conv_dominates(g: GPU) -> Verdict:
     s = g.category_share("baseline", ("convolution",))
     if s is None:
         return _na(g.missing("baseline"))
-    return _judge(s > CONV_DOMINANT, f"convolution kernels take {s:.0%} of baseline's kernel time", conv_share=s)
+    return _judge(s > CONV_DOMINANT, f"convolution kernels take {s:.0%} of baseline's kernel time (step-weighted)",
+                  conv_share=s)
 
 
 def _rules_share(kernels: pd.DataFrame, counters: pd.DataFrame, sections: tuple[str, ...]) -> float:
@@ -172,12 +165,13 @@ def inefficiency_sources(g: GPU) -> Verdict:
         "layout conversion": (layout[worst] >= LAYOUT_MIN, f"layout kernels {layout[worst]:.0%} of {worst}'s step"),
         "warp scheduling": (figures["scheduling_rules_share"] >= SOURCE_RULES_MIN,
                             f"warp-state and scheduler rules {figures['scheduling_rules_share']:.0%} of baseline's step"),
-        "cache residency": (figures["l1_hit_pct"] < L1_LOW, f"baseline's L1 hit rate {figures['l1_hit_pct']:.0f}%"),
+        "cache residency": (figures["l1_hit_pct"] < L1_LOW,
+                            f"baseline's L1 hit rate {figures['l1_hit_pct']:.0f}% over its whole step"),
         "tensor-core use": (figures["tensor_pipe_pct_tf32"] < TENSOR_LOW,
-                            f"opt1's tensor pipe {figures['tensor_pipe_pct_tf32']:.0f}% of peak"),
+                            f"opt1's tensor pipe {figures['tensor_pipe_pct_tf32']:.0f}% of peak over its whole step"),
     }
     absent = [name for name, (ok, _) in sources.items() if not ok]
-    said = "; ".join(f"{name}: {text}" for name, (_, text) in sources.items())
+    said = "; ".join(f"{name}: {text}" for name, (_, text) in sources.items()) + " (all step-weighted)"
     return _judge(not absent, said + (f" (not shown: {', '.join(absent)})" if absent else ""), **figures)
 
 
@@ -198,29 +192,36 @@ def _top(g: GPU) -> pd.Series:
 
 
 def _layer(m: pd.Series) -> str:
-    return f"`{m['layer']}` {m['direction']} ({m['step_ms_a']:.0f} ms of baseline's step)"
+    return f"matched layer `{m['layer']}` {m['direction']} ({m['step_ms_a']:.0f} ms of baseline's step)"
 
 
-def _tf32_cut(g: GPU, column: str, what: str, paper: str, more: str = "") -> Verdict:
-    """A TF32 count (`column`: a baseline/opt1 ratio of `matched_layers`) cut by at least SPEEDUP_MIN on the
-    top matched layer; the evidence gives the range over all matched layers."""
+def _tf32_cut(g: GPU, column: str, what: str, band: Band, context: str = "") -> Verdict:
+    """A TF32 count (`column`: a baseline/opt1 ratio of `matched_layers`) cut by at least SPEEDUP_MIN on the top
+    matched layer; its magnitude, the largest ratio over the matched layers, against the paper's `band`."""
     if (na := _tf32(g)) is not None:
         return na
     m, r = _top(g), g.matched[column]
-    return _judge(m[column] >= SPEEDUP_MIN, f"{_layer(m)}: baseline/opt1 {what} {m[column]:.1f}x (paper: {paper}); "
-                  f"{r.min():.2f}x to {r.max():.1f}x over {len(r)} matched layers{more}",
+    return _judge(m[column] >= SPEEDUP_MIN, f"{_layer(m)}: baseline/opt1 {what} {m[column]:.1f}x; {r.min():.2f}x to "
+                  f"{r.max():.1f}x over {len(r)} matched layers{context}", band, float(r.max()), ".1f",
                   **{column: float(m[column])}, layer=m["layer"], direction=m["direction"],
                   range=[float(r.min()), float(r.max())])
 
 
 def tf32_cycles(g: GPU) -> Verdict:
     step = [g.train_median_ms(c) for c in ("baseline", "opt1")]
-    steps = f"; the whole step {step[0][0] / step[1][0]:.2f}x faster" if None not in step else ""
-    return _tf32_cut(g, "sm_cycles_ratio", "SM cycles", "up to 5x", steps)
+    steps = (f" (context, step time: the whole step {step[0][0] / step[1][0]:.2f}x faster)"
+             if None not in step else "")
+    return _tf32_cut(g, "sm_cycles_ratio", "SM cycles", BAND_CYCLES, steps)
 
 
 def tf32_instructions(g: GPU) -> Verdict:
-    return _tf32_cut(g, "instructions_ratio", "executed instructions", "up to 100x")
+    per = g.per_step
+    context = ""
+    if {"baseline", "opt1"} <= set(per.index) and "inst_total" in per and per.loc["opt1", "inst_total"] > 0:
+        ratio = per.loc["baseline", "inst_total"] / per.loc["opt1", "inst_total"]
+        context = (f" (context, step-weighted: the thread instructions of a whole step, over the kernels with "
+                   f"counters, {ratio:.1f}x fewer)")
+    return _tf32_cut(g, "instructions_ratio", "executed instructions", BAND_INSTRUCTIONS, context)
 
 
 def tf32_tensor(g: GPU) -> Verdict:
@@ -229,8 +230,8 @@ def tf32_tensor(g: GPU) -> Verdict:
     m = _top(g)
     a, b = float(m["tensor_pipe_pct_a"]), float(m["tensor_pipe_pct_b"])
     gain = b / a if a > 0 else math.inf
-    return _judge(gain >= TENSOR_GAIN, f"{_layer(m)}: tensor pipe {a:.2f}% -> {b:.2f}% of peak ({gain:.1f}x; "
-                  f"paper on A100: 1.45x to 9.98x)", tensor_pipe_pct=[a, b], layer=m["layer"], direction=m["direction"])
+    return _judge(gain >= SPEEDUP_MIN, f"{_layer(m)}: tensor pipe {a:.2f}% -> {b:.2f}% of peak ({gain:.1f}x)",
+                  BAND_TENSOR, gain, ".1f", tensor_pipe_pct=[a, b], layer=m["layer"], direction=m["direction"])
 
 
 def tf32_memory(g: GPU) -> Verdict:
@@ -239,9 +240,12 @@ def tf32_memory(g: GPU) -> Verdict:
     m = _top(g)
     l1 = [float(m["l1_hit_pct_a"]), float(m["l1_hit_pct_b"])]
     dram = [float(m["dram_throughput_pct_a"]), float(m["dram_throughput_pct_b"])]
+    step = [g.rate(c, "l1_hit_pct") for c in ("baseline", "opt1")]
+    context = (f" (context, step-weighted: the whole step's L1 hit rate {step[0]:.1f}% -> {step[1]:.1f}%)"
+               if None not in step else "")
     return _judge(l1[1] < l1[0] and dram[1] > dram[0],
                   f"{_layer(m)}: L1 hit {l1[0]:.1f}% -> {l1[1]:.1f}%, DRAM throughput {dram[0]:.1f}% -> "
-                  f"{dram[1]:.1f}% of peak", l1_hit_pct=l1, dram_throughput_pct=dram, layer=m["layer"],
+                  f"{dram[1]:.1f}% of peak{context}", l1_hit_pct=l1, dram_throughput_pct=dram, layer=m["layer"],
                   direction=m["direction"])
 
 
@@ -249,17 +253,25 @@ def tf32_stalls(g: GPU) -> Verdict:
     if (na := _tf32(g)) is not None:
         return na
     m = _top(g)
-    s = [float(m["stall_long_scoreboard_a"]), float(m["stall_long_scoreboard_b"])]
-    return _judge(s[1] > s[0], f"{_layer(m)}: long-scoreboard stalls {s[0]:.2f} -> {s[1]:.2f} cycles per issued "
-                  "instruction", stall_long_scoreboard=s, layer=m["layer"], direction=m["direction"])
+    long = [float(m["stall_long_scoreboard_a"]), float(m["stall_long_scoreboard_b"])]
+    pipe = [float(m["stall_math_pipe_throttle_a"]), float(m["stall_math_pipe_throttle_b"])]
+    if any(math.isnan(v) for v in long + pipe):
+        return _na("the matched layer's counters lack a stall reason this claim reads")
+    parts = {"math-pipe-throttle stalls fall": pipe[1] < pipe[0], "long-scoreboard stalls rise": long[1] > long[0]}
+    wrong = [p for p, ok in parts.items() if not ok]
+    return _judge(not wrong, f"{_layer(m)}: math-pipe-throttle stalls {pipe[0]:.2f} -> {pipe[1]:.2f}, long-scoreboard "
+                  f"stalls {long[0]:.2f} -> {long[1]:.2f} cycles per issued instruction"
+                  + (f" (not so: {', '.join(wrong)})" if wrong else ""),
+                  stall_math_pipe_throttle=pipe, stall_long_scoreboard=long, layer=m["layer"],
+                  direction=m["direction"])
 
 
 def cl_shift(g: GPU) -> Verdict:
     for plain, cl in (("baseline", "opt2"), ("opt1", "opt12")):
         x, y = (g.category_share(c, ("elementwise", "layout")) for c in (plain, cl))
         if x is not None and y is not None:
-            return _judge(y - x > SHIFT_MIN, f"element-wise + layout share {x:.0%} ({plain}) -> {y:.0%} ({cl})",
-                          elementwise_layout_share=[x, y], configs=[plain, cl])
+            return _judge(y - x > SHIFT_MIN, f"element-wise + layout share of the step's kernel time {x:.0%} ({plain}) "
+                          f"-> {y:.0%} ({cl})", elementwise_layout_share=[x, y], configs=[plain, cl])
     return _na(g.missing("baseline", "opt2"))
 
 
@@ -272,14 +284,14 @@ def cl_tensor(g: GPU) -> Verdict:
     if isinstance(t := _rates(g, "tensor_pipe_pct", "baseline", "opt2"), Verdict):
         return t
     return _judge(abs(t[1] - t[0]) <= TENSOR_NEAR, f"tensor pipe {t[0]:.2f}% (baseline) vs {t[1]:.2f}% (opt2) of "
-                  "peak, step-weighted", tensor_pipe_pct=t)
+                  "peak, step-weighted", BAND_CL_TENSOR, t[1], ".2f", tensor_pipe_pct=t)
 
 
 def cl_sm(g: GPU) -> Verdict:
     if isinstance(s := _rates(g, "sm_throughput_pct", "baseline", "opt2"), Verdict):
         return s
     return _judge(s[1] / s[0] <= SM_DROP, f"SM throughput {s[0]:.1f}% -> {s[1]:.1f}% of peak ({s[1] / s[0]:.2f}x), "
-                  "step-weighted", sm_throughput_pct=s)
+                  "step-weighted", BAND_CL_SM, s[1] / s[0], ".2f", sm_throughput_pct=s)
 
 
 def cl_cache(g: GPU) -> Verdict:
@@ -287,8 +299,8 @@ def cl_cache(g: GPU) -> Verdict:
     if isinstance(l2, Verdict) or isinstance(dram, Verdict):
         return l2 if isinstance(l2, Verdict) else dram
     return _judge(l2[1] > l2[0] and dram[1] < dram[0], f"L2 hit {l2[0]:.1f}% -> {l2[1]:.1f}%, DRAM throughput "
-                  f"{dram[0]:.1f}% -> {dram[1]:.1f}% of peak (baseline -> opt2, step-weighted)",
-                  l2_hit_pct=l2, dram_throughput_pct=dram)
+                  f"{dram[0]:.1f}% -> {dram[1]:.1f}% of peak (baseline -> opt2, step-weighted)", BAND_CL_L2, l2[1],
+                  ".1f", l2_hit_pct=l2, dram_throughput_pct=dram)
 
 
 def opt12_partial(g: GPU) -> Verdict:
@@ -304,11 +316,32 @@ def opt12_partial(g: GPU) -> Verdict:
                   f"{t[2]:.2f}% (step-weighted){'' if piped else ' does not hold'}", step_ms=ms, tensor_pipe_pct=t)
 
 
+def opt12_peak(g: GPU) -> Verdict:
+    """OPT12 far from the card's roof in its precision, its step held by element-wise and layout kernels more
+    than by its convolutions."""
+    share = g.category_share("opt12", ("elementwise", "layout"))
+    conv = g.category_share("opt12", ("convolution",))
+    got = g.achieved("opt12")
+    if share is None or conv is None:
+        return _na(g.missing("opt12"))
+    if got is None:
+        return _na("no roof of opt12's precision for this card (no measured roofs and no datasheet for its type)")
+    flops, precision, peak, source = got
+    parts = {"reaches under half its roof": flops / peak < PEAK_FAR,
+             "element-wise + layout kernels outweigh the convolutions": share > conv}
+    wrong = [p for p, ok in parts.items() if not ok]
+    return _judge(not wrong, f"opt12 reaches {flops / 1e12:.3g} TFLOP/s, {flops / peak:.0%} of the card's "
+                  f"{precision.upper()} roof ({peak / 1e12:.4g} TFLOP/s, {source.split(':')[0]}); element-wise + layout "
+                  f"kernels take {share:.0%} of its step's kernel time, convolutions {conv:.0%} (step-weighted)"
+                  + (f" (not so: {', '.join(wrong)})" if wrong else ""),
+                  fraction_of_peak=flops / peak, elementwise_layout_share=share, conv_share=conv)
+
+
 def fusion_needed(g: GPU) -> Verdict:
     a, b = g.train_median_ms("sdpa"), g.train_median_ms("compile")
     if a is None or b is None:
         return _na(g.missing("sdpa", "compile"))
-    return _judge(a[0] / b[0] >= SPEEDUP_MIN, f"compile is {a[0] / b[0]:.2f}x faster than sdpa ({a[0]:.4g} vs "
+    return _judge(a[0] / b[0] >= SPEEDUP_MIN, f"compile's step is {a[0] / b[0]:.2f}x faster than sdpa's ({a[0]:.4g} vs "
                   f"{b[0]:.4g} ms, {a[1]})", speedup=a[0] / b[0])
 
 
@@ -363,6 +396,14 @@ class Claim:
     text: str  # as published
     rule: str  # how the verdict is computed
     judge: Callable[[GPU], Verdict]
+    scope: str = STEP  # one of SCOPES: where every deciding figure comes from
+    band: Band | None = None  # the paper's magnitude, where it gives one
+    paper_card: str = ""  # the card the paper makes the claim about, where it names one
+
+
+def _band_rule(band: Band) -> str:
+    return (f" Magnitude: {band.of} within {band.low:.3g}-{band.high:.3g}{band.unit} (the paper: {band.said}), else "
+            "direction holds, magnitude differs.")
 
 
 CLAIMS = [
@@ -375,51 +416,64 @@ CLAIMS = [
           f"Each source shown: memory-access and warp-scheduling rules of ncu estimate at least "
           f"{SOURCE_RULES_MIN:.0%} of baseline's step recoverable; layout-conversion kernels take at least "
           f"{LAYOUT_MIN:.0%} of one paper configuration's step; baseline's L1 hit rate is under {L1_LOW:.0f}%; opt1's "
-          f"tensor pipe is under {TENSOR_LOW:.0f}% of peak (step-weighted).", inefficiency_sources),
+          f"tensor pipe is under {TENSOR_LOW:.0f}% of peak.", inefficiency_sources),
     Claim("tf32-cycles", "TF32 cuts SM cycles (up to 5x)", "TF32 cuts SM cycles (up to 5x).",
           f"SM active cycles of the same layer, baseline / opt1 >= {SPEEDUP_MIN}, on the matched layer carrying the "
-          "most of baseline's step.", tf32_cycles),
+          "most of baseline's step." + _band_rule(BAND_CYCLES), tf32_cycles, MATCHED, BAND_CYCLES),
     Claim("tf32-instructions", "TF32 cuts instructions (up to 100x)", "TF32 cuts dynamic instructions (up to 100x).",
           f"Executed instructions of the same layer, baseline / opt1 >= {SPEEDUP_MIN}, on the matched layer carrying "
-          "the most of baseline's step.", tf32_instructions),
+          "the most of baseline's step." + _band_rule(BAND_INSTRUCTIONS), tf32_instructions, MATCHED,
+          BAND_INSTRUCTIONS),
     Claim("tf32-tensor", "TF32 raises tensor-core use 1.45-9.98x", "TF32 raises tensor-core utilization 1.45x-9.98x (A100).",
-          f"Tensor-pipe use of the same layer, opt1 / baseline >= {TENSOR_GAIN}, on the matched layer carrying the "
-          "most of baseline's step.", tf32_tensor),
+          f"Tensor-pipe use of the same layer, opt1 / baseline >= {SPEEDUP_MIN}, on the matched layer carrying the "
+          "most of baseline's step." + _band_rule(BAND_TENSOR), tf32_tensor, MATCHED, BAND_TENSOR, "A100"),
     Claim("tf32-memory", "TF32: L1 hit falls, DRAM use rises", "Under TF32 the L1 hit rate falls and DRAM bandwidth use rises.",
           "L1 hit rate lower and DRAM throughput higher in opt1 than in baseline, on the matched layer carrying the "
-          "most of baseline's step.", tf32_memory),
-    Claim("tf32-stalls", "TF32: long-scoreboard stalls rise", "Under TF32 long-scoreboard stalls rise (H100).",
-          "Long-scoreboard stall cycles per issued instruction higher in opt1 than in baseline, on the matched layer "
-          "carrying the most of baseline's step.", tf32_stalls),
+          "most of baseline's step.", tf32_memory, MATCHED),
+    Claim("tf32-stalls", "TF32 on H100: pipe stalls fall, scoreboard rise",
+          "With TF32 on the H100, math-pipe-throttle stalls fall but long-scoreboard stalls rise.",
+          "Math-pipe-throttle stall cycles per issued instruction lower and long-scoreboard ones higher in opt1 than "
+          "in baseline, on the matched layer carrying the most of baseline's step; judged on every card.",
+          tf32_stalls, MATCHED, paper_card="H100"),
     Claim("cl-shift", "Channels-last: element-wise + layout kernels",
           "Channels-last shifts the workload to small element-wise and layout-conversion kernels.",
           f"Share of element-wise + layout kernel time, opt2 minus baseline (where opt2 is missing, opt12 minus opt1) "
           f"> {SHIFT_MIN:.0%} points (kernels.parquet).", cl_shift),
-    Claim("cl-tensor", "Channels-last: tensor cores near baseline",
+    Claim("cl-tensor", "Channels-last: tensor cores near baseline (~1.5%)",
           "Under channels-last tensor-core use stays near baseline (~1.5%).",
-          f"Step-weighted tensor-pipe use of opt2 within {TENSOR_NEAR} points of baseline's.", cl_tensor),
-    Claim("cl-sm", "Channels-last: SM throughput drops", "Under channels-last SM throughput drops (~50%).",
-          f"Step-weighted SM throughput, opt2 / baseline <= {SM_DROP}.", cl_sm),
-    Claim("cl-cache", "Channels-last: L2 hit rises, DRAM falls",
-          "Under channels-last the L2 hit rate rises (~85%) and DRAM use collapses.",
-          "Step-weighted L2 hit rate higher and DRAM throughput lower in opt2 than in baseline.", cl_cache),
+          f"Step-weighted tensor-pipe use of opt2 within {TENSOR_NEAR} points of baseline's."
+          + _band_rule(BAND_CL_TENSOR), cl_tensor, STEP, BAND_CL_TENSOR),
+    Claim("cl-sm", "Channels-last: SM throughput drops (~50%)", "Under channels-last SM throughput drops (~50%).",
+          f"Step-weighted SM throughput, opt2 / baseline <= {SM_DROP}." + _band_rule(BAND_CL_SM), cl_sm, STEP,
+          BAND_CL_SM),
+    Claim("cl-cache", "Channels-last: L2 hit rises (to 85%), DRAM falls",
+          "Under channels-last the L2 hit rate rises (up to 85%) and DRAM use collapses.",
+          "Step-weighted L2 hit rate higher and DRAM throughput lower in opt2 than in baseline."
+          + _band_rule(BAND_CL_L2), cl_cache, STEP, BAND_CL_L2),
     Claim("opt12-partial", "OPT12 only partly restores", "Combined (OPT12) only partly restores tensor-core use.",
           "Both orderings opt2 < opt12 < opt1: in step speed (median step time), and in step-weighted tensor-pipe use.",
           opt12_partial),
+    Claim("opt12-peak", "OPT12 on H100: far from peak, element-wise bound",
+          "OPT12 does not reach peak on the H100 and stays dominated by element-wise and layout kernels.",
+          f"opt12's achieved FLOP/s (FLOPs per step / median step time) under {PEAK_FAR:.0%} of the card's roof in "
+          "its precision (measured, else the datasheet's), and element-wise + layout kernels a larger share of its "
+          "step's kernel time than convolutions; judged on every card.", opt12_peak, paper_card="H100"),
     Claim("fusion-needed", "Fusion is needed", "Further kernel fusion is needed.",
           f"Fusing the same model with torch.compile: sdpa / compile median step time >= {SPEEDUP_MIN}.", fusion_needed),
     Claim("tf32-quality", "TF32 keeps quality", "TF32 does not degrade synthesis quality.",
           f"opt1 against strict FP32 from the same weights: forward relative error <= {QUALITY_REL_ERR:g} and mean "
-          f"relative loss difference <= {QUALITY_LOSS:.0%}, where TF32 really ran (quality.parquet).", tf32_quality),
+          f"relative loss difference <= {QUALITY_LOSS:.0%}, where TF32 really ran (quality.parquet).", tf32_quality,
+          OUTPUT),
     Claim("tf32-samples", "TF32 trains as good a model", "TF32 does not degrade synthesis quality.",
           "Convergence study, paired seeds: opt1 minus strict FP32, seed by seed, judged by an equivalence test "
           f"({equivalence.CONFIDENCE:.0%} t-interval of the mean difference within ±{MARGINS['label_dice']:g} label_dice, "
           f"±{MARGINS['hist_w1']:g} hist_w1 and ±{MARGINS['ms_ssim']:g} MS-SSIM), and no more of opt1's runs fail "
           f"(diverged, or mean label_dice < {FAIL_DICE}). Holds when equivalent or better; does not hold when worse; "
           "undecided otherwise.",
-          tf32_samples),
+          tf32_samples, OUTPUT),
 ]
-COLUMNS = ["claim_id", "short", "claim", "gpu_slug", "verdict", "rule", "evidence", "figures"]
+COLUMNS = ["claim_id", "short", "claim", "gpu_slug", "verdict", "scope", "paper", "paper_card", "rule", "evidence",
+           "figures"]
 ON_CPU = "a claim about GPU kernels: not measurable on a CPU (the CPU run checks the pipeline, not the paper)"
 
 
@@ -438,6 +492,7 @@ def verdicts(data: Data, claims=CLAIMS, study: Study | None = None) -> pd.DataFr
         for c in claims:
             v = c.judge(g) if g.is_gpu else _na(ON_CPU)
             rows.append({"claim_id": c.id, "short": c.short, "claim": c.text, "gpu_slug": slug, "verdict": v.verdict,
+                         "scope": c.scope, "paper": c.band.said if c.band else "", "paper_card": c.paper_card,
                          "rule": c.rule, "evidence": v.evidence, "figures": v.figures})
     return pd.DataFrame(rows, columns=COLUMNS)
 
@@ -449,16 +504,38 @@ def headline(table: pd.DataFrame) -> pd.DataFrame:
                                                                                           fill_value=0)
 
 
+def side_by_side(table: pd.DataFrame) -> pd.DataFrame:
+    """A row per claim, a verdict column per GPU (CPU rows left out), with the claim's scope, the paper's
+    magnitude and the card the paper made it about."""
+    t = table[~table["gpu_slug"].map(is_cpu).astype(bool)]
+    if t.empty:
+        return pd.DataFrame(columns=["claim_id", "short", "scope", "paper", "paper_card"])
+    wide = t.pivot(index="claim_id", columns="gpu_slug", values="verdict")
+    meta = t.drop_duplicates("claim_id").set_index("claim_id")[["short", "scope", "paper", "paper_card"]]
+    order = list(dict.fromkeys(t["claim_id"]))
+    gpus = list(dict.fromkeys(t["gpu_slug"]))
+    return meta.join(wide[gpus]).loc[order].reset_index()
+
+
 def _plain(v):
     if isinstance(v, float):
         return None if math.isnan(v) else v
     if isinstance(v, (list, tuple)):
         return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
     return v.item() if hasattr(v, "item") else v
 
 
 def as_json(table: pd.DataFrame) -> str:
-    """The verdicts as a JSON list of {claim, device, verdict, rule, evidence, figures}."""
-    return json.dumps([{"claim": r.claim_id, "device": r.gpu_slug, "verdict": r.verdict, "rule": r.rule,
-                        "evidence": r.evidence, "figures": {k: _plain(v) for k, v in r.figures.items()}}
-                       for r in table.itertuples()], indent=1)
+    """The verdicts as a JSON list, a claim each, every device's verdict side by side: {claim, text, scope, paper,
+    paper_card, rule, verdicts: {device: {verdict, evidence, figures}}}."""
+    out = []
+    for claim_id, rows in table.groupby("claim_id", sort=False):
+        r = rows.iloc[0]
+        out.append({"claim": claim_id, "text": r["claim"], "scope": r["scope"], "paper": r["paper"] or None,
+                    "paper_card": r["paper_card"] or None, "rule": r["rule"],
+                    "verdicts": {d.gpu_slug: {"verdict": d.verdict, "evidence": d.evidence,
+                                              "figures": {k: _plain(v) for k, v in d.figures.items()}}
+                                 for d in rows.itertuples()}})
+    return json.dumps(out, indent=1)

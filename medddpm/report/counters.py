@@ -1,13 +1,17 @@
-"""The counters page: Nsight Compute's hardware counters, weighted by each kernel's share of the step."""
+"""The counters page: Nsight Compute's hardware counters, weighted by each kernel's share of the step, and the
+roofline, with tensor-core FLOPs counted from the tensor pipe's active cycles."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 
 import pandas as pd
 
-from medddpm.report.loading import Data, _sort
+from medddpm.analysis import roofs as ar
+from medddpm.report.loading import Data, _sort, gpu_types
+from medddpm.report.roofs import card_roofs
 
 _WEIGHTED = ("tensor_pipe_pct", "sm_throughput_pct", "memory_throughput_pct", "dram_throughput_pct", "l1_hit_pct",
              "l2_hit_pct", "achieved_occupancy_pct")
@@ -77,33 +81,130 @@ def uncounted_runs(data: Data) -> pd.DataFrame:
     return _sort(r[["gpu_slug", "config"]].reset_index(drop=True))
 
 
-def roofline_points(ncu_df: pd.DataFrame) -> pd.DataFrame:
+# A kernel's tensor-core precision, from the words of its name (cuDNN's and CUTLASS's `..._bf16bf16_bf16f32_...`,
+# `..._f32f32_tf32f32_...`, `..._s16816gemm_fp16_...`), checked in this order: "bf16" holds "f16".
+_TENSOR_WORDS = (("bf16", re.compile(r"bf16|bfloat16")), ("tf32", re.compile(r"tf32")),
+                 ("fp16", re.compile(r"fp16|f16|half|h884|h1688|h16816")))
+TENSOR_MIN_PCT = 5.0  # a kernel whose name says no precision counts as a tensor-core kernel from this pipe use
+
+
+def tensor_precision(kernel: str, run_precision: str, tensor_pipe_pct: float) -> str | None:
+    """The precision a kernel's tensor-core math runs in: its name's, else the run's where the run's is a tensor
+    precision and the kernel keeps the tensor pipe busy (cuBLAS's and Triton's names say none); None for a kernel
+    of the CUDA cores (a strict-FP32 convolution shows a percent or two of tensor pipe that is no tensor math)."""
+    for precision, words in _TENSOR_WORDS:
+        if words.search(kernel):
+            # cuDNN's fused attention says "f16" for either 16-bit type: the run's says which
+            return run_precision if precision == "fp16" and run_precision in ("bf16", "fp16") else precision
+    if run_precision in ar.TENSOR and tensor_pipe_pct >= TENSOR_MIN_PCT:
+        return run_precision
+    return None
+
+
+def math_of(precision) -> str:
+    """Where a kernel's math runs, in words: "tensor cores (bf16)", or "CUDA cores"."""
+    return f"tensor cores ({precision})" if isinstance(precision, str) else "CUDA cores"
+
+
+def _per_sm_cycle(kind: str, roofs: dict, precision: str, sm_count: float, sm_hz: float) -> float:
+    """Dense tensor FLOPs of one SM in one cycle: from the datasheet of the card's type (its peak over its SMs
+    and the clock the peak assumes), else the card's measured roof over its SMs at the kernel's own clock."""
+    card = ar.DATASHEET.get(kind)
+    rate = card.tensor_flop_per_sm_cycle(precision) if card else None
+    if rate is None and precision in roofs and sm_count > 0 and sm_hz > 0:
+        rate = roofs[precision].value / (sm_count * sm_hz)
+    return rate if rate is not None else math.nan
+
+
+def kernel_flops(k: pd.DataFrame, run: pd.DataFrame | None = None, roofs: pd.DataFrame | None = None) -> pd.DataFrame:
+    """`ncu_kernels` rows with their FLOPs counted: `flops_sass` from the FP32/FP16/FP64 thread instructions (an
+    FMA is two), `flops_tensor` from the tensor pipe's active cycles (Nsight Compute counts no tensor-core FLOPs:
+    the pipe's active share x the SMs' active cycles x the SMs x the card's dense FLOPs per SM and cycle in the
+    kernel's precision, `tensor_precision`), `flops` their sum and `dram_bytes` the DRAM traffic."""
+    run = run if run is not None else pd.DataFrame(columns=["run_id", "gpu_slug", "gpu_type", "precision_used"])
+    out = k.copy()
+    for col in ("run_id", "sm_count", "sm_frequency_hz", "sm_active_cycles", "tensor_pipe_pct", "flop_fp16",
+                "flop_fp64"):
+        if col not in out:  # tables of older ncu runs, or made by hand, lack some
+            out[col] = "" if col == "run_id" else math.nan
+    out["flops_sass"] = out[["flop_fp32", "flop_fp16", "flop_fp64"]].sum(axis=1, min_count=1)
+    precision = dict(zip(run["run_id"], run["precision_used"]))
+    kinds = gpu_types(run, roofs)
+    out["tensor_precision"] = [tensor_precision(name, precision.get(rid, ""), pipe if pipe == pipe else 0.0)
+                               for name, rid, pipe in zip(out["kernel"], out["run_id"], out["tensor_pipe_pct"])]
+    cards = {slug: card_roofs(slug, run, roofs) for slug in out["gpu_slug"].unique()}
+    rates = [_per_sm_cycle(kinds.get(slug, slug), cards[slug], p, n, hz) if isinstance(p, str) else 0.0
+             for slug, p, n, hz in zip(out["gpu_slug"], out["tensor_precision"], out["sm_count"],
+                                       out["sm_frequency_hz"])]
+    out["flops_tensor"] = out["tensor_pipe_pct"].fillna(0) / 100 * out["sm_active_cycles"] * out["sm_count"] * rates
+    out["flops"] = out["flops_sass"].fillna(0) + out["flops_tensor"].fillna(0)
+    out["dram_bytes"] = out["dram_bytes_per_s"] * out["duration_ns"] / 1e9
+    return out
+
+
+def roofline_points(ncu_df: pd.DataFrame, run: pd.DataFrame | None = None,
+                    roofs: pd.DataFrame | None = None) -> pd.DataFrame:
     """Per profiled kernel of each run: arithmetic intensity (FLOP per DRAM byte) and achieved FLOP/s of
     all its profiled launches together (their FLOPs over their bytes and over their time; `launches`),
-    so that a run profiled launch by launch (the library pass) draws as many points as kernels.
+    so that a run profiled launch by launch (the library pass) draws as many points as kernels. A scope of its
+    own: the profiled launches, weighted by their own durations (not the step's).
 
-    FLOPs come from ncu's FP32/FP16/FP64 thread-instruction counts (an FMA is two), which do not see
-    tensor-core (HMMA/GMMA) math: tensor-core kernels are drawn with what the SASS counters see."""
-    cols = ["gpu_slug", "config", "kernel", "launches", "duration_ns", "flops", "bytes", "intensity", "flops_per_s",
-            "tensor_pipe_pct"]
+    FLOPs are CUDA-core and tensor-core FLOPs (`kernel_flops`), so a TF32 or bf16 convolution sits where it runs;
+    `math` says which: "tensor cores (<precision>)" or "CUDA cores"."""
+    cols = ["gpu_slug", "config", "kernel", "launches", "duration_ns", "flops", "flops_tensor", "bytes", "intensity",
+            "flops_per_s", "tensor_pipe_pct", "math"]
     k = ncu_kernels(ncu_df)
     if k.empty or "flop_fp32" not in k:
         return pd.DataFrame(columns=cols)
-    k = k.copy()
-    k["flops"] = k[["flop_fp32", "flop_fp16", "flop_fp64"]].sum(axis=1, min_count=1)
-    k["bytes"] = k["dram_bytes_per_s"] * k["duration_ns"] / 1e9
-    k = k[(k["flops"] > 0) & (k["bytes"] > 0) & (k["duration_ns"] > 0)]
+    k = kernel_flops(k, run, roofs).rename(columns={"dram_bytes": "bytes"})
+    k = k[(k["flops"] > 0) & (k["bytes"] > 0) & (k["duration_ns"] > 0)].copy()
     k["pipe_ns"] = k["tensor_pipe_pct"] * k["duration_ns"]
     k["piped_ns"] = k["duration_ns"].where(k["tensor_pipe_pct"].notna())
+    k["math"] = k["tensor_precision"].map(math_of)
     g = k.groupby(["gpu_slug", "config", "kernel"], as_index=False, sort=False).agg(
         launches=("kernel_id", "size"), duration_ns=("duration_ns", "sum"), flops=("flops", "sum"),
-        bytes=("bytes", "sum"), pipe_ns=("pipe_ns", "sum"), piped_ns=("piped_ns", "sum"))
+        flops_tensor=("flops_tensor", "sum"), bytes=("bytes", "sum"), pipe_ns=("pipe_ns", "sum"),
+        piped_ns=("piped_ns", "sum"), math=("math", "first"))
     g["intensity"] = g["flops"] / g["bytes"]
     g["flops_per_s"] = g["flops"] / (g["duration_ns"] / 1e9)
     # duration-weighted over the launches ncu gave it for; NaN where it gave none
     g["tensor_pipe_pct"] = g["pipe_ns"] / g["piped_ns"].where(g["piped_ns"] > 0)
     g["kernel"] = g["kernel"].str.slice(0, 160)  # a label: kernels are told apart by their whole names above
     return g[cols]
+
+
+_LAYER = re.compile(r"conv3d (\d+)>(\d+) k(\d+) s(\d+) @(\d+)x(\d+)x(\d+)")
+
+
+def layer_flops(layer: str) -> float:
+    """A convolution layer's FLOPs in one direction, from its range's name (`conv3d 64>64 k3 s1 @128x128x128`:
+    2 x in x out channels x k^3 x output voxels; forward, input gradient and weight gradient alike)."""
+    m = _LAYER.match(layer)
+    if not m:
+        return math.nan
+    cin, cout, k, stride, d, h, w = map(int, m.groups())
+    return 2.0 * cin * cout * k**3 * (d // stride) * (h // stride) * (w // stride)
+
+
+def flop_count_check(data: Data) -> pd.DataFrame:
+    """The FLOP count held against arithmetic: per run, each convolution layer and direction profiled in its
+    range, its counted FLOPs (`kernel_flops`, its main kernel) over the layer's own (`layer_flops`). Near 1 the
+    count is right; well above 1 the kernel computes padding (a layer of 1 or 4 channels on a tile of 64)."""
+    cols = ["gpu_slug", "config", "layer", "direction", "kernel", "math", "duration_ns", "counted", "layer_flops",
+            "ratio"]
+    k = ncu_kernels(data.ncu)
+    if k.empty or "flop_fp32" not in k:
+        return pd.DataFrame(columns=cols)
+    k = kernel_flops(k, data.run, data.roofs)
+    k = k[(k["layer"] != "") & (k["direction"] != "")].copy()
+    if k.empty:
+        return pd.DataFrame(columns=cols)
+    k["layer"] = k["layer"].str.removesuffix(" backward")
+    k["math"] = k["tensor_precision"].map(math_of)
+    main = k.sort_values("duration_ns", ascending=False).drop_duplicates(["gpu_slug", "config", "layer", "direction"])
+    main = main.assign(counted=main["flops"], layer_flops=main["layer"].map(layer_flops))
+    main["ratio"] = main["counted"] / main["layer_flops"]
+    return _sort(main[cols].dropna(subset=["ratio"]), "layer")
 
 
 def ncu_priorities(data: Data, n: int = 10) -> pd.DataFrame:

@@ -40,6 +40,7 @@ ABLATION_DIR = "ablation"  # data/<gpu>/ablation/<run>/: `python -m medddpm abla
 TABLES = ("run", "steps", "kernels", "ncu", "quality")  # one file each in every run folder
 
 HOLDS, FAILS, NA = "holds", "does not hold", "not measurable"
+MAGNITUDE = "direction holds, magnitude differs"  # the effect goes the paper's way, its size lies outside the paper's
 UNDECIDED = "undecided"  # measured, but the spread of the measurements cannot tell (more seeds would)
 NOT_MEASURED = "not measured yet"
 _GIB = 2**30
@@ -251,6 +252,7 @@ class Data:
     quality: pd.DataFrame
     bench: pd.DataFrame = field(default_factory=lambda: schema.empty("bench"))
     scaling: pd.DataFrame = field(default_factory=lambda: schema.empty("scaling"))
+    roofs: pd.DataFrame = field(default_factory=lambda: schema.empty("roofs"))
 
     @property
     def ok(self) -> pd.DataFrame:
@@ -258,7 +260,37 @@ class Data:
 
 
 def load_all(root: str | os.PathLike | None = None) -> Data:
-    return Data(**{t: load(t, root) for t in TABLES}, bench=bench_runs(root), scaling=scaling_runs(root))
+    return Data(**{t: load(t, root) for t in TABLES}, bench=bench_runs(root), scaling=scaling_runs(root),
+                roofs=roofs_table(root))
+
+
+def roofs_table(root: str | os.PathLike | None = None) -> pd.DataFrame:
+    """Every ``data/<gpu-slug>/roofs.parquet`` (the label's measured bandwidth and matmul rates), validated; a file
+    whose rows name another label than its folder is left out with a warning."""
+    root = Path(root) if root is not None else data_root()
+    frames = []
+    for path in sorted(root.glob(f"*/{schema.ROOFS_FILE}")):
+        try:
+            df = _read(path, "roofs")
+        except DataError as e:
+            _leave_out(str(e))
+            continue
+        if not (df["gpu_slug"] == path.parent.name).all():
+            _leave_out(f"{path}: roofs of another label than its folder says")
+            continue
+        frames.append(df)
+    return pd.concat(frames, ignore_index=True) if frames else schema.empty("roofs")
+
+
+def gpu_types(run: pd.DataFrame, roofs: pd.DataFrame | None = None) -> dict[str, str]:
+    """Label -> device type, from the labels' runs and roofs (a label's type is its own name where neither says)."""
+    pairs = [run[["gpu_slug", "gpu_type"]]] if not run.empty else []
+    if roofs is not None and not roofs.empty:
+        pairs.append(roofs[["gpu_slug", "gpu_type"]])
+    if not pairs:
+        return {}
+    both = pd.concat(pairs).dropna().drop_duplicates("gpu_slug")
+    return dict(zip(both["gpu_slug"], both["gpu_type"]))
 
 
 def scaling_runs(root: str | os.PathLike | None = None) -> pd.DataFrame:

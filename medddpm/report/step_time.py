@@ -10,34 +10,9 @@ import pandas as pd
 
 from medddpm.configs import CONFIGS, PAPER
 from medddpm.report.loading import Data, _sort
+from medddpm.report.roofs import DATASHEET_FP32, peaks_of  # noqa: F401 - the pages read them here too
 from medddpm.model.diffusion import TIMESTEPS
 from medddpm.presets import REFERENCE_ACCUM, REFERENCE_STEPS  # noqa: F401 - the pages' 100k-step costs
-
-# Peak throughputs (FLOP/s) that set a floor for one micro-step: 16.6 TFLOP / peak. Inputs, not results:
-# each with its source. A GPU missing here simply has no floor drawn.
-PEAKS: dict[str, dict[str, tuple[float, str]]] = {
-    "nvidia-h200": {
-        "bf16": (790e12, "measured on this machine type (one run of a dense bf16 matmul)"),
-        "fp32": (67e12, "FP32 without tensor cores, NVIDIA H200 SXM datasheet"),
-    },
-}
-
-
-
-def peaks_of(slug: str, run: pd.DataFrame | None = None) -> dict[str, tuple[float, str]]:
-    """The peaks of the device type a folder label was measured on: a run kept beside the committed rows of its
-    type (`nvidia-h200-<host>`) has that type's peaks, read from its rows' `gpu_type`."""
-    if run is not None and "gpu_type" in run:
-        types = run.loc[run["gpu_slug"] == slug, "gpu_type"].dropna().unique()
-        if len(types) == 1:
-            return PEAKS.get(types[0], {})
-    return PEAKS.get(slug, {})
-
-
-# FP32 (non-tensor-core) peaks from NVIDIA's datasheets, for counting what training costs elsewhere.
-DATASHEET_FP32 = {"V100 SXM2": 15.7e12, "A100 SXM": 19.5e12, "H100 SXM": 67e12}
-
-
 
 
 def device_label(run: pd.DataFrame) -> pd.Series:
@@ -98,10 +73,12 @@ def check_strict_baseline(data: Data) -> None:
 
 
 
-def floors(run: pd.DataFrame, bench: pd.DataFrame | None = None, bench_flops: float | None = None) -> pd.DataFrame:
-    """Per GPU and precision with a known peak: the shortest possible micro-step (FLOPs per step / peak)
-    beside the fastest configuration that ran in that precision. GPUs with no sweep use their bench
-    timings when `bench_flops` (the FLOPs of the bench's micro-step) is given."""
+def floors(run: pd.DataFrame, bench: pd.DataFrame | None = None, bench_flops: float | None = None,
+           roofs: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Per GPU and precision with a known peak (its measured roofs, else its datasheet's: `roofs.peaks_of`): the
+    shortest possible micro-step (FLOPs per step / peak) beside the fastest configuration that ran in that
+    precision. GPUs with no sweep use their bench timings when `bench_flops` (the FLOPs of the bench's
+    micro-step) is given."""
     s = step_summary(run)[["gpu_slug", "config", "precision_used", "train_median_ms", "flops_per_step"]]
     s = s.assign(timing_source="sweep")
     if bench is not None and not bench.empty and bench_flops:
@@ -113,7 +90,7 @@ def floors(run: pd.DataFrame, bench: pd.DataFrame | None = None, bench_flops: fl
         s = pd.concat([s, b], ignore_index=True)
     rows = []
     for slug, g in s.groupby("gpu_slug"):
-        for precision, (peak, peak_source) in peaks_of(slug, run).items():
+        for precision, (peak, peak_source) in peaks_of(slug, run, roofs).items():
             same = g[g["precision_used"] == precision]
             if same.empty:
                 continue

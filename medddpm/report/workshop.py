@@ -269,15 +269,16 @@ def stall_table(ncu_df: pd.DataFrame, *, top: int = 8) -> pd.DataFrame:
 
 
 def efficiencies(data: bd.Data) -> pd.DataFrame:
-    """Per GPU whose device type has known peaks (`step_time.PEAKS`) and precision measured there: achieved TFLOP/s
-    of a training micro-step (strict FP32 = the baseline; bf16 = the bf16 configuration), from the
-    sweep, else from the bench timings, and the fraction of the peak it is."""
+    """Per GPU with known peaks (its measured roofs, else its datasheet's: `roofs.peaks_of`) and precision measured
+    there: achieved TFLOP/s of a training micro-step (strict FP32 = the baseline; TF32 = opt1; bf16 = the bf16
+    configuration; fp16 = the fp16 one), from the sweep, else from the bench timings, and the fraction of the peak
+    it is."""
     run = data.ok
     rows = []
     slugs = sorted(set(run["gpu_slug"]) | (set(data.bench["gpu_slug"]) if not data.bench.empty else set()))
     for slug in slugs:
-        for precision, (peak, source) in bd.peaks_of(slug, run).items():
-            config = {"fp32": "baseline", "bf16": "bf16"}.get(precision)
+        for precision, (peak, source) in bd.peaks_of(slug, run, data.roofs).items():
+            config = {"fp32": "baseline", "tf32": "opt1", "bf16": "bf16", "fp16": "fp16"}[precision]
             r = run[(run["gpu_slug"] == slug) & (run["config"] == config)]
             if len(r):
                 r = r.iloc[0]

@@ -5,7 +5,8 @@ producer notebook, where ``<run>`` is the configuration's name for the main pres
 at batch 1, and ``<config>@<preset>[-b<batch>][-m<label channels>]`` otherwise (`run_folder`). ``run.parquet`` is
 written last: its presence marks a finished run. ``data/<gpu-slug>/scaling/<config>.parquet`` holds every
 rank's step times (`python -m medddpm scale`), ``data/<gpu-slug>/reference/bench.parquet`` the bench timings of
-ours and the reference implementation (`python -m medddpm bench --out`), and ``data/partition.parquet`` what
+ours and the reference implementation (`python -m medddpm bench --out`), ``data/<gpu-slug>/roofs.parquet`` the
+label's measured bandwidth and matmul rates (`medddpm.measure.roofs`), and ``data/partition.parquet`` what
 compiled steps save for their backward, traced on a CPU (`partition.record`): counted, not measured.
 """
 
@@ -221,6 +222,30 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "mask_channels": (I, "label channels (conditioning)"),
         "base_channels": (I, "U-Net base width"),
     },
+    # data/<gpu-slug>/roofs.parquet: the label's roofs, measured once by the sweep (`medddpm.measure.roofs`), a row
+    # per roof; the roofline, the efficiency figures and the cross-card model read them
+    "roofs": {
+        "gpu_slug": (S, "the label of the folder data/<gpu-slug>/ the roofs belong to"),
+        "gpu_name": (S, "torch.cuda.get_device_name, or 'cpu'"),
+        "gpu_type": (S, "the device type: gpu_name lower-cased, other characters as hyphens"),
+        "host": (S, "short host name of the machine that measured"),
+        "roof": (S, "dram (DRAM bandwidth) | fp32 (dense matmul, strict FP32: TF32 off) | tf32 | bf16 | fp16"),
+        "unit": (S, "byte/s for dram, FLOP/s for a matmul"),
+        "value": (F, "median over the timed repeats: bytes read plus bytes written per second of a device-to-device "
+                     "copy; 2 n^3 FLOP per second of an n x n by n x n matmul of random normal values"),
+        "p10": (F, "10th percentile over the repeats, same unit"),
+        "p90": (F, "90th percentile over the repeats, same unit"),
+        "repeats": (I, "timed repeats, after the untimed warm-up"),
+        "size": (I, "bytes of the copy's source (dram), or n, the matmul's side"),
+        "method": (S, "what was timed and how, in words"),
+        "sm_clock_mhz": (F, "median SM clock while the repeats ran (NVML; NaN without)"),
+        "mem_clock_mhz": (F, "median memory clock while the repeats ran (NVML; NaN without)"),
+        "driver": (S, "NVIDIA driver version (NVML; '' on a CPU)"),
+        "cuda": (S, "CUDA version torch was built with ('' on a CPU)"),
+        "torch": (S, "torch.__version__"),
+        "git_commit": (S, "commit of this repository (-dirty if modified)"),
+        "start_time": (S, "UTC start of the measurement, ISO 8601"),
+    },
     "partition": {
         "preset": (S, "the model: smoke | paper | brats"),
         "shape": (S, "input D x H x W in voxels"),
@@ -351,6 +376,7 @@ RENAMED: dict[str, dict[str, str]] = {
 }
 
 BENCH_FILE = "bench.parquet"  # table bench: `python -m medddpm bench --out DIR` writes DIR/bench.parquet
+ROOFS_FILE = "roofs.parquet"  # table roofs: data/<gpu-slug>/roofs.parquet, beside the label's run folders
 
 MAIN_PRESETS = ("smoke", "paper")  # a device's own preset: its runs sit in data/<gpu>/<config>/
 
@@ -384,6 +410,7 @@ ENUMS: dict[str, dict[str, tuple[str, ...]]] = {
     "kernels": {"pass": ("forward", "backward", "optimizer", "graph", "other"), "device_type": ("cuda", "cpu")},
     "ncu": {"kind": ("metric", "rule")},
     "bench": {"phase": ("train", "sample")},
+    "roofs": {"roof": ("dram", "fp32", "tf32", "bf16", "fp16"), "unit": ("byte/s", "FLOP/s")},
     "convergence_runs": {"status": ("ok", "diverged", "error")},
 }
 RANGES: dict[str, dict[str, tuple[float, float]]] = {  # inclusive bounds; NaN passes (not measured)
@@ -392,6 +419,7 @@ RANGES: dict[str, dict[str, tuple[float, float]]] = {  # inclusive bounds; NaN p
     "quality": {"step": (1, math.inf)},
     "scaling": {"world_size": (1, math.inf), "rank": (0, math.inf), "step": (0, math.inf)},
     "convergence_losses": {"step": (1, math.inf)},
+    "roofs": {"value": (0, math.inf), "repeats": (1, math.inf), "size": (1, math.inf)},
     "snapshot": {"peak_bytes": (0, math.inf), "held_bytes": (0, math.inf), "blocks": (0, math.inf),
                  "bytes": (0, math.inf), "largest": (0, math.inf)},
 }
@@ -403,6 +431,7 @@ KEYS: dict[str, tuple[str, ...]] = {  # non-null, non-empty, and unique together
     "quality": ("run_id", "step"),
     "scaling": ("run_id", "rank", "step"),
     "convergence_losses": ("config", "seed", "step"),
+    "roofs": ("gpu_slug", "roof"),
     "snapshot": ("origin",),
 }
 ONE_RUN = ("steps", "kernels", "ncu", "quality")  # a run folder's tables of many rows: all of its one run

@@ -12,7 +12,7 @@ appear only when the page asks for them with ``cpu=True``. Bars start at zero on
 axis and tooltip names its unit, and rankings number the largest first.
 
 Pages call `setup()` first: it is the one place where the renderer is chosen. One module per family:
-`theme` (what every chart shares), `timing`, `kernels`, `counters`, `device_memory`, `quality`, `study`.
+`theme` (what every chart shares), `timing`, `kernels`, `counters`, `cards`, `device_memory`, `quality`, `study`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from medddpm.report.charts.timing import (  # noqa: E402
     ABLATION_COLORS, COST_METRICS, ablation, bench, cost, gpu_busy, scaling, speedup, step_time)
 from medddpm.report.charts.kernels import PASS_METRICS, category_shares, pass_split, top_kernels  # noqa: E402
 from medddpm.report.charts.counters import (  # noqa: E402
-    BANDWIDTH, MEMORY_METRICS, instruction_mix, memory, priorities, roofline, stalls, tensor_pipe)
+    MEMORY_METRICS, instruction_mix, memory, priorities, roofline, stalls, tensor_pipe)
+from medddpm.report.charts.cards import card_steps, category_ratios  # noqa: E402
 from medddpm.report.charts.device_memory import (  # noqa: E402
     FIT_COLORS, _model_param, card_label, memory_fits, memory_peaks, switch_costs)
 from medddpm.report.charts.quality import claims_grid, loss_curves, loss_difference, rel_err  # noqa: E402
@@ -52,7 +53,9 @@ __all__ = [
     # kernels
     "PASS_METRICS", "category_shares", "pass_split", "top_kernels",
     # counters
-    "BANDWIDTH", "MEMORY_METRICS", "instruction_mix", "memory", "priorities", "roofline", "stalls", "tensor_pipe",
+    "MEMORY_METRICS", "instruction_mix", "memory", "priorities", "roofline", "stalls", "tensor_pipe",
+    # cards against each other
+    "card_steps", "category_ratios",
     # device memory
     "FIT_COLORS", "card_label", "memory_fits", "memory_peaks", "switch_costs",
     # quality and claims

@@ -9,10 +9,6 @@ from medddpm.report.charts.theme import (_config_legend, _config_param, _configs
                                          _height, _light, _metric_param, _no_gpu, chosen_axis_title, config_color,
                                          decades, duration_text, figure, gpu_rows, log_axis, parts_color, title,
                                          top_parts)
-from medddpm.report.step_time import PEAKS
-
-# DRAM bandwidth for the roofline, with its source (like step_time.PEAKS): inputs, not results.
-BANDWIDTH = {"nvidia-h200": (4.3e12, "measured on this machine type (one run of a device-to-device copy)")}
 NO_COUNTERS = "no Nsight Compute counters in the data"
 
 
@@ -184,65 +180,78 @@ def priorities(prio: pd.DataFrame, *, cpu: bool = False) -> alt.Chart:
                     "× the rule's estimated speedup"))
 
 
-def _roofs(df: pd.DataFrame, lo: int, hi: int) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The roofs of each GPU with a known bandwidth and peak, over 10^lo..10^hi FLOP per byte, and their labels:
-    the memory roof above its diagonal, each compute roof over its right end."""
+def _roofs(df: pd.DataFrame, roofs: pd.DataFrame, lo: int, hi: int) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The roofs of each GPU of `df` (`report.roofs_view`: measured, else its datasheet's), over 10^lo..10^hi
+    FLOP per byte, and their labels: the memory roof above its diagonal, each compute roof over its right end
+    (precisions of one rate share a roof and a label), each saying whether it was measured."""
     lines, labels = [], []
     for slug in sorted(df["gpu_slug"].unique()):
-        if slug not in BANDWIDTH or slug not in PEAKS:
+        mine = roofs[roofs["gpu_slug"] == slug].set_index("roof") if len(roofs) else roofs
+        if "dram" not in mine.index or len(mine) < 2:
             continue
-        bw = BANDWIDTH[slug][0]
-        left = 10.0**lo
+        bw, left = float(mine.loc["dram", "value"]), 10.0**lo
         lines.append({"gpu_slug": slug, "roof": "memory", "intensity": left, "tflops": left * bw / 1e12})
         at = 10.0 ** (lo + 2)  # above the diagonal, where no kernel can be, two decades in
         labels.append({"gpu_slug": slug, "roof": "memory", "intensity": at, "tflops": at * bw / 1e12,
-                       "text": f"memory roof\nDRAM {bw / 1e12:.2g} TB/s", "align": "left"})
-        for precision, (peak, _) in PEAKS[slug].items():
+                       "text": f"memory roof ({mine.loc['dram', 'source']})\nDRAM {bw / 1e12:.2g} TB/s",
+                       "align": "left"})
+        compute = mine.drop(index="dram")
+        for (peak, source), same in compute.groupby(["value", "source"], sort=False):
+            name = ", ".join(p.upper() for p in same.index)
             ridge = peak / bw
             for ai in (left, ridge, 10.0**hi):
                 if left <= ai <= 10.0**hi:
-                    lines.append({"gpu_slug": slug, "roof": precision, "intensity": ai,
-                                  "tflops": min(peak, ai * bw) / 1e12})
-            labels.append({"gpu_slug": slug, "roof": precision, "intensity": 10.0**hi, "tflops": peak / 1e12,
-                           "text": f"compute roof, {precision.upper()}\n{peak / 1e12:.3g} TFLOP/s", "align": "right"})
+                    lines.append({"gpu_slug": slug, "roof": name, "intensity": ai, "tflops": min(peak, ai * bw) / 1e12})
+            # one line each: roofs a factor of two apart (TF32 and bf16) are a line's height apart on the plot
+            labels.append({"gpu_slug": slug, "roof": name, "intensity": 10.0**hi, "tflops": peak / 1e12,
+                           "text": f"compute roof {name} ({source}): {peak / 1e12:.3g} TFLOP/s", "align": "right"})
     return pd.DataFrame(lines), pd.DataFrame(labels)
 
 
 @figure
-def roofline(points: pd.DataFrame, *, cpu: bool = False) -> alt.LayerChart | alt.Chart:
+def roofline(points: pd.DataFrame, roofs: pd.DataFrame | None = None, *,
+             cpu: bool = False) -> alt.LayerChart | alt.Chart:
     """Achieved FLOP/s against arithmetic intensity (log-log), one dot per kernel of a run (its profiled
-    launches together), the memory and compute roofs labelled where the GPU's bandwidth and peaks are known;
-    GPU dropdown, legend picks configurations, size = the launches' duration."""
+    launches together; CUDA-core and tensor-core FLOPs, `counters.roofline_points`), its shape where the math
+    ran, with the GPU's roofs (`report.roofs_view`: measured, else its datasheet's, labelled so); GPU dropdown,
+    legend picks configurations, size = the launches' duration."""
     pts = gpu_rows(points, cpu)
     if pts.empty:
         return _no_gpu(points, "Nsight Compute FLOP and byte counts")
+    roofs = roofs if roofs is not None else pd.DataFrame(columns=["gpu_slug", "roof", "value", "source"])
     # only the columns drawn or in the tooltip: the page embeds every GPU's points
     df = _light(pts.assign(tflops=pts["flops_per_s"] / 1e12, duration_us=pts["duration_ns"] / 1e3,
-                           duration_text=pts["duration_ns"].div(1e3).map(duration_text))[
-        ["gpu_slug", "config", "kernel", "launches", "intensity", "tflops", "duration_us", "duration_text",
-         "tensor_pipe_pct"]])
-    peaks = [p / 1e12 for s in df["gpu_slug"].unique() for p, _ in PEAKS.get(s, {}).values() if s in BANDWIDTH]
+                           duration_text=pts["duration_ns"].div(1e3).map(duration_text),
+                           tensor_share=(pts["flops_tensor"] / pts["flops"]).fillna(0))[
+        ["gpu_slug", "config", "kernel", "math", "launches", "intensity", "tflops", "tensor_share", "duration_us",
+         "duration_text", "tensor_pipe_pct"]])
+    shown = roofs[roofs["gpu_slug"].isin(df["gpu_slug"].unique())] if len(roofs) else roofs
+    peaks = [v / 1e12 for v in shown.loc[shown["roof"] != "dram", "value"]] if len(shown) else []
     xlo, xhi = decades(df["intensity"])
     xhi += 1 if peaks else 0  # room right of the data for the compute roofs' labels
     ylo, yhi = decades(df["tflops"], peaks)
     x_scale, x_axis = log_axis(xlo, xhi, "arithmetic intensity (FLOP per DRAM byte)")
-    y_scale, y_axis = log_axis(ylo, yhi + (1 if peaks else 0), "achieved throughput (TFLOP/s, SASS FP counts)")
+    y_scale, y_axis = log_axis(ylo, yhi + (1 if peaks else 0),
+                               "achieved throughput (TFLOP/s, CUDA-core + tensor-core FLOPs)")
     x = alt.X("intensity:Q", scale=x_scale, axis=x_axis)
     y = alt.Y("tflops:Q", scale=y_scale, axis=y_axis)
     gpu = _gpu_param(df)
     pick = alt.selection_point(fields=["config"], bind="legend")
-    dots = alt.Chart(df).transform_filter(alt.datum.gpu_slug == gpu).mark_circle().encode(
+    maths = sorted(df["math"].unique(), key=lambda m: (m == "CUDA cores", m))
+    dots = alt.Chart(df).transform_filter(alt.datum.gpu_slug == gpu).mark_point(filled=True).encode(
         x=x, y=y,
         color=alt.Color("config:N", scale=config_color(df["config"]), legend=_config_legend(df)),
+        shape=alt.Shape("math:N", sort=maths, legend=alt.Legend(title="math ran on", orient="bottom")),
         size=alt.Size("duration_us:Q", legend=None),  # said in the title: a second legend would not react to clicks
         opacity=alt.condition(pick, alt.value(0.9), alt.value(0.1)),
-        tooltip=[alt.Tooltip("kernel:N"), alt.Tooltip("config:N", title="configuration"),
+        tooltip=[alt.Tooltip("kernel:N"), alt.Tooltip("config:N", title="configuration"), alt.Tooltip("math:N"),
                  alt.Tooltip("intensity:Q", title="intensity (FLOP/byte)", format=".3~r"),
                  alt.Tooltip("tflops:Q", title="achieved (TFLOP/s)", format=".3~r"),
+                 alt.Tooltip("tensor_share:Q", title="tensor-core share of the FLOPs (%)", format=".0%"),
                  alt.Tooltip("duration_text:N", title="duration (profiled launches)"),
                  alt.Tooltip("launches:Q", title="profiled launches", format="d"),
                  alt.Tooltip("tensor_pipe_pct:Q", title="tensor pipe (% of peak)", format=".3~r")]).add_params(pick)
-    lines, labels = _roofs(df, xlo, xhi)
+    lines, labels = _roofs(df, shown, xlo, xhi)
     layers = [dots]
     if len(lines):
         roof = alt.Chart(lines).transform_filter(alt.datum.gpu_slug == gpu).mark_line(color="#333", strokeDash=[4, 3])
@@ -250,7 +259,7 @@ def roofline(points: pd.DataFrame, *, cpu: bool = False) -> alt.LayerChart | alt
         style = {"align": "right", "baseline": "bottom", "fontSize": 11, "color": "#333", "lineBreak": "\n"}
         layers = [roof.encode(x=x, y=y, detail="roof:N", tooltip=[alt.Tooltip("roof:N")]),
                   text.transform_filter(alt.datum.align == "right").mark_text(
-                      dx=-4, dy=-16, **style).encode(
+                      dx=-4, dy=-3, **style).encode(
                       x=x, y=y, text="text:N"),
                   text.transform_filter(alt.datum.align == "left").mark_text(
                       dx=-6, dy=-18, **style).encode(
@@ -258,8 +267,9 @@ def roofline(points: pd.DataFrame, *, cpu: bool = False) -> alt.LayerChart | alt
                   dots]
     return alt.layer(*layers).add_params(gpu).properties(
         width="container", height=380,
-        title=title("Roofline", "a dot per kernel, its area the kernel's duration; dashed: the roofs"))
+        title=title("Roofline", "a dot per kernel: its profiled launches, duration-weighted, their total time its "
+                    "area; dashed: roofs"))
 
 
-__all__ = ["BANDWIDTH", "MEMORY_METRICS", "instruction_mix", "memory", "priorities", "roofline", "stalls",
+__all__ = ["MEMORY_METRICS", "instruction_mix", "memory", "priorities", "roofline", "stalls",
            "tensor_pipe"]

@@ -100,8 +100,9 @@ def rel_err(qsum: pd.DataFrame, tolerance: float, *, cpu: bool = False) -> alt.L
 
 @figure
 def claims_grid(table: pd.DataFrame, *, cpu: bool = False) -> alt.Chart:
-    """Each claim x each GPU (`claims.verdicts`), coloured by verdict; hover for the evidence; click a
-    verdict to highlight. A CPU judges no claim: its column only with `cpu`."""
+    """Each claim x each GPU (`claims.verdicts`), the cards side by side, coloured by verdict (five states); hover
+    for the evidence, the claim's scope and the paper's magnitude; click a verdict to highlight. A CPU judges no
+    claim: its column only with `cpu`."""
     df = table.drop(columns=["figures"], errors="ignore")
     if not cpu:
         df = df[~df["gpu_slug"].map(is_cpu)]
@@ -115,5 +116,8 @@ def claims_grid(table: pd.DataFrame, *, cpu: bool = False) -> alt.Chart:
                         title="verdict (click)"),
         opacity=alt.condition(pick, alt.value(1.0), alt.value(0.2)),
         tooltip=[alt.Tooltip("claim:N"), alt.Tooltip("gpu_slug:N", title="GPU"), alt.Tooltip("verdict:N"),
+                 *([alt.Tooltip("scope:N"), alt.Tooltip("paper:N", title="the paper's magnitude"),
+                    alt.Tooltip("paper_card:N", title="the paper's card")] if "scope" in df else []),
                  alt.Tooltip("evidence:N"), alt.Tooltip("rule:N")],
-    ).add_params(pick).properties(width="container", height=alt.Step(24), title=title("The paper's claims, measured"))
+    ).add_params(pick).properties(width="container", height=alt.Step(24),
+                                  title=title("The paper's claims, measured", "a column per card, side by side"))

@@ -13,7 +13,7 @@ import altair as alt
 import numpy as np
 import pandas as pd
 
-from medddpm.report.loading import FAILS, HOLDS, NA, UNDECIDED, config_order
+from medddpm.report.loading import FAILS, HOLDS, MAGNITUDE, NA, UNDECIDED, config_order
 
 # One colour per configuration, in CONFIGS order: Tableau 10, then ten more chosen so that no two of the twenty
 # are closer than about 25 CIELAB units (the light and dark twins of Tableau 20 are closer than 10, and a
@@ -33,7 +33,7 @@ OTHER_COLOR = "#d6d6d6"
 PARTS = ["#4c78a8", "#f58518", "#e45756", "#72b7b2", "#54a24b", "#eeca3b", "#b279a2", "#ff9da6", "#9d755d"]
 PASS_ORDER = ["forward", "backward", "optimizer", "graph", "other"]
 PASS_COLORS = ["#4c78a8", "#f58518", "#54a24b", "#b279a2", "#bab0ac"]
-VERDICT_COLORS = {HOLDS: "#54a24b", FAILS: "#e45756", UNDECIDED: "#f2a93b", NA: "#d6d6d6"}
+VERDICT_COLORS = {HOLDS: "#54a24b", MAGNITUDE: "#b5d99c", FAILS: "#e45756", UNDECIDED: "#f2a93b", NA: "#d6d6d6"}
 MAX_ROWS = 5000  # pages pass aggregated frames; more than this is a mistake
 GIB = 2**30
 MS = ".4~r"  # milliseconds and most measured values in tooltips: four significant digits, no trailing zeros

@@ -19,6 +19,7 @@ family (``xmma_fprop``/``dgrad``/``wgrad``, `conv_direction`): its autotuner may
 
 from __future__ import annotations
 
+import functools
 import re
 
 SKELETON_TOKENS = 10  # enough to tell instantiations apart, short enough to survive truncated names
@@ -70,20 +71,26 @@ def _head(name: str) -> str:
     return name
 
 
+@functools.lru_cache(maxsize=65536)  # a page matches the same few hundred names thousands of times
+def _skeleton(name: str, tokens: int) -> tuple[str, ...]:
+    head = _QUALIFIER.sub("", _head(name))  # before the groups go: `f(T&)::{lambda()#1}` keeps `f`
+    while (shorter := _PARENS.sub("", head)) != head:
+        head = shorter
+    head = head.strip().removeprefix("void ")  # the return type (kernels return void)
+    words = [num or word for num, word in _TOKEN.findall(head)]
+    return tuple(w for w in words if w not in _UNSTABLE)[:tokens]
+
+
 def skeleton(name: str, *, tokens: int = SKELETON_TOKENS) -> list[str]:
     """Function name, then the words and numbers of its template arguments (see the module doc).
 
     Parenthesised groups inside the template arguments go too: they are parameter lists of nested
     functions and lambdas, which ncu prints with template parameter names (T1, T2) instead of types.
     """
-    head = _QUALIFIER.sub("", _head(name))  # before the groups go: `f(T&)::{lambda()#1}` keeps `f`
-    while (shorter := _PARENS.sub("", head)) != head:
-        head = shorter
-    head = head.strip().removeprefix("void ")  # the return type (kernels return void)
-    words = [num or word for num, word in _TOKEN.findall(head)]
-    return [w for w in words if w not in _UNSTABLE][:tokens]
+    return list(_skeleton(name, tokens))
 
 
+@functools.lru_cache(maxsize=65536)
 def _skeleton_pattern(name: str) -> str:
     # cuDNN's autotuner (benchmark=True) picks other algorithms under ncu, whose launches time
     # differently (H200, opt1 size 32: the profiler saw sm90_xmma_fprop_..., ncu ran sm80_xmma_fprop_...;
@@ -96,12 +103,18 @@ def _skeleton_pattern(name: str) -> str:
     return ".*".join(rf"\b{re.escape(t)}{'[uUlL]*' if t.isdigit() else ''}\b" for t in skeleton(name))
 
 
+@functools.lru_cache(maxsize=4096)
+def _compiled(pattern: str) -> re.Pattern:
+    return re.compile(pattern)
+
+
+@functools.lru_cache(maxsize=262144)
 def _matches(profiler_name: str, ncu_name: str) -> bool:
     """Whether ncu's kernel can be the profiler's: a cuDNN convolution family by direction (never a kernel of
     another direction), anything else by its token skeleton."""
     if family := _CUDNN_FAMILY.match(profiler_name):
         return conv_direction(ncu_name) == family.group(1)
-    return bool((p := _skeleton_pattern(profiler_name)) and re.search(p, ncu_name))
+    return bool((p := _skeleton_pattern(profiler_name)) and _compiled(p).search(ncu_name))
 
 
 def kernel_regex(names: list[str]) -> str:

@@ -1,0 +1,132 @@
+"""A card's roofs: its DRAM bandwidth and its dense matmul rate in each precision, measured on the card where
+someone measured them (`medddpm.measure.roofs`, table ``roofs`` in ``data/<label>/roofs.parquet``), else from
+its maker's datasheet, each value with where it comes from.
+
+Measured roofs are what a program reaches on random data (a device-to-device copy, a large matmul); datasheet
+roofs are what the silicon could do at its boost clock, which no program reaches. A comparison of two
+cards therefore takes both cards' roofs from one kind of source (`pair_of`): measured against measured where both
+were measured, datasheet against datasheet otherwise, so that the source's own bias cancels.
+
+Tensor-core work is counted from the tensor pipe's active cycles (Nsight Compute counts no tensor FLOPs):
+`tensor_flop_per_sm_cycle` is the dense rate of one SM in one cycle, the datasheet's peak over its SMs and the
+clock the peak assumes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pandas as pd
+
+ROOFS = ("dram", "fp32", "tf32", "bf16", "fp16")  # dram in byte/s, the others dense FLOP/s
+COMPUTE = ROOFS[1:]
+TENSOR = ("tf32", "bf16", "fp16")  # math on the tensor cores; fp32 is the CUDA cores' FMA
+UNITS = {"dram": "byte/s", **dict.fromkeys(COMPUTE, "FLOP/s")}
+MEASURED, DATASHEET_SOURCE = "measured", "datasheet"
+
+
+@dataclass(frozen=True)
+class Card:
+    """A card as its maker publishes it: dense rates (half of a figure given "with sparsity")."""
+
+    name: str
+    roofs: dict[str, float]
+    source: str
+    sms: int | None = None  # streaming multiprocessors
+    tensor_clock_mhz: float | None = None  # the clock the tensor rates assume
+
+    def tensor_flop_per_sm_cycle(self, precision: str) -> float | None:
+        if precision not in self.roofs or not self.sms or not self.tensor_clock_mhz:
+            return None
+        return self.roofs[precision] / (self.sms * self.tensor_clock_mhz * 1e6)
+
+
+_HOPPER = "tensor rates dense (half the figures given with sparsity); tensor boost clock 1830 MHz, Hopper " \
+          "architecture whitepaper"
+# Keyed by the device type as the sweep names it (the device name, lower-cased, other characters as hyphens).
+DATASHEET: dict[str, Card] = {
+    "nvidia-h200": Card("NVIDIA H200 SXM", {"dram": 4.8e12, "fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12,
+                                            "fp16": 989.4e12},
+                        f"NVIDIA H200 Tensor Core GPU datasheet (SXM); {_HOPPER}", 132, 1830),
+    "nvidia-h100-80gb-hbm3": Card("NVIDIA H100 SXM5 80GB", {"dram": 3.35e12, "fp32": 67e12, "tf32": 494.7e12,
+                                                           "bf16": 989.4e12, "fp16": 989.4e12},
+                                  f"NVIDIA H100 Tensor Core GPU datasheet (SXM); {_HOPPER}", 132, 1830),
+    "nvidia-a100-sxm4-80gb": Card("NVIDIA A100 SXM4 80GB", {"dram": 2.039e12, "fp32": 19.5e12, "tf32": 156e12,
+                                                           "bf16": 312e12, "fp16": 312e12},
+                                  "NVIDIA A100 Tensor Core GPU datasheet (SXM 80GB; tensor rates dense); boost "
+                                  "clock 1410 MHz, Ampere architecture whitepaper", 108, 1410),
+    "nvidia-b200": Card("NVIDIA B200 (HGX)", {"dram": 7.7e12, "fp32": 75e12, "tf32": 1.1e15, "bf16": 2.25e15,
+                                              "fp16": 2.25e15},
+                        "NVIDIA HGX B200 datasheet, individual GPU (tensor rates dense: half the figures given with "
+                        "sparsity)"),
+    "tesla-v100-sxm2-16gb": Card("NVIDIA V100 SXM2", {"dram": 900e9, "fp32": 15.7e12, "fp16": 125e12},
+                                 "NVIDIA Tesla V100 datasheet (SXM2); boost clock 1530 MHz", 80, 1530),
+}
+PAPER_CARDS = ("tesla-v100-sxm2-16gb", "nvidia-a100-sxm4-80gb", "nvidia-h100-80gb-hbm3")  # Ryoo et al.'s GPUs
+ESTIMATE_CARDS = ("nvidia-a100-sxm4-80gb", "nvidia-b200")  # cards the book estimates where none is measured
+
+
+@dataclass(frozen=True)
+class Roof:
+    value: float  # byte/s or FLOP/s
+    source: str  # MEASURED or DATASHEET_SOURCE
+    detail: str  # the label it was measured under, or the datasheet
+    p10: float = math.nan
+    p90: float = math.nan
+
+
+def datasheet_roofs(gpu_type: str) -> dict[str, Roof]:
+    card = DATASHEET.get(gpu_type)
+    if card is None:
+        return {}
+    return {r: Roof(v, DATASHEET_SOURCE, card.source) for r, v in card.roofs.items()}
+
+
+def _measured(rows: pd.DataFrame) -> dict[str, Roof]:
+    return {r.roof: Roof(float(r.value), MEASURED, f"measured under {r.gpu_slug} ({r.method})", float(r.p10),
+                         float(r.p90)) for r in rows.itertuples()}
+
+
+def card_roofs(roofs: pd.DataFrame, slug: str, gpu_type: str | None = None) -> dict[str, Roof]:
+    """The roofs of the card a label was measured on, each from the best source there is: the label's own
+    ``roofs.parquet``; else one of another label of the same device type (a machine measured beside the
+    committed rows of its type); else the datasheet of its type. A roof the measurement lacks (a precision the
+    device does not run) comes from the datasheet where that has it."""
+    kind = gpu_type or slug
+    out = datasheet_roofs(kind)
+    if roofs is not None and not roofs.empty:
+        own = roofs[roofs["gpu_slug"] == slug]
+        same = roofs[(roofs["gpu_type"] == kind) & (roofs["gpu_slug"] != slug)]
+        if own.empty and not same.empty:
+            own = same[same["gpu_slug"] == sorted(same["gpu_slug"].unique())[0]]
+        out |= _measured(own)
+    return {r: out[r] for r in ROOFS if r in out}
+
+
+def pair_of(roofs: pd.DataFrame, a: tuple[str, str], b: tuple[str, str]) -> tuple[dict, dict, str]:
+    """Two cards' roofs, each card given as (label, device type), roof by roof from one kind of source where one
+    serves both: both measured where both cards have that roof measured, else both datasheet where both
+    datasheets have it, else each card's best (a card with no datasheet measured against one never measured: a
+    "mixed" roof); a roof one card lacks altogether is left out. Returns the two value dicts (byte/s, FLOP/s) and
+    the source used: "measured", "datasheet", "mixed" (some roofs of each kind, or of both kinds at once) or
+    "none"."""
+    ra, rb = card_roofs(roofs, *a), card_roofs(roofs, *b)
+    sa, sb = datasheet_roofs(a[1]), datasheet_roofs(b[1])
+    av, bv, used = {}, {}, set()
+    for r in ROOFS:
+        if r in ra and r in rb and ra[r].source == rb[r].source == MEASURED:
+            av[r], bv[r] = ra[r].value, rb[r].value
+            used.add(MEASURED)
+        elif r in sa and r in sb:
+            av[r], bv[r] = sa[r].value, sb[r].value
+            used.add(DATASHEET_SOURCE)
+        elif r in ra and r in rb:
+            av[r], bv[r] = ra[r].value, rb[r].value
+            used.add("mixed")
+    return av, bv, used.pop() if len(used) == 1 else ("mixed" if used else "none")
+
+
+def attainable(intensity: float, bandwidth: float, peak: float) -> float:
+    """The roofline: the FLOP/s a kernel of `intensity` FLOP per DRAM byte can reach under both roofs."""
+    return min(peak, intensity * bandwidth)

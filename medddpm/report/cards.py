@@ -1,0 +1,302 @@
+"""The cards page: every configuration's step on every card side by side, the card-to-card time of each kernel
+category beside what the two cards' roofs predict for its arithmetic intensity, and a roofline model that
+predicts a configuration's step on card B from card A's profile.
+
+**The model** (`predictions`, kernel by kernel in `predict_kernels`). Card A's profile is its step's kernels
+(torch.profiler: each kernel's time a step) with their Nsight Compute counters (`kernel_rates`: DRAM bytes and
+FLOPs, CUDA-core and tensor-core, per second of the kernel). On card A each kernel is nearest one of its roofs: its
+DRAM traffic is a share `u_mem` of A's bandwidth, its FLOPs a share `u_comp` of A's rate in the kernel's precision,
+and the larger share is its bound. On card B a memory-bound kernel's time scales by the bandwidth ratio A/B and a
+compute-bound one's by the compute ratio A/B in its precision (`whole`). A second reading moves only the share of
+the kernel's time its roof accounts for and keeps the rest, latency, launch and low occupancy, which the same SMs
+at the same clocks do not change (`roof_part`); a kernel far below both roofs likely lies between the two. A kernel
+without counters takes the time-weighted factor of its category's kernels that have them, in its run or else in the
+card's other runs. The step scales as its kernel time: B's step = A's step x (B's kernel time / A's).
+
+The two cards' roofs come from one kind of source (`analysis.roofs.pair_of`): measured against measured where
+both cards were measured, datasheet against datasheet otherwise ("mixed" where neither serves both). A card
+nobody measured (`ESTIMATE_CARDS`: an A100, a B200) is estimated the same way from its datasheet, and every such
+row says "estimate" and cites it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+from medddpm.analysis import roofs as ar
+from medddpm.analysis.ncu_names import match_kernel
+from medddpm.report.counters import kernel_flops, ncu_kernels
+from medddpm.report.loading import Data, _sort, gpu_types, is_cpu
+
+TARGET = 0.10  # a prediction within 10% of the measured step
+ESTIMATE_CARDS = ar.ESTIMATE_CARDS
+MEASURED, ESTIMATE = "measured", "estimate"
+MODELS = {"whole": "each kernel's whole time moves with its nearest roof",
+          "roof_part": "only the time at its nearest roof moves; the rest stays"}
+
+
+def _gpu_runs(data: Data) -> pd.DataFrame:
+    ok = data.ok
+    return ok[(ok["gpu_name"] != "cpu") & ~ok["gpu_slug"].map(is_cpu) & (ok["batch"] == 1)]
+
+
+def card_name(slug: str, kind: str | None = None) -> str:
+    card = ar.DATASHEET.get(kind or slug)
+    return card.name if card else slug
+
+
+def kernel_rates(data: Data, run_id: str) -> pd.DataFrame:
+    """A run's step kernel by kernel (torch.profiler, passes added up): `ms` a step, `category`, and where Nsight
+    Compute profiled it (the ncu kernels that stand for it, `analysis.ncu_names.match_kernel`, taken together):
+    `flops_per_s`, `bytes_per_s` (DRAM) and `precision`, the math its time was mostly in (fp32 on the CUDA
+    cores, or a tensor precision)."""
+    cols = ["kernel", "category", "ms", "covered", "flops_per_s", "bytes_per_s", "precision"]
+    k = data.kernels[data.kernels["run_id"] == run_id]
+    if k.empty:
+        return pd.DataFrame(columns=cols)
+    k = k.assign(ms=k["total_us"] / k["steps"].clip(lower=1) / 1e3)
+    per = k.groupby("kernel", as_index=False).agg(category=("category", "first"), ms=("ms", "sum"))
+    ncu = data.ncu[data.ncu["run_id"] == run_id] if not data.ncu.empty else data.ncu
+    summary = ncu_kernels(ncu) if not ncu.empty else pd.DataFrame()
+    if summary.empty or "flop_fp32" not in summary:
+        return per.assign(covered=False, flops_per_s=np.nan, bytes_per_s=np.nan, precision="")[cols]
+    f = kernel_flops(summary, data.run, data.roofs)
+    f = f[f["duration_ns"] > 0].assign(precision=f["tensor_precision"].where(f["tensor_precision"].notna(), "fp32"))
+    names = per["kernel"].tolist()
+    rows = []
+    for name, g in f.groupby("kernel"):
+        ns = g["duration_ns"].sum()
+        main = g.groupby("precision")["duration_ns"].sum().idxmax()
+        for p in match_kernel(name, names):
+            rows.append({"kernel": p, "ns": ns, "flops": g["flops"].sum(), "bytes": g["dram_bytes"].sum(),
+                         "precision": main, "precision_ns": ns})
+    if not rows:
+        return per.assign(covered=False, flops_per_s=np.nan, bytes_per_s=np.nan, precision="")[cols]
+    m = pd.DataFrame(rows)
+    top = m.sort_values("precision_ns", ascending=False).drop_duplicates("kernel").set_index("kernel")["precision"]
+    m = m.groupby("kernel")[["ns", "flops", "bytes"]].sum()
+    m["flops_per_s"], m["bytes_per_s"] = m["flops"] / (m["ns"] / 1e9), m["bytes"] / (m["ns"] / 1e9)
+    out = per.join(m[["flops_per_s", "bytes_per_s"]], on="kernel").join(top, on="kernel")
+    out["covered"] = out["bytes_per_s"].notna() & (out["bytes_per_s"] > 0)
+    out["precision"] = out["precision"].fillna("")
+    return out[cols]
+
+
+def _factors(k: pd.DataFrame, a: dict, b: dict) -> pd.DataFrame:
+    """Per kernel with counters: its bound on card A and its time factor on card B in both readings (`MODELS`)."""
+    k = k.copy()
+    peak_a = k["precision"].map(lambda p: a.get(p, math.nan))
+    peak_b = k["precision"].map(lambda p: b.get(p, math.nan))
+    k["u_mem"] = k["bytes_per_s"] / a["dram"]
+    k["u_comp"] = k["flops_per_s"] / peak_a
+    k["bound"] = np.where(k["u_mem"] >= k["u_comp"].fillna(0), "memory", "compute")
+    mem, comp = a["dram"] / b["dram"], peak_a / peak_b
+    k["roof_factor"] = np.where(k["bound"] == "memory", mem, comp)
+    k["u_roof"] = np.where(k["bound"] == "memory", k["u_mem"], k["u_comp"]).clip(0, 1)
+    at_roof_b = np.maximum(k["u_mem"] * mem, (k["u_comp"] * comp).fillna(0))
+    # the roof's share of A's time moves to B's roofs, the rest (latency, launches, occupancy) stays
+    scale = k["u_roof"] / np.maximum(k["u_mem"], k["u_comp"].fillna(0)).replace(0, np.nan)
+    k["factor_whole"] = k["roof_factor"]
+    k["factor_roof_part"] = (1 - k["u_roof"]) + at_roof_b * scale.fillna(0)
+    return k
+
+
+def _by_category(cov: pd.DataFrame, model: str) -> pd.Series:
+    """The time-weighted factor of each category's kernels with counters."""
+    col = f"factor_{model}"
+    return (cov["ms"] * cov[col]).groupby(cov["category"]).sum() / cov.groupby("category")["ms"].sum()
+
+
+def predict_kernels(k: pd.DataFrame, a: dict, b: dict, pooled: dict[str, pd.Series] | None = None) -> pd.DataFrame:
+    """`kernel_rates` of a run on card A with each kernel's predicted time on card B (`ms_whole`, `ms_roof_part`).
+    A kernel without counters takes the time-weighted factor of its category's kernels with counters: in its run,
+    else in the reference card's other runs (`pooled`, per model), else in its run as a whole."""
+    cov = _factors(k[k["covered"]], a, b) if k["covered"].any() else pd.DataFrame(columns=[*k.columns, "bound"])
+    out = k.join(cov[[c for c in cov.columns if c not in k.columns]], how="left")
+    for model in MODELS:
+        col = f"factor_{model}"
+        if cov.empty:
+            out[col], out[f"ms_{model}"] = np.nan, np.nan
+            continue
+        overall = (cov["ms"] * cov[col]).sum() / cov["ms"].sum()
+        fill = out["category"].map(_by_category(cov, model))
+        if pooled is not None:
+            fill = fill.fillna(out["category"].map(pooled[model]))
+        out[col] = out[col].fillna(fill).fillna(overall)
+        out[f"ms_{model}"] = out["ms"] * out[col]
+    return out
+
+
+def _pairs(data: Data) -> list[tuple[str, str, str]]:
+    """(reference card, other card, measured or estimate): every measured GPU with counters against every other
+    measured GPU, and against each `ESTIMATE_CARDS` type no label of the data measured."""
+    runs = _gpu_runs(data)
+    profiled = runs[runs["run_id"].isin(set(data.ncu["run_id"]))] if not data.ncu.empty else runs.iloc[0:0]
+    counted = sorted(set(profiled["gpu_slug"]))
+    cards = sorted(set(runs["gpu_slug"]))
+    types = set(gpu_types(data.run, data.roofs).values())
+    pairs = [(a, b, MEASURED) for a in counted for b in cards if b != a]
+    pairs += [(a, t, ESTIMATE) for a in counted for t in ESTIMATE_CARDS if t not in types]
+    return pairs
+
+
+def predictions(data: Data) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Every (reference card, other card, configuration) the model can reach: the step predicted on the other card
+    in both readings, beside the measured one where the other card has a run, with the error; and the kernel
+    table behind each prediction (`predict_kernels` plus the pair). Cards in `ESTIMATE_CARDS` that nobody
+    measured are estimates from their datasheet."""
+    cols = ["from_card", "card", "kind", "config", "from_ms", "predicted_ms", "predicted_roof_part_ms", "measured_ms",
+            "error", "error_roof_part", "covered", "roofs", "source"]
+    runs = _gpu_runs(data)
+    types = gpu_types(data.run, data.roofs)
+    rows, kernels, rates = [], [], {}
+    for a, b, kind in _pairs(data):
+        av, bv, used = ar.pair_of(data.roofs, (a, types.get(a, a)), (b, types.get(b, b)))
+        if "dram" not in av:
+            continue
+        source = (f"{ar.DATASHEET[b].source}" if kind == ESTIMATE else
+                  f"{used} roofs of both cards")
+        theirs = runs[runs["gpu_slug"] == b].set_index("config")["train_median_ms"]
+        mine = list(runs[runs["gpu_slug"] == a].itertuples())
+        for r in mine:
+            if r.run_id not in rates:  # a reference run serves every other card
+                rates[r.run_id] = kernel_rates(data, r.run_id)
+        covered = [_factors(k[k["covered"]], av, bv) for r in mine if (k := rates[r.run_id])["covered"].any()]
+        if not covered:
+            continue
+        pooled = {m: _by_category(pd.concat(covered, ignore_index=True), m) for m in MODELS}
+        for r in mine:
+            k = rates[r.run_id]
+            if k.empty or not k["covered"].any():
+                continue
+            p = predict_kernels(k, av, bv, pooled)
+            if p["ms_whole"].isna().any():
+                continue
+            total = p["ms"].sum()
+            pred = {m: r.train_median_ms * p[f"ms_{m}"].sum() / total for m in MODELS}
+            measured = float(theirs.get(r.config, math.nan))
+            rows.append({"from_card": a, "card": b, "kind": kind, "config": r.config, "from_ms": r.train_median_ms,
+                         "predicted_ms": pred["whole"], "predicted_roof_part_ms": pred["roof_part"],
+                         "measured_ms": measured, "error": pred["whole"] / measured - 1,
+                         "error_roof_part": pred["roof_part"] / measured - 1,
+                         "covered": p.loc[p["covered"], "ms"].sum() / total, "roofs": used, "source": source})
+            kernels.append(p.assign(from_card=a, card=b, kind=kind, config=r.config))
+    table = pd.DataFrame(rows, columns=cols)
+    if len(table):
+        table = _sort(table.rename(columns={"from_card": "gpu_slug"}), "card").rename(columns={"gpu_slug": "from_card"})
+    return table, (pd.concat(kernels, ignore_index=True) if kernels else pd.DataFrame())
+
+
+def step_times(data: Data, predicted: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Each configuration's median step on every card: measured (with its p10-p90 spread) and estimated for the
+    cards nobody measured (`predictions`), a row each, labelled for a chart where the cards stand side by side."""
+    cols = ["card", "gpu_slug", "config", "kind", "train_median_ms", "train_p10_ms", "train_p90_ms", "source"]
+    runs = _gpu_runs(data)
+    types = gpu_types(data.run, data.roofs)
+    m = runs.assign(card=[f"{s} ({card_name(s, types.get(s))})" if card_name(s, types.get(s)) != s else s
+                          for s in runs["gpu_slug"]], kind=MEASURED, source="sweep")
+    parts = [m[cols]]
+    if predicted is not None and len(predicted):
+        e = predicted[predicted["kind"] == ESTIMATE]
+        # one reference card per estimated card: the one whose counters cover the most of its steps
+        best = e.groupby(["card", "from_card"])["covered"].mean().reset_index().sort_values(
+            "covered", ascending=False, kind="stable").drop_duplicates("card")
+        e = e.merge(best[["card", "from_card"]], on=["card", "from_card"])
+        parts.append(pd.DataFrame({
+            "card": [f"{card_name(c)}, estimate from {f}" for c, f in zip(e["card"], e["from_card"])],
+            "gpu_slug": e["card"], "config": e["config"], "kind": ESTIMATE, "train_median_ms": e["predicted_ms"],
+            "train_p10_ms": np.nan, "train_p90_ms": np.nan, "source": e["source"]}))
+    out = pd.concat(parts, ignore_index=True)
+    return _sort(out, "kind", "card") if len(out) else pd.DataFrame(columns=cols)
+
+
+def category_ratios(data: Data, kernels: pd.DataFrame) -> pd.DataFrame:
+    """Per (reference card, other card, configuration, kernel category): the other card's time over the
+    reference's, measured (both cards' kernel tables) where both ran it, as the model predicts it, and as the two
+    cards' roofs predict it for the category's arithmetic intensity (its kernels' FLOPs over their DRAM bytes,
+    in the precision most of its time ran in): the ratio of the attainable FLOP/s, A's over B's."""
+    cols = ["from_card", "card", "kind", "pair", "config", "category", "ms", "measured_ratio", "model_ratio",
+            "roofs_ratio", "intensity", "bound_a"]
+    if kernels.empty:
+        return pd.DataFrame(columns=cols)
+    runs = _gpu_runs(data)
+    types = gpu_types(data.run, data.roofs)
+    rows = []
+    for (a, b, kind, config), k in kernels.groupby(["from_card", "card", "kind", "config"], sort=False):
+        av, bv, _ = ar.pair_of(data.roofs, (a, types.get(a, a)), (b, types.get(b, b)))
+        other = runs[(runs["gpu_slug"] == b) & (runs["config"] == config)]
+        theirs = pd.Series(dtype=float)
+        if len(other):
+            kb = data.kernels[data.kernels["run_id"] == other["run_id"].iloc[0]]
+            theirs = (kb["total_us"] / kb["steps"].clip(lower=1) / 1e3).groupby(kb["category"]).sum()
+        for cat, g in k.groupby("category"):
+            cov = g[g["covered"]]
+            flops = (cov["flops_per_s"] * cov["ms"]).sum()
+            bytes_ = (cov["bytes_per_s"] * cov["ms"]).sum()
+            intensity = flops / bytes_ if bytes_ > 0 else math.nan
+            precision = cov.groupby("precision")["ms"].sum().idxmax() if len(cov) else "fp32"
+            roofs_ratio, bound = math.nan, ""
+            if math.isfinite(intensity) and precision in av and precision in bv:
+                at_a = ar.attainable(intensity, av["dram"], av[precision])
+                roofs_ratio = at_a / ar.attainable(intensity, bv["dram"], bv[precision])
+                bound = "memory" if intensity * av["dram"] < av[precision] else "compute"
+            rows.append({"from_card": a, "card": b, "kind": kind, "pair": f"{a} → {b}", "config": config,
+                         "category": cat, "ms": g["ms"].sum(),
+                         "measured_ratio": theirs.get(cat, math.nan) / g["ms"].sum() if len(theirs) else math.nan,
+                         "model_ratio": g["ms_whole"].sum() / g["ms"].sum(), "roofs_ratio": roofs_ratio,
+                         "intensity": intensity, "bound_a": bound})
+    return pd.DataFrame(rows, columns=cols)
+
+
+def misses(kernels: pd.DataFrame, data: Data, table: pd.DataFrame, n: int = 5) -> pd.DataFrame:
+    """For each measured prediction outside `TARGET`: the kernels whose predicted time on the other card is
+    furthest from their measured time there (the same kernel name in both kernel tables), largest first, with
+    their bound on the reference card, how close to that roof they ran, and both time factors."""
+    cols = ["from_card", "card", "config", "kernel", "category", "bound", "u_roof", "ms", "measured_factor",
+            "predicted_factor", "error_ms"]
+    off = table[(table["kind"] == MEASURED) & (table["error"].abs() > TARGET)] if len(table) else table
+    runs = _gpu_runs(data)
+    parts = []
+    for r in off.itertuples():
+        k = kernels[(kernels["from_card"] == r.from_card) & (kernels["card"] == r.card)
+                    & (kernels["config"] == r.config)]
+        other = runs[(runs["gpu_slug"] == r.card) & (runs["config"] == r.config)]
+        kb = data.kernels[data.kernels["run_id"] == other["run_id"].iloc[0]]
+        theirs = (kb["total_us"] / kb["steps"].clip(lower=1) / 1e3).groupby(kb["kernel"]).sum()
+        k = k.assign(measured_ms=k["kernel"].map(theirs)).dropna(subset=["measured_ms"])
+        k = k.assign(measured_factor=k["measured_ms"] / k["ms"], predicted_factor=k["factor_whole"],
+                     error_ms=k["ms_whole"] - k["measured_ms"], from_card=r.from_card, card=r.card, config=r.config)
+        parts.append(k.reindex(k["error_ms"].abs().sort_values(ascending=False).index).head(n))
+    if not parts:
+        return pd.DataFrame(columns=cols)
+    out = pd.concat(parts, ignore_index=True)
+    out["bound"] = out["bound"].fillna("no counters")
+    return out[cols]
+
+
+def why(row: pd.Series) -> str:
+    """One line on a kernel the model gets wrong, from what the counters say of it."""
+    if row["bound"] == "no counters":
+        return "no counters: it took its category's factor"
+    roof = "DRAM" if row["bound"] == "memory" else "compute"
+    said = (f"{row['bound']}-bound at {row['u_roof']:.0%} of card A's {roof} roof; the model moves it "
+            f"x{row['predicted_factor']:.2f}, it moved x{row['measured_factor']:.2f}")
+    if row["bound"] == "memory" and row["u_roof"] < 0.5 and abs(row["measured_factor"] - 1) < abs(
+            row["predicted_factor"] - 1):
+        said += ": far below the bandwidth roof, its time is latency and occupancy, which the bandwidth does not move"
+    return said
+
+
+def check_predictions(table: pd.DataFrame) -> None:
+    """Predictions are positive and the share of the step with counters is a share."""
+    if table.empty:
+        return
+    assert (table["predicted_ms"] > 0).all() and (table["predicted_roof_part_ms"] > 0).all(), table
+    assert table["covered"].between(0, 1 + 1e-9).all(), table
+
+
+__all__ = ["ESTIMATE", "MEASURED", "MODELS", "TARGET", "card_name", "category_ratios", "check_predictions",
+           "kernel_rates", "misses", "predict_kernels", "predictions", "step_times", "why"]
