@@ -188,9 +188,9 @@ def _replace(path, array, dtype=None):
 @pytest.mark.parametrize("value, dtype", [(7, np.uint8), (255, np.uint8), (60000, np.uint16)])
 def test_stray_label_is_one_line_with_value_and_count(ref, value, dtype):
     path = ref / "mask" / "mask_002.nii.gz"
-    labels = np.asarray(nib.as_closest_canonical(nib.load(path)).dataobj).astype(dtype)
+    labels = np.asarray(nib.load(path).dataobj).astype(dtype)
     labels[3, 4, 5] = value
-    nib.save(nib.Nifti1Image(labels, np.eye(4)), path)
+    _replace(path, labels)  # on its image's grid: the label is what is wrong
     with pytest.raises(DataError) as e:
         open_dataset(str(ref), size=SIZE)
     message = _one_line(e)

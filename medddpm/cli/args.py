@@ -131,7 +131,7 @@ def open_data(args):
     # an empty --data is a mistake (an unset shell variable), never the embedded data: open_dataset refuses it
     source = args.data if args.data is not None else (preset.data if preset else "mni")
     return open_dataset(source, size=preset.size if preset else args.size or 128, n=args.pairs, seed=args.seed,
-                        mask_channels=args.mask_channels)
+                        mask_channels=args.mask_channels, resample_mask=getattr(args, "resample_mask", False))
 
 
 def seeds_arg(text: str) -> list[int]:

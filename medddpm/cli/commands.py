@@ -138,11 +138,19 @@ def cmd_claims(args) -> None:
 def cmd_train(args) -> None:
     from medddpm.measure.env import pick_device
     from medddpm.store.lock import output_lock
+    from medddpm.train.budget import check_fits
     from medddpm.train.loop import check_lr, train
 
     check_lr(args.lr)
     config = config_from(args)
     device = pick_device(args.device)
+    # before the data is read or generated: a step that cannot fit is refused while nothing has been done (the
+    # data's label channels are not known yet: a preset's own, else one, the least, so the estimate stays a lower
+    # bound)
+    spec = spec_from(args, None if args.preset else args.mask_channels or 1)
+    note = check_fits(spec, config, device, force=args.force_memory)
+    if note:
+        print(note, file=sys.stderr)
     with output_lock(args.out, what="training"):  # before the data is read: a second training fails at once
         data = open_data(args)
         spec = spec_from(args, data.mask_channels, getattr(data, "image_channels", 1))
@@ -163,8 +171,10 @@ def cmd_sample(args) -> None:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out}: a file, not a folder")
     engine = load_checkpoint(args.checkpoint, device=device, use_ema=not args.no_ema, compiled=args.compiled)
-    for i, source in enumerate(args.labels):
-        labels = label_volume(source, size=engine.spec.size)
+    # every label map checked against the model's shape and width before the first sample: none is refused later
+    volumes = [label_volume(source, size=engine.spec.size, mask_channels=engine.spec.mask_channels)
+               for source in args.labels]
+    for i, labels in enumerate(volumes):
         image = generate(engine, labels, seed=args.seed + i)
         stem = f"sample_{i:03d}"
         write_nifti(out / "image" / f"{stem}.nii.gz", image[0] if image.shape[0] == 1 else image)
@@ -301,10 +311,15 @@ def cmd_sweep(args) -> None:
                             gpu_label=args.gpu_label)
     else:
         results = sweep(configs, preset=args.preset, out=args.out, device=args.device, gpu_label=args.gpu_label,
-                        force=args.force, params=params)
+                        force=args.force, params=params, replace_committed=names(args.replace_committed))
     for r in results:
         print(f"{r['config']:<12}{r['status']:<14}{r['seconds']:>8.0f} s  {r['folder']}")
     exit_if_failed(results)
+
+
+def names(text: str) -> tuple[str, ...]:
+    """A comma-separated list of names, as given."""
+    return tuple(n.strip() for n in text.split(",") if n.strip())
 
 
 def exit_if_failed(results: list[dict]) -> None:
@@ -328,7 +343,8 @@ def cmd_ablation(args) -> None:
     configs = ablation(args.base)
     params = {k: getattr(args, k) for k in ("steps", "warmup") if getattr(args, k) is not None} | {"phases": ""}
     results = sweep(configs, preset=args.preset, out=args.out, device=args.device, gpu_label=args.gpu_label,
-                    force=args.force, params=params, group="ablation")
+                    force=args.force, params=params, group="ablation",
+                    replace_committed=names(args.replace_committed))
     for r in results:
         print(f"{r['config']:<34}{r['status']:<14}{r['seconds']:>8.0f} s  {r['folder']}")
     exit_if_failed(results)
@@ -390,3 +406,15 @@ def cmd_export_data(args) -> None:
 
     files = export_folder(args.out, pairs=args.pairs, layout=args.layout, size=args.size, seed=args.seed)
     print(f"wrote {len(files)} files ({args.layout} layout) under {args.out}")
+
+
+def interrupted(args) -> str:
+    """What Ctrl-C leaves, for a command whose work did not say more itself (`storage.Interrupted`)."""
+    if args.command == "train":
+        return f"{args.out} keeps its last checkpoint, if one was written; the same command resumes from it"
+    if args.command in ("sweep", "ablation"):
+        return ("the runs finished before are kept and the one being measured is left as it was; the same command "
+                "measures the rest")
+    if args.command == "export-data":
+        return f"nothing was written to {args.out}; the same command starts again"
+    return f"{args.command} stopped before its end"

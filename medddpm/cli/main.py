@@ -5,8 +5,12 @@ from __future__ import annotations
 import sys
 
 from medddpm.configs import ConfigError
+from medddpm.store.storage import Interrupted
 from medddpm.train.data import DataError
+from medddpm.cli.commands import interrupted
 from medddpm.cli.parser import build_parser
+
+SIGINT_EXIT = 130  # 128 + SIGINT, what a shell reports for a command Ctrl-C stopped
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,6 +20,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:  # Ctrl-C: what was kept and how to go on, not a traceback
+        print(f"interrupted: {e if isinstance(e, Interrupted) else interrupted(args)}", file=sys.stderr)
+        return SIGINT_EXIT
     except BrokenPipeError:  # the reader stopped (`| head`): the rest of the output is not wanted
         import os
 

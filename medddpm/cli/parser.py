@@ -68,12 +68,17 @@ def build_parser() -> argparse.ArgumentParser:
                                   "the default with --preset brats), or a folder with mask/ and image/, or with "
                                   "seg/, t1/, t1ce/, t2/ and flair/ (BraTS)")
     p.add_argument("--pairs", type=positive, default=8, metavar="N", help="embedded training pairs (default 8)")
+    p.add_argument("--resample-mask", action="store_true",
+                   help="a folder whose masks lie on another grid than their images (another affine or shape): "
+                        "resample each mask onto its image's grid, nearest neighbour (refused without it)")
     p.add_argument("--grad-accum", type=positive, default=2, metavar="N",
                    help="micro-steps per optimizer step (default 2)")
     p.add_argument("--lr", type=float, default=1e-5, help="Adam learning rate (default 1e-5, the reference's)")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the weights, the data and the noise")
     p.add_argument("--save-every", type=positive, default=500, metavar="N", help="optimizer steps between checkpoints")
     p.add_argument("--log-every", type=positive, default=10, metavar="N", help="optimizer steps between loss lines")
+    p.add_argument("--force-memory", action="store_true",
+                   help="start even where the step's estimated memory exceeds the device's (refused without it)")
     p.add_argument("--allow-changed", action="store_true",
                    help="resume a checkpoint of another seed, lr, grad-accum, configuration or size with the values "
                         "given here (refused without it)")
@@ -144,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="smoke (tiny, CPU), paper (whole-head 128^3) or brats (192x192x144, four modalities)")
     p.add_argument("--out", default="data", help="the data tree (default data): writes OUT/<label>/<config>/")
     p.add_argument("--force", action="store_true", help="redo configurations already measured under the label")
+    p.add_argument("--replace-committed", metavar="NAMES", default="",
+                   help="comma-separated configurations whose runs git tracks that this sweep may replace "
+                        "(refused, naming them, without it)")
     add_device_arg(p)
     p.add_argument("--gpu-label", metavar="LABEL", help=LABEL_HELP)
     p.add_argument("--size", type=size_arg, help="override the preset's input size: N or DxHxW")
@@ -193,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=PRESET_NAMES, default="paper", help="the model and sizes (default paper)")
     p.add_argument("--out", default="data", help="the data tree (default data): writes OUT/<label>/ablation/")
     p.add_argument("--force", action="store_true", help="redo configurations already measured")
+    p.add_argument("--replace-committed", metavar="NAMES", default="",
+                   help="comma-separated configurations whose runs git tracks that this ablation may replace")
     add_device_arg(p)
     p.add_argument("--gpu-label", metavar="LABEL", help=LABEL_HELP)
     p.add_argument("--steps", type=positive, help="timed micro-steps (default: the preset's)")

@@ -37,6 +37,7 @@ from tqdm import tqdm  # text bars: tqdm.auto draws ipywidgets bars, a message p
 from medddpm.configs import get_config
 from medddpm.measure import sample_metrics as sm
 from medddpm.measure.env import environment, gpu_slug, pick_device
+from medddpm.measure.validate import check_label
 from medddpm.model.diffusion import TIMESTEPS
 from medddpm.model.unet import ModelSpec
 from medddpm.store import convergence as store
@@ -323,6 +324,8 @@ def study(configs: list[str], seeds: list[int], settings: Settings = Settings(),
         raise StudyError(f"seeds must be distinct non-negative integers: {seeds}")
     if not isinstance(jobs, int) or jobs < 1:
         raise StudyError(f"jobs must be a positive integer, got {jobs!r}")
+    if gpu_label is not None:  # it names the study's folder
+        check_label(gpu_label)
     devices = [str(pick_device(d)) for d in (devices or [device])]
     deadline = None if time_limit is None else time.monotonic() + time_limit
     env = environment(torch.device(devices[0]))

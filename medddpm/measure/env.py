@@ -65,6 +65,22 @@ def git_commit() -> str:
         return "unknown"
 
 
+def tracked_by_git(folder: str | os.PathLike, paths: list[Path]) -> set[Path]:
+    """Those of `paths` (under `folder`) that git tracks, committed or staged, in the repository holding `folder`;
+    none where `folder` is in no repository or there is no git."""
+    folder = Path(folder).absolute()
+    if not paths or not folder.is_dir():
+        return set()
+    try:
+        out = subprocess.run(["git", "ls-files", "-z", "--", *map(str, paths)], cwd=folder, capture_output=True,
+                             timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    if out.returncode != 0:  # not a repository
+        return set()
+    return {(folder / name).absolute() for name in os.fsdecode(out.stdout).split("\0") if name}
+
+
 def _driver_version() -> str:
     try:
         import pynvml  # nvidia-ml-py, present on GPU machines

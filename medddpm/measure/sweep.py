@@ -39,7 +39,7 @@ import pyarrow.parquet as pq
 
 from medddpm import REPO
 from medddpm.configs import Config, parse_config_list
-from medddpm.measure.env import device_type, gpu_slug, host_name, pick_device
+from medddpm.measure.env import device_type, gpu_slug, host_name, pick_device, tracked_by_git
 from medddpm.train.data import open_dataset
 from medddpm.measure import roofs as measure_roofs
 from medddpm.measure.run import write_failed_run
@@ -49,7 +49,7 @@ from medddpm.measure.validate import check_label, check_text
 from medddpm.store.identity import SEPARATOR, encode, folder_name, key, run_identity
 from medddpm.store.lock import output_lock
 from medddpm.store.schema import PHASES, read_table, run_folder, write_table
-from medddpm.store.storage import publish_folder, recover_folder, storage_error
+from medddpm.store.storage import Interrupted, publish_folder, recover_folder, storage_error
 
 ROOT = REPO
 NOTEBOOK = ROOT / "notebooks" / "produce.ipynb"
@@ -200,14 +200,18 @@ def _run_notebook(pm, notebook: Path, stage: Path, parameters: dict, *, env: dic
 def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.PathLike = "data",
           device: str | None = None, gpu_label: str | None = None, force: bool = False,
           params: dict | None = None, notebook: Path = NOTEBOOK, timeout_s: int | None = None,
-          group: str = "", roofs: bool = True) -> list[dict]:
+          group: str = "", roofs: bool = True, replace_committed: tuple[str, ...] = ()) -> list[dict]:
     """Measure each configuration; returns one {config, status, seconds, folder} per configuration.
 
     `group`: runs that belong together apart from the main ones, in ``data/<gpu-slug>/<group>/<run>/``
     (the ablation's). Each configuration's folder is locked for the whole sweep (`store.lock`): a second
     sweep of one of them fails at once, before any work, naming the first. `roofs`: measure the label's
     bandwidth and matmul rates first where ``out/<label>/roofs.parquet`` does not exist (`measure.roofs.ensure`),
-    while the device is idle."""
+    while the device is idle.
+
+    A run that git tracks (a committed row of `data/`) is replaced, by `force` or as a failed run measured again,
+    only where `replace_committed` names its configuration: otherwise the sweep is refused before any work, in one
+    line naming the committed runs it would replace."""
     import papermill as pm  # imported here: the package itself does not need the Jupyter stack
 
     # Everything that can be checked is checked before any configuration runs.
@@ -226,6 +230,8 @@ def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.P
     unknown = {p.strip() for p in str(params.get("phases", "")).split(",") if p.strip()} - set(PHASES)
     if unknown:
         raise ValueError(f"unknown phase(s) {', '.join(sorted(unknown))}; known: {', '.join(PHASES)}")
+    if gpu_label is not None:  # before the data is opened or a folder made: the label names them
+        check_label(gpu_label)
     # an empty name is refused by open_dataset, never taken for the preset's embedded data
     source = spec_preset.data if params.get("data") is None else params["data"]
     data = open_dataset(source, size=size)
@@ -242,8 +248,6 @@ def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.P
         check_text(option, text)
     dev = pick_device(device)
     out = Path(out)
-    if gpu_label is not None:
-        check_label(gpu_label)
     gpu_label = gpu_label or machine_label(out, dev)
     slug = gpu_slug(gpu_label)
     root = out / slug / group
@@ -264,60 +268,96 @@ def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.P
         for plain in dict.fromkeys(plain for _, plain, _, _ in plans):
             held.enter_context(run_lock(root / plain, "sweep"))
             _clean(root, plain)
+        finals = [_final(root, plain, ident, default) for _, plain, ident, default in plans]
+        committed = _committed(root, [c for c, *_ in plans], finals, [ident for _, _, ident, _ in plans], force,
+                               replace_committed)
         if roofs:  # once per label: every figure that uses a card's peaks reads them
             measure_roofs.ensure(out, slug, dev)
         manager, sockets = _kernel_manager()
         held.callback(shutil.rmtree, sockets, ignore_errors=True)
-        for i, (config, plain, ident, default) in enumerate(plans, 1):
-            final = root / folder_name(plain, ident, default)
-            if final.name == plain and (_recorded(final) or (ident,))[0] not in ("", ident):
-                final = root / f"{plain}{SEPARATOR}{key(ident)}"  # the default slot holds another definition
-            before = _recorded(final)
-            if before is not None and before[0] in ("", ident) and before[1] != "error" and not force:
-                results.append({"config": config.name, "status": "done before", "seconds": 0.0,
+        try:  # Ctrl-C: one line saying what is kept
+            for i, ((config, plain, ident, default), final) in enumerate(zip(plans, finals), 1):
+                before = _recorded(final)
+                if _skipped(before, ident, force):
+                    results.append({"config": config.name, "status": "done before", "seconds": 0.0,
+                                    "folder": str(final)})
+                    done, again = (("committed", f"--force --replace-committed {config.name}") if final in committed
+                                   else ("measured before", "--force"))
+                    print(f"[{i}/{len(plans)}] {config.name}: {done} in {final} ({again} measures it again)",
+                          file=sys.stderr)
+                    continue
+                print(f"[{i}/{len(plans)}] {config.name}: measuring into {final} ...", file=sys.stderr, flush=True)
+                stage = root / f".{final.name}.stage-{os.getpid()}"
+                old = root / f".{final.name}.old-{os.getpid()}"
+                t0 = time.perf_counter()
+                try:
+                    _make_stage(stage)
+                    error = _run_notebook(pm, notebook, stage, params | {"config": config.name, "stage": str(stage)},
+                                          env=env, manager=manager, timeout_s=timeout_s)
+                    if error is not None and not (stage / "run.parquet").exists():
+                        _discard_partial(stage)
+                        why = f"{type(error).__name__}: " + (str(error).strip().splitlines() or [""])[-1] \
+                            + _last_words(stage)
+                        if before is not None:  # a finished run is there: it stays as it was, nothing is lost
+                            shutil.rmtree(stage, ignore_errors=True)
+                            results.append({"config": config.name, "status": "error",
+                                            "seconds": time.perf_counter() - t0, "folder": str(final)})
+                            print(f"[{i}/{len(plans)}] {config.name}: error: {why}; {final} kept as it was",
+                                  file=sys.stderr)
+                            continue
+                        write_failed_run(config, preset, stage, device=dev, gpu_label=gpu_label, message=why,
+                                         batch=batch, group=group, mask_variant=mask_variant)
+                    _stamp(stage / "run.parquet", ident)
+                    publish_folder(stage, final, old)
+                except BaseException:  # a full disk, an interrupt: the folder as it was, and no stage taking space
+                    with contextlib.suppress(OSError):
+                        recover_folder(final, [old])
+                    shutil.rmtree(stage, ignore_errors=True)
+                    raise
+                for p in _leftovers(root, plain):
+                    shutil.rmtree(p, ignore_errors=True)
+                run = read_table(final / "run.parquet").iloc[0]
+                results.append({"config": config.name, "status": run["status"], "seconds": time.perf_counter() - t0,
                                 "folder": str(final)})
-                print(f"[{i}/{len(plans)}] {config.name}: measured before in {final} (--force measures it again)",
+                took = (f"{run['train_median_ms']:.1f} ms a training micro-step" if run["status"] == "ok"
+                        else run["message"])
+                print(f"[{i}/{len(plans)}] {config.name}: {run['status']} in {results[-1]['seconds']:.0f} s: {took}",
                       file=sys.stderr)
-                continue
-            print(f"[{i}/{len(plans)}] {config.name}: measuring into {final} ...", file=sys.stderr, flush=True)
-            stage = root / f".{final.name}.stage-{os.getpid()}"
-            old = root / f".{final.name}.old-{os.getpid()}"
-            t0 = time.perf_counter()
-            try:
-                _make_stage(stage)
-                error = _run_notebook(pm, notebook, stage, params | {"config": config.name, "stage": str(stage)},
-                                      env=env, manager=manager, timeout_s=timeout_s)
-                if error is not None and not (stage / "run.parquet").exists():
-                    _discard_partial(stage)
-                    why = f"{type(error).__name__}: " + (str(error).strip().splitlines() or [""])[-1] \
-                        + _last_words(stage)
-                    if before is not None:  # a finished run is there: it stays as it was, nothing is lost
-                        shutil.rmtree(stage, ignore_errors=True)
-                        results.append({"config": config.name, "status": "error",
-                                        "seconds": time.perf_counter() - t0, "folder": str(final)})
-                        print(f"[{i}/{len(plans)}] {config.name}: error: {why}; {final} kept as it was",
-                              file=sys.stderr)
-                        continue
-                    write_failed_run(config, preset, stage, device=dev, gpu_label=gpu_label, message=why,
-                                     batch=batch, group=group, mask_variant=mask_variant)
-                _stamp(stage / "run.parquet", ident)
-                publish_folder(stage, final, old)
-            except BaseException:  # a full disk, an interrupt: the folder as it was, and no stage taking space
-                with contextlib.suppress(OSError):
-                    recover_folder(final, [old])
-                shutil.rmtree(stage, ignore_errors=True)
-                raise
-            for p in _leftovers(root, plain):
-                shutil.rmtree(p, ignore_errors=True)
-            run = read_table(final / "run.parquet").iloc[0]
-            results.append({"config": config.name, "status": run["status"], "seconds": time.perf_counter() - t0,
-                            "folder": str(final)})
-            took = (f"{run['train_median_ms']:.1f} ms a training micro-step" if run["status"] == "ok"
-                    else run["message"])
-            print(f"[{i}/{len(plans)}] {config.name}: {run['status']} in {results[-1]['seconds']:.0f} s: {took}",
-                  file=sys.stderr)
+        except KeyboardInterrupt:
+            name = plans[len(results)][0].name if len(results) < len(plans) else "none"
+            raise Interrupted(f"the runs finished so far are kept in {root}, the one being measured ({name}) is as "
+                              "it was before; the same command measures the rest") from None
     print(outcome(results), file=sys.stderr)
     return results
+
+
+def _final(root: Path, plain: str, ident: str, default: str) -> Path:
+    """The folder a configuration's run of identity `ident` is published in."""
+    final = root / folder_name(plain, ident, default)
+    if final.name == plain and (_recorded(final) or (ident,))[0] not in ("", ident):
+        final = root / f"{plain}{SEPARATOR}{key(ident)}"  # the default slot holds another definition
+    return final
+
+
+def _skipped(before: tuple[str, str] | None, ident: str, force: bool) -> bool:
+    """Whether the run found in a folder stands: one of this identity that did not fail with `error`."""
+    return before is not None and before[0] in ("", ident) and before[1] != "error" and not force
+
+
+def _committed(root: Path, configs: list[Config], finals: list[Path], idents: list[str], force: bool,
+               named: tuple[str, ...]) -> set[Path]:
+    """The folders among `finals` whose run git tracks; refuse (one line naming them) where the sweep would replace
+    one whose configuration `named` does not hold."""
+    tracked = tracked_by_git(root, [f.absolute() / "run.parquet" for f in finals])
+    committed = {f for f in finals if (f.absolute() / "run.parquet") in tracked}
+    replaced = [c.name for c, f, ident in zip(configs, finals, idents)
+                if f in committed and not _skipped(_recorded(f), ident, force)]
+    unnamed = [name for name in replaced if name not in named]
+    if unnamed:
+        raise ValueError(f"this sweep would replace committed run(s) in {root}: {', '.join(unnamed)} (tracked by "
+                         f"git); measure under another --gpu-label, or name them: --replace-committed "
+                         f"{','.join(replaced)}")
+    return committed
 
 
 def outcome(results: list[dict]) -> str:

@@ -16,9 +16,19 @@ def check_text(option: str, value: object) -> None:
         raise ValueError(f"{option} {value!r}: control characters (such as a newline) are not allowed")
 
 
+# A label names a folder (data/<label>/) and starts every run id: a file system takes names of 255 bytes at most,
+# and a legend or a table column in the book is read at a glance. A device type and a host name (`<type>-<host>`,
+# the longest label the sweep derives itself) fit well within it.
+MAX_LABEL = 100
+
+
 def check_label(label: str, option: str = "--gpu-label") -> str:
-    """A device label: no control characters, and a letter or a digit (its slug names the folder)."""
+    """A device label: no control characters, a letter or a digit (its slug names the folder), at most
+    `MAX_LABEL` characters."""
     check_text(option, label)
+    if len(label) > MAX_LABEL:
+        raise ValueError(f"{option} {label[:24]!r}... ({len(label)} characters): a label is at most {MAX_LABEL} "
+                         "characters (it names a folder)")
     if not gpu_slug(label):
         raise ValueError(f"{option} {label!r}: a label needs a letter or a digit")
     return label

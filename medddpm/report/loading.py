@@ -128,7 +128,8 @@ def _read(path: Path, table: str) -> pd.DataFrame:
     try:
         return schema.read_table(path, table)
     except (schema.SchemaError, OSError, ValueError) as e:
-        raise DataError(f"{path}: {str(e).splitlines()[0]}") from None
+        why = str(e).splitlines()[0]
+        raise DataError(why if why.startswith(f"{path}: ") else f"{path}: {why}") from None  # the path named once
 
 
 def _read_run(path: Path) -> pd.DataFrame:

@@ -14,15 +14,15 @@ import pandas as pd
 from medddpm.store import schema
 from medddpm.configs import CONFIGS, get_config
 from medddpm.report.loading import FAILS, HOLDS, NOT_MEASURED, NOT_YET, DataError, _GIB, _read, _sort, data_root
+# What does not grow with the batch, for a run measured at one batch only: FP32 weights, their gradients and
+# Adam's two moments, 4 bytes each per parameter, as training's own estimate counts them. (Static inputs, cuDNN
+# workspaces and the like are then counted as per-sample: the largest batch is underestimated, never overestimated.)
+from medddpm.train.budget import STATE_BYTES_PER_PARAM
 
 GPU_MEMORY_GB = (16, 24, 40, 48, 80, 141)  # the card sizes the memory page answers for
 # Kept free on every card: what a driver reports is a few percent under the size a card is sold with
 # (ECC, firmware), and the caching allocator needs slack for fragmentation. An input, not a result.
 HEADROOM = 0.05
-# What does not grow with the batch, for a run measured at one batch only: FP32 weights, their
-# gradients and Adam's two moments, 4 bytes each per parameter. (Static inputs, cuDNN workspaces and
-# the like are then counted as per-sample: the largest batch is underestimated, never overestimated.)
-STATE_BYTES_PER_PARAM = 16
 MEMORY_SWITCHES = ("checkpointing", "precision", "recompute_attention")  # switches that trade time for memory
 FIT_VERDICTS = ("fits", "tight", "does not fit")
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -413,7 +414,13 @@ ENUMS: dict[str, dict[str, tuple[str, ...]]] = {
     "roofs": {"roof": ("dram", "fp32", "tf32", "bf16", "fp16"), "unit": ("byte/s", "FLOP/s")},
     "convergence_runs": {"status": ("ok", "diverged", "error")},
 }
+# A measured time is never negative or infinite: such a value in a table (written by hand, or by a tool that
+# parsed text) would still compare as a number, and flip a claim's verdict.
+_TIME = (0, sys.float_info.max)
+_TIMES = ("train_median_ms", "train_p10_ms", "train_p90_ms", "sample_step_median_ms")
 RANGES: dict[str, dict[str, tuple[float, float]]] = {  # inclusive bounds; NaN passes (not measured)
+    "run": dict.fromkeys((*_TIMES, "train_mean_ms", "train_std_ms", "dispatch_median_ms", "e2e_median_ms"), _TIME),
+    "bench": dict.fromkeys((*_TIMES, "sample_step_p10_ms", "sample_step_p90_ms"), _TIME),
     "steps": {"step": (0, math.inf), "step_ms": (0, math.inf)},
     "kernels": {"calls": (0, math.inf), "total_us": (0, math.inf), "share": (0, 1 + 1e-6), "steps": (0, math.inf)},
     "quality": {"step": (1, math.inf)},
@@ -437,6 +444,11 @@ KEYS: dict[str, tuple[str, ...]] = {  # non-null, non-empty, and unique together
 ONE_RUN = ("steps", "kernels", "ncu", "quality")  # a run folder's tables of many rows: all of its one run
 
 
+def _plain(value):
+    """A numpy scalar as the Python number it holds, for a message that reads 'inf', not 'np.float64(inf)'."""
+    return value.item() if hasattr(value, "item") else value
+
+
 def check_values(df: pd.DataFrame, table: str, where: str = "") -> None:
     """Raise a one-line SchemaError naming the column where a value breaks `ENUMS`, `RANGES` or `KEYS`."""
     at = f"{where}: " if where else f"{table} table: "
@@ -448,7 +460,8 @@ def check_values(df: pd.DataFrame, table: str, where: str = "") -> None:
         values = pd.to_numeric(df[column])
         bad = values[(values < low) | (values > high)]
         if len(bad):
-            raise SchemaError(f"{at}column {column}: {bad.iloc[0]!r} is out of range [{low}, {high}]")
+            bounds = f"(a finite number of at least {low})" if high == sys.float_info.max else f"[{low}, {high}]"
+            raise SchemaError(f"{at}column {column}: {_plain(bad.iloc[0])!r} is out of range {bounds}")
     keys = [k for k in KEYS.get(table, ()) if k in df]
     for column in keys:
         missing = df[column].isna() | (df[column].astype(str) == "") if df[column].dtype != bool else df[column].isna()
@@ -490,6 +503,24 @@ def write_table(df: pd.DataFrame, path: str | os.PathLike, table: str) -> Path:
     return atomic_write(path, lambda f: pq.write_table(arrow, f))
 
 
+def same_kind(got: pa.DataType, want: pa.DataType) -> bool:
+    """Whether a stored column of type `got` holds values of the schema's `want` in another width or encoding
+    (large_string, int32, float32, an integer in a float column): read, cast without loss. Anything else is
+    refused on read though Arrow would cast it: text parsed as numbers ("12.5" in `train_median_ms`), numbers
+    printed as text, booleans counted as 0/1 or floats cut to integers would each read as valid values of another
+    meaning. A column of nulls alone (pandas' all-None object column) is of every kind; its nulls are checked as
+    values (`check_values`)."""
+    if pa.types.is_null(got) or got == want:
+        return True
+    if pa.types.is_string(want):
+        return pa.types.is_string(got) or pa.types.is_large_string(got)
+    if pa.types.is_integer(want):
+        return pa.types.is_integer(got)
+    if pa.types.is_floating(want):
+        return pa.types.is_floating(got) or pa.types.is_integer(got)
+    return False
+
+
 def read_table(path: str | os.PathLike, table: str | None = None) -> pd.DataFrame:
     """Read a table and check it against its schema (the table name defaults to the file stem): a column renamed
     since the file was written (`RENAMED`) reads under its new name, one the schema has retired (`RETIRED`) is
@@ -518,6 +549,8 @@ def read_table(path: str | os.PathLike, table: str | None = None) -> pd.DataFram
     for name in want.names:  # a table rewritten by pandas may hold large_string or another integer width
         got, typ = arrow.schema.field(name).type, want.field(name).type
         if got != typ:
+            if not same_kind(got, typ):
+                raise SchemaError(f"{path}: column {name} is {got}, expected {typ}")
             try:
                 column = arrow.column(name).cast(typ, safe=True)
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):

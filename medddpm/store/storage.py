@@ -34,6 +34,11 @@ class StorageError(ValueError):
     """The file system refused a write (one line: the path and why)."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C stopped a command's work; str(e) is one line saying what was kept and how to resume (the command
+    line prints it and exits 130, as a shell does for SIGINT)."""
+
+
 def storage_error(path: str | os.PathLike, e: OSError) -> Exception:
     """`e` as a one-line StorageError where its cause is the file system's, else `e` itself."""
     reason = os_error_reason(e)

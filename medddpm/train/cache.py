@@ -23,7 +23,9 @@ import numpy as np
 from medddpm.store.storage import StorageError, atomic_write
 from medddpm.train.nifti import DataError
 
-FORMAT = 1  # bump when an entry's layout or the meaning of a parameter changes
+# bump when an entry's layout, the meaning of a parameter or the checks a build makes change (2: images checked
+# finite after their conversion to float32, so no entry built before holds an image that overflowed)
+FORMAT = 2
 
 
 class Entry(NamedTuple):

@@ -147,24 +147,35 @@ EMBEDDED = ("mni", "mni-brats")
 
 def open_dataset(source: str, *, size: int | tuple[int, int, int], n: int = 8,
                  cache_dir: str | os.PathLike | None = None, seed: int = 0,
-                 mask_channels: int | None = None) -> Dataset:
+                 mask_channels: int | None = None, resample_mask: bool = False) -> Dataset:
     """"mni": synthetic whole-head pairs; "mni-brats": synthetic four-modality BraTS-like cases (both
     from the embedded MNI templates); anything else is a folder in the Med-DDPM layout (image/, mask/)
     or the BraTS layout (seg/, t1/, t1ce/, t2/, flair/). `mask_channels`: the label channels asked for
-    (None: the data's own); only "mni" has a choice, 3 or 2 (grey and white matter as one label)."""
+    (None: the data's own); only "mni" has a choice, 3 or 2 (grey and white matter as one label).
+    `resample_mask`: a folder in the Med-DDPM layout whose masks lie on another grid than their images has them
+    resampled onto the images' grids (`NiftiPairs`); refused otherwise."""
     if source == "mni":
+        _no_resampling(source, resample_mask)
         if mask_channels not in (None, len(LABELS) - 1, len(LABELS_2) - 1):
             raise fail(source, f"the embedded MNI data has 2 or 3 label channels, not {mask_channels}")
         return MNIPairs(n, size=size, cache_dir=cache_dir, seed=seed, mask_channels=mask_channels or len(LABELS) - 1)
-    data = _open(source, size=size, n=n, cache_dir=cache_dir, seed=seed)
+    data = _open(source, size=size, n=n, cache_dir=cache_dir, seed=seed, resample_mask=resample_mask)
     if mask_channels is not None and mask_channels != data.mask_channels:
         raise fail(source, f"has {data.mask_channels} label channels, not {mask_channels} (only the embedded 'mni' "
                            "data comes in 2 or 3)")
     return data
 
 
-def _open(source: str, *, size: int | tuple[int, int, int], n: int, cache_dir, seed: int) -> Dataset:
+def _no_resampling(source: str, resample_mask: bool) -> None:
+    if resample_mask:  # the embedded data lies on one grid; a BraTS label map is checked, never resampled
+        raise fail(source, "--resample-mask resamples the masks of a folder of image/ and mask/ pairs; this data has "
+                           "none")
+
+
+def _open(source: str, *, size: int | tuple[int, int, int], n: int, cache_dir, seed: int,
+          resample_mask: bool) -> Dataset:
     if source == "mni-brats":
+        _no_resampling(source, resample_mask)
         return MNIBratsCases(n, size=size, cache_dir=cache_dir, seed=seed)
     if not source.strip():
         raise fail(repr(source), f"empty data set name (expected {' or '.join(map(repr, EMBEDDED))}, or a folder)")
@@ -174,5 +185,6 @@ def _open(source: str, *, size: int | tuple[int, int, int], n: int, cache_dir, s
                                                   "a folder holding image/ and mask/, or seg/, t1/, t1ce/, t2/ and "
                                                   "flair/)")
     if root.is_dir() and not (root / "image").exists() and not (root / "mask").exists() and brats_folders(root):
+        _no_resampling(source, resample_mask)
         return BratsCases(root, size=size, cache_dir=cache_dir)
-    return NiftiPairs(root, size=size, cache_dir=cache_dir)
+    return NiftiPairs(root, size=size, cache_dir=cache_dir, resample_mask=resample_mask)

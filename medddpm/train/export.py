@@ -5,20 +5,28 @@ store magnitude images, uint8 labels) or the BraTS layout (seg/, t1/, t1ce/, t2/
 float64 volumes, as the preprocessed BraTS files are often stored). The voxels are stored in another orientation
 than the canonical one (the affine says which), so that a reader must reorient them to see the anatomy the
 generator made. A folder for the tests and for timing training on files, without downloaded data.
+
+The folder is built in a staging folder beside it (`.<name>.stage-<pid>`) and put in place whole, by one rename,
+once every file is written: an export stopped by Ctrl-C, SIGTERM or a full disk leaves no folder that training
+would take for a complete one, and the next export of that folder removes what a killed one left.
 """
 
 from __future__ import annotations
 
+import errno
 import gzip
+import math
 import os
+import shutil
 from pathlib import Path
 
 import nibabel as nib
 import numpy as np
 
-from medddpm.store.storage import atomic_write
+from medddpm.store.lock import output_lock
+from medddpm.store.storage import atomic_write, storage_error
 from medddpm.train.folders import BRATS_2023_NAMES
-from medddpm.train.nifti import DataError, shape3
+from medddpm.train.nifti import MAX_VOXELS, DataError, shape3
 from medddpm.train.synthetic import BRATS_MODALITIES, BRATS_SPACING_MM, make_brats_case, make_mni_pair
 
 LAYOUTS = ("reference", "brats", "brats2023")
@@ -52,26 +60,56 @@ def export_folder(out: str | os.PathLike, *, pairs: int, layout: str = "referenc
                   size: int | tuple[int, int, int] | None = None, seed: int = 0) -> list[Path]:
     """Write `pairs` subjects (seeds seed .. seed + pairs - 1) under `out`; returns the files written.
 
-    `size`: voxels on disk (default 128^3 whole heads, 240x240x155 BraTS). `out` must be empty or new."""
+    `size`: voxels on disk (default 128^3 whole heads, 240x240x155 BraTS). `out` must be empty or new; it appears
+    only once complete."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     if not isinstance(pairs, int) or pairs < 1:
         raise ValueError(f"pairs must be a positive integer, got {pairs!r}")
+    shape = shape3(size or (128 if layout == "reference" else BRATS_ON_DISK))
+    if math.prod(shape) > MAX_VOXELS:  # training would refuse every file: nothing is written
+        raise ValueError(f"size {'x'.join(map(str, shape))}: more than the {MAX_VOXELS / 1e6:,.0f} M voxels a "
+                         "volume for training may hold")
     out = Path(out)
+    _check_empty(out)
+    with output_lock(out, what="export-data"):  # one export at a time stages this folder
+        for left in out.parent.glob(f".{out.name}.stage-*"):  # what a killed export left
+            shutil.rmtree(left, ignore_errors=True)
+        stage = out.parent / f".{out.name}.stage-{os.getpid()}"
+        try:
+            written = _write(stage, pairs=pairs, layout=layout, shape=shape, seed=seed)
+            try:  # one atomic step; it replaces an empty folder and fails on one that holds files
+                os.rename(stage, out)
+            except OSError as e:
+                if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+                    _check_empty(out)  # someone wrote there meanwhile: refused as at the start
+                raise storage_error(out, e) from None
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+    return [out / p.relative_to(stage) for p in written]
+
+
+def _check_empty(out: Path) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DataError(f"{out}: {'not a folder' if not out.is_dir() else 'not empty'}; export-data writes a new "
                         "folder")
+
+
+def _write(stage: Path, *, pairs: int, layout: str, shape: tuple[int, int, int], seed: int) -> list[Path]:
+    """Every file of the folder, under `stage`."""
+    try:
+        stage.mkdir(parents=True)
+    except OSError as e:
+        raise storage_error(stage, e) from None
     axcodes, written = ORIENTATION[layout], []
     for k in range(seed, seed + pairs):
         if layout == "reference":
-            shape = shape3(size or 128)
             image, labels = make_mni_pair(k, size=shape)
             spacing = 1.6 * 128 / max(shape)
             scanner = np.rint((image + 1) * 500).astype(np.int16)  # 0 .. 1000, background 0
-            written.append(_save(_image(scanner, spacing, axcodes, np.int16), out / "image" / f"img_{k:03d}.nii.gz"))
-            written.append(_save(_image(labels, spacing, axcodes, np.uint8), out / "mask" / f"mask_{k:03d}.nii.gz"))
+            written.append(_save(_image(scanner, spacing, axcodes, np.int16), stage / "image" / f"img_{k:03d}.nii.gz"))
+            written.append(_save(_image(labels, spacing, axcodes, np.uint8), stage / "mask" / f"mask_{k:03d}.nii.gz"))
             continue
-        shape = shape3(size or BRATS_ON_DISK)
         image, labels = make_brats_case(k, size=shape, spacing_mm=BRATS_SPACING_MM)
         new = layout == "brats2023"
         case = f"BraTS-GLI-{k:05d}-000" if new else f"BraTS2021_{k:05d}"
@@ -79,5 +117,6 @@ def export_folder(out: str | os.PathLike, *, pairs: int, layout: str = "referenc
         volumes = {"seg": labels, **dict(zip(BRATS_MODALITIES, image))}
         for m, volume in volumes.items():
             name = BRATS_2023_NAMES.get(m, m) if new else m
-            written.append(_save(_image(volume, BRATS_SPACING_MM, axcodes, np.float64), out / name / f"{case}{sep}{name}.nii.gz"))
+            written.append(_save(_image(volume, BRATS_SPACING_MM, axcodes, np.float64),
+                                 stage / name / f"{case}{sep}{name}.nii.gz"))
     return written

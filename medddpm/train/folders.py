@@ -1,10 +1,11 @@
 """User data in NIfTI folders: the Med-DDPM layout (`NiftiPairs`) and the BraTS layout (`BratsCases`).
 
-Opening a folder checks every file (headers first, then voxels and labels, each error one line naming the file)
-and fills the volume cache (`medddpm.train.cache`): each item decoded, reoriented to the closest canonical
-orientation, normalised and resized or cropped once, stored memory-mapped. Later opens of an unchanged folder read
-only the cache; `cache_build_s` is what the first pass over the folder took to build its entries (recorded in them,
-so it reads the same after they were built by another process). Items come from the cache: `raw(i)`
+Opening a folder checks every file (headers first: each volume's shape against the model's input, and an image's
+grid against its label map's; then voxels and labels, each error one line naming the file) and fills the volume
+cache (`medddpm.train.cache`): each item decoded, reoriented to the closest canonical orientation, normalised and
+resized or cropped once, stored memory-mapped. Later opens of an unchanged folder read only the cache;
+`cache_build_s` is what the first pass over the folder took to build its entries (recorded in them, so it reads the
+same after they were built by another process). Items come from the cache: `raw(i)`
 (image float32 (C, D, H, W), labels uint8) for `medddpm.train.loader`, `[i]` with the labels one-hot.
 """
 
@@ -20,9 +21,10 @@ from tqdm import tqdm  # text bars: tqdm.auto draws ipywidgets bars, a message p
 
 from medddpm.train.cache import Built, Entry, VolumeCache
 from medddpm.train.loader import one_hot_condition
-from medddpm.train.nifti import (check_file, check_image, check_label_set, default, exists, fail, label_counts,
-                                 missing_why, nifti_name, normalize, numbered_files, read_volume, resize, shape3,
-                                 volume_shape)
+from medddpm.train.geometry import difference, same_grid
+from medddpm.train.nifti import (check_file, check_fit, check_label_set, default, exists, fail, image_float32,
+                                 label_counts, missing_why, nifti_name, normalize, numbered_files, read_volume,
+                                 resize, shape3, volume_header)
 from medddpm.train.synthetic import BRATS_LABELS, BRATS_MODALITIES, BRATS_SHAPE
 
 NORMALIZE = "percentile-0.5-99.5"  # `normalize`'s scaling, part of every cache key: change it with the function
@@ -78,12 +80,16 @@ class NiftiPairs(_CachedFolder):
     """User data in the Med-DDPM layout: <root>/image/*.nii[.gz] and <root>/mask/*.nii[.gz], paired by the last
     integer in the file name. Volumes are resized (not cropped) to `size` (a side, or (D, H, W)): trilinear for
     images, nearest for labels; intensities scaled per volume (never per slice). `num_classes`: the label classes
-    declared (None: inferred, contiguous from 0, see `check_label_set`)."""
+    declared (None: inferred, contiguous from 0, see `check_label_set`).
+
+    A mask must lie on its image's grid (the same shape and affine, `geometry.same_grid`); `resample_mask` instead
+    resamples each mask onto its image's grid by nearest neighbour, for masks known to be registered otherwise."""
 
     image_channels = 1
 
     def __init__(self, root: str | os.PathLike, *, size: int | tuple[int, int, int] = 128,
-                 num_classes: int | None = None, cache_dir: str | os.PathLike | None = None, progress: bool = False):
+                 num_classes: int | None = None, cache_dir: str | os.PathLike | None = None, progress: bool = False,
+                 resample_mask: bool = False):
         root = _root(root)
         if exists(num_classes) and num_classes < 1:
             raise ValueError(f"num_classes must be >= 1, got {num_classes}")
@@ -94,10 +100,21 @@ class NiftiPairs(_CachedFolder):
         self.pairs = [(images[k], masks[k]) for k in sorted(images)]
         self.items = [{"image": image, "labels": mask} for image, mask in self.pairs]
         for image, mask in self.pairs:  # headers first: cheap, catches most mistakes
-            if (a := volume_shape(image)) != (b := volume_shape(mask)):
-                raise fail(image, f"shape {a} differs from its mask {mask.name} {b}")
-        self.size = size
+            (a, grid), (b, mask_grid) = volume_header(image), volume_header(mask)
+            for path, shape in ((image, a), (mask, b)):
+                check_fit(path, shape, shape3(size))
+            if resample_mask:
+                continue
+            if a != b:
+                raise fail(image, f"shape {a} differs from its mask {mask.name} {b} (--resample-mask resamples "
+                                  "the mask onto the image's grid)")
+            if not same_grid(grid, mask_grid):
+                raise fail(mask, f"not on the grid of its image {image}: {difference(grid, mask_grid, a)}; fix the "
+                                 "mask's header, or pass --resample-mask to resample it onto the image's grid")
+        self.size, self.resample_mask = size, resample_mask
         self.params = {"layout": "pairs", "size": shape3(size), "normalize": NORMALIZE}
+        if resample_mask:  # only then: the keys of every other folder's entries stay as they were
+            self.params["resample_mask"] = "nearest"
         counts = self._open_cache(cache_dir, progress, root.name)
         top = check_label_set(counts, num_classes)
         if not exists(num_classes) and top == 0:
@@ -109,12 +126,11 @@ class NiftiPairs(_CachedFolder):
         return self.num_classes
 
     def _build(self, item: dict[str, Path]) -> Built:
-        image = read_volume(item["image"])
-        check_image(image, item["image"])
-        labels = read_volume(item["labels"])
+        image = image_float32(read_volume(item["image"]), item["image"])
+        labels = read_volume(item["labels"], onto=item["image"] if self.resample_mask else None)
         # once the folder is open its label set bounds a file rebuilt later (edited while training)
         counts = label_counts(labels, item["labels"], getattr(self, "num_classes", None))
-        image = resize(torch.from_numpy(normalize(image.astype(np.float32))), self.size, mode="trilinear")
+        image = resize(torch.from_numpy(normalize(image)), self.size, mode="trilinear")
         labels = resize(torch.from_numpy(labels.astype(np.float32)), self.size, mode="nearest-exact")
         return image[None].numpy(), labels.numpy().astype(np.uint8), counts
 
@@ -197,10 +213,15 @@ class BratsCases(_CachedFolder):
         self.names = cases
         self.size = size
         for case in self.cases:  # headers first: cheap, catches most mistakes
-            seg_shape = volume_shape(case["seg"])
+            seg_shape, seg_grid = volume_header(case["seg"])
+            check_fit(case["seg"], seg_shape, shape3(size), crop=True)
             for m in BRATS_MODALITIES:
-                if (got := volume_shape(case[m])) != seg_shape:
+                got, grid = volume_header(case[m])
+                if got != seg_shape:
                     raise fail(case[m], f"shape {got} differs from its label map {case['seg'].name} {seg_shape}")
+                if not same_grid(grid, seg_grid):
+                    raise fail(case["seg"], f"not on the grid of its {names[m]} volume {case[m]}: "
+                                            f"{difference(grid, seg_grid, got)}; fix the label map's header")
         self.params = {"layout": "brats", "size": shape3(size), "normalize": NORMALIZE}
         check_label_set(self._open_cache(cache_dir, progress, root.name), self.mask_channels)
 
@@ -208,11 +229,10 @@ class BratsCases(_CachedFolder):
         shape = shape3(self.size)
         channels, t1 = [], None
         for m in BRATS_MODALITIES:
-            x = read_volume(item[m])
-            check_image(x, item[m])
-            t1 = x if m == "t1" else t1
             # float32 at once: BraTS files are often float64, and every copy of a 240x240x155 volume costs 71 MB
-            channels.append(_crop_or_pad(normalize(x.astype(np.float32, copy=False)), shape, -1.0))
+            x = image_float32(read_volume(item[m]), item[m])
+            t1 = x if m == "t1" else t1
+            channels.append(_crop_or_pad(normalize(x), shape, -1.0))
         seg = read_volume(item["labels"])
         counts = label_counts(seg, item["labels"], self.mask_channels)
         brain = t1 > t1.min()  # skull-stripped: the brain is what is above the background

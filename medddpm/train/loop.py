@@ -18,7 +18,7 @@ from medddpm.train.engine import Engine
 from medddpm.train.loader import DeviceLoader, closing_with
 from medddpm.model.unet import ModelSpec
 from medddpm.store.lock import output_lock
-from medddpm.store.storage import atomic_write
+from medddpm.store.storage import Interrupted, atomic_write
 from medddpm.train.timing import StepTimer
 
 LOSS_LOG = "loss.jsonl"
@@ -210,30 +210,35 @@ def _train(spec, config, dataset, *, out, steps, device, grad_accum, lr, seed, s
     order = (batch_indices(len(dataset), s, rank * grad_accum + m, seed=seed) for s in range(start, steps)
              for m in range(grad_accum))
     items = iter(DeviceLoader(dataset, order, device=engine.device))
-    for step in closing_with(bar, items):
-        batches = []
-        for micro in range(grad_accum):
-            image, cond = next(items)
-            batch = (engine.prepare(image), engine.prepare(cond))
-            if fixed_noise:
-                batch += step_noise(batch[0].shape, engine.diffusion.timesteps, step, rank * grad_accum + micro,
-                                    seed=seed, device=engine.device)
-            batches.append(batch)
-        if ddp:
-            # Each rank draws its own timesteps and noise; reseeding per step keeps resume exact.
-            torch.manual_seed(seed * 1_000_003 + step * 1009 + rank * 7919 + 1)
-            timer.start()
-        loss = engine.step(batches)
-        pending.append((step + 1, loss, engine.skipped_counter() if engine.scaler is not None else None))
-        if ddp:
-            timer.stop()
-        if (step + 1) % log_every == 0:
-            flush()
-        if (step + 1) % save_every == 0 or step + 1 == steps:
-            flush()
-            if main:
-                save_checkpoint(engine, ckpt, extra=extra)
-            counted["saved"] = step + 1
+    try:  # Ctrl-C: one line saying which checkpoint a resumed run starts from
+        for step in closing_with(bar, items):
+            batches = []
+            for micro in range(grad_accum):
+                image, cond = next(items)
+                batch = (engine.prepare(image), engine.prepare(cond))
+                if fixed_noise:
+                    batch += step_noise(batch[0].shape, engine.diffusion.timesteps, step, rank * grad_accum + micro,
+                                        seed=seed, device=engine.device)
+                batches.append(batch)
+            if ddp:
+                # Each rank draws its own timesteps and noise; reseeding per step keeps resume exact.
+                torch.manual_seed(seed * 1_000_003 + step * 1009 + rank * 7919 + 1)
+                timer.start()
+            loss = engine.step(batches)
+            pending.append((step + 1, loss, engine.skipped_counter() if engine.scaler is not None else None))
+            if ddp:
+                timer.stop()
+            if (step + 1) % log_every == 0:
+                flush()
+            if (step + 1) % save_every == 0 or step + 1 == steps:
+                flush()
+                if main:
+                    save_checkpoint(engine, ckpt, extra=extra)
+                counted["saved"] = step + 1
+    except KeyboardInterrupt:
+        raise Interrupted(f"the checkpoint of step {counted['saved']} in {out} is kept; the same command resumes "
+                          "from it" if counted["saved"] else
+                          f"no checkpoint had been written to {out} yet; the same command starts again") from None
     flush()
     return engine
 

@@ -2,9 +2,10 @@
 
 Every problem with input data is a `DataError`, one line naming the offending file (`fail`). NIfTI files
 are found in a folder and paired by number (`numbered_files`), their headers checked before any voxel is read
-(`volume_shape`: one real value per voxel, 3-D once trailing singleton axes are dropped, at most `MAX_VOXELS`),
-read in the closest canonical (RAS) orientation (`read_volume`), checked (`check_image`, `check_labels`), scaled
-to [-1, 1] per volume (`normalize`) and resized (`resize`).
+(`volume_header`: one real value per voxel, 3-D once trailing singleton axes are dropped, at most `MAX_VOXELS`;
+`check_fit`: not far from the model's input shape), read in the closest canonical (RAS) orientation
+(`read_volume`), checked (`image_float32`: finite as float32, not constant; `label_counts`), scaled to [-1, 1] per
+volume (`normalize`) and resized (`resize`).
 """
 
 from __future__ import annotations
@@ -146,23 +147,73 @@ def _checked_header(path: Path):
 
 def volume_shape(path: Path) -> tuple[int, ...]:
     """The shape from the header alone, after the header's checks."""
-    return _squeeze3(tuple(_checked_header(path).shape), path)
+    return volume_header(path)[0]
 
 
-def read_volume(path: Path) -> np.ndarray:
+def volume_header(path: Path) -> tuple[tuple[int, ...], np.ndarray]:
+    """The shape and the voxel-to-world affine from the header alone, after the header's checks."""
+    img = _checked_header(path)
+    return _squeeze3(tuple(img.shape), path), np.asarray(img.affine, dtype=np.float64)
+
+
+# How far a volume may lie from the model's input shape, per axis. Training resizes (or, in the BraTS layout,
+# crops and pads) every volume to that shape, which is right near it: the reference resizes whole heads of about
+# 180 voxels a side to 128 and crops BraTS' 240 x 240 x 155 to 192 x 192 x 144, and a smoke model of 16 voxels
+# takes files of 128. Far from it the model learns something else than the anatomy, so it is refused rather
+# than warned about (a warning scrolls away above a progress bar, and the cache keeps what it built):
+# - an axis of the model filled from fewer than a quarter as many voxels (32 x 32 x 2 stretched to 16^3) is
+#   interpolation, or in the BraTS layout mostly padding;
+# - an axis of the file squeezed more than eight to one (512^3 into 16^3) averages the anatomy away; it is also
+#   the bound that lets the header refuse a file before its voxels are decompressed (a 1 MB .nii.gz may inflate
+#   to 1 GB), as no allowed file holds more than 8^3 times the model's voxels.
+MAX_STRETCH = 4
+MAX_SQUEEZE = 8
+
+
+def check_fit(path: Path, shape: tuple[int, ...], target: tuple[int, int, int], *, crop: bool = False) -> None:
+    """Refuse a volume of `shape` (from its header) too far from the model's input `target` (`MAX_STRETCH`,
+    `MAX_SQUEEZE`); `crop`: the BraTS layout's centre crop or pad in place of a resize."""
+    up = max(t / n for n, t in zip(shape, target))
+    down = max(n / t for n, t in zip(shape, target))
+    if up > MAX_STRETCH:
+        how, factor, limit = ("padded" if crop else "stretched"), up, MAX_STRETCH
+    elif down > MAX_SQUEEZE:
+        how, factor, limit = ("cropped" if crop else "shrunk"), down, MAX_SQUEEZE
+    else:
+        return
+    raise fail(path, f"a {'x'.join(map(str, shape))} volume for the model's {'x'.join(map(str, target))} input: an "
+                     f"axis would be {how} {factor:.3g}-fold (at most {limit}); choose a --size nearer the files' "
+                     "shape, or leave this file out")
+
+
+def read_volume(path: Path, *, onto: Path | None = None) -> np.ndarray:
     """The voxels in the closest canonical orientation (RAS+: axes as nibabel.as_closest_canonical orders and
-    flips them), so that scanners' differing storage orders give one anatomy; the stored dtype is kept."""
+    flips them), so that scanners' differing storage orders give one anatomy; the stored dtype is kept. `onto`:
+    another file whose grid the voxels are resampled onto first, by nearest neighbour (a mask onto its image's)."""
     img = _checked_header(path)
     with _reading(path):
+        if onto is not None:
+            from medddpm.train.geometry import resample_onto
+
+            shape, affine = volume_header(onto)
+            img = resample_onto(img, shape, affine)
         data = np.asarray(nib.as_closest_canonical(img).dataobj)
     return data.reshape(_squeeze3(data.shape, path))
 
 
-def check_image(x: np.ndarray, path: Path) -> None:
-    if not np.isfinite(x).all():
+def image_float32(x: np.ndarray, path: Path) -> np.ndarray:
+    """The image as float32 (what the model trains on), checked after the conversion: a float64 file's finite
+    values beyond float32's range (1e300) become inf there, and are refused as NaN and inf are."""
+    with np.errstate(over="ignore"):  # an overflow is what the check below refuses, in its own words
+        y = x.astype(np.float32, copy=False)
+    if not np.isfinite(y).all():
+        if x.dtype.kind == "f" and np.isfinite(x).all():
+            raise fail(path, f"values up to {float(np.abs(x).max()):.3g} exceed float32's range "
+                             f"({float(np.finfo(np.float32).max):.3g}): rescale the image")
         raise fail(path, "image contains NaN or inf")
-    if x.min() == x.max():
-        raise fail(path, f"constant image (every voxel is {x.flat[0]})")
+    if y.min() == y.max():
+        raise fail(path, f"constant image (every voxel is {y.flat[0]})")
+    return y
 
 
 # Labels are stored as uint8 once read, and a model has one input channel per label: a data set with more label

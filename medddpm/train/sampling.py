@@ -15,11 +15,15 @@ from medddpm.train import checkpoint
 from medddpm.train.data import one_hot_condition
 from medddpm.train import nifti
 from medddpm.train.nifti import DataError
-from medddpm.train.synthetic import make_brats_case, make_mni_pair
+from medddpm.train.synthetic import BRATS_LABELS, LABELS, LABELS_2, make_brats_case, make_mni_pair, mni_labels
 from medddpm.configs import Config
 from medddpm.train.engine import Engine
 from medddpm.model.unet import ModelSpec
 from medddpm.store.storage import atomic_write
+
+
+MNI_WIDTHS = (len(LABELS) - 1, len(LABELS_2) - 1)  # the embedded whole heads: 3 tissues, or 2 (`mni_labels`)
+BRATS_WIDTH = len(BRATS_LABELS) - 1
 
 
 def load_checkpoint(path: str | os.PathLike, *, device: torch.device | str = "cpu", use_ema: bool = True,
@@ -54,22 +58,31 @@ def load_checkpoint(path: str | os.PathLike, *, device: torch.device | str = "cp
     return engine
 
 
-def label_volume(source: str, *, size: int | tuple[int, int, int]) -> np.ndarray:
+def label_volume(source: str, *, size: int | tuple[int, int, int], mask_channels: int | None = None) -> np.ndarray:
     """Label map (uint8, the model's input shape) from 'mni:SEED' (an embedded whole-head subject),
-    'mni-brats:SEED' (an embedded synthetic BraTS-like case) or a NIfTI file (resized, nearest)."""
-    for prefix, make in (("mni:", make_mni_pair), ("mni-brats:", make_brats_case)):
+    'mni-brats:SEED' (an embedded synthetic BraTS-like case) or a NIfTI file (resized, nearest).
+
+    `mask_channels`: the label classes of the model it conditions, checked before any voxel is read or generated: an
+    embedded source of another width, or a file with a label beyond them, is refused; a file's shape is held to
+    the training data's bounds on stretching and shrinking (`nifti.check_fit`), from its header."""
+    shape = nifti.shape3(size)
+    for prefix, make, widths in (("mni:", make_mni_pair, MNI_WIDTHS), ("mni-brats:", make_brats_case, (BRATS_WIDTH,))):
         if source.startswith(prefix):
             seed = source.removeprefix(prefix)
             if not seed.isdigit():
                 raise DataError(f"label source {source!r}: expected {prefix}<non-negative integer seed>")
-            return make(int(seed), size=size)[1]
+            if mask_channels is not None and mask_channels not in widths:
+                raise DataError(f"label source {source!r}: {' or '.join(map(str, widths))} label classes, but the "
+                                f"checkpoint's model takes {mask_channels}")
+            labels = make(int(seed), size=size)[1]
+            return mni_labels(labels, mask_channels) if prefix == "mni:" and mask_channels else labels
     # the training data's reader: its header checks (colour, complex, oversized, truncated) and its orientation
     path = Path(source)
     nifti.check_file(path)
+    nifti.check_fit(path, nifti.volume_shape(path), shape)
     labels = nifti.read_volume(path)
-    nifti.label_counts(labels, path)
+    nifti.label_counts(labels, path, mask_channels)
     t = torch.from_numpy(np.asarray(labels, dtype=np.float32))[None, None]
-    shape = (size,) * 3 if isinstance(size, int) else tuple(size)
     return F.interpolate(t, size=shape, mode="nearest")[0, 0].numpy().astype(np.uint8)
 
 
