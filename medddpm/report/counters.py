@@ -74,6 +74,14 @@ def ncu_coverage(data: Data) -> pd.DataFrame:
     return _sort(pd.DataFrame(rows, columns=["gpu_slug", "config", "selected", "profiled", "launches"]))
 
 
+def ncu_sections() -> tuple[str, ...]:
+    """The Nsight Compute sections every counters pass collects (`medddpm.measure.ncu.SECTIONS`), for the
+    methodology page to list."""
+    from medddpm.measure import ncu
+
+    return tuple(ncu.SECTIONS)
+
+
 def uncounted_runs(data: Data) -> pd.DataFrame:
     """GPU runs measured (status ok) that have no counters at all: `ncu_coverage` cannot list them."""
     r = data.run

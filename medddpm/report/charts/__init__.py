@@ -32,7 +32,7 @@ from medddpm.report.charts.theme import (  # noqa: E402
     distinct_colors, duration_text, figure, gpu_rows, is_cpu, live_notebook, log_axis, parts_color, setup, table, title,
     top_parts, unit_of, with_unit)
 from medddpm.report.charts.timing import (  # noqa: E402
-    ABLATION_COLORS, COST_METRICS, ablation, bench, cost, gpu_busy, scaling, speedup, step_time)
+    ABLATION_COLORS, COST_METRICS, ablation, bench, cost, gpu_busy, headline, scaling, speedup, step_time)
 from medddpm.report.charts.kernels import PASS_METRICS, category_shares, pass_split, top_kernels  # noqa: E402
 from medddpm.report.charts.counters import (  # noqa: E402
     MEMORY_METRICS, instruction_mix, memory, priorities, roofline, stalls, tensor_pipe)
@@ -49,7 +49,8 @@ __all__ = [
     "distinct_colors", "duration_text", "figure", "gpu_rows", "is_cpu", "live_notebook", "log_axis", "parts_color", "setup",
     "table", "title", "top_parts", "unit_of", "with_unit",
     # step time and what it buys
-    "ABLATION_COLORS", "COST_METRICS", "ablation", "bench", "cost", "gpu_busy", "scaling", "speedup", "step_time",
+    "ABLATION_COLORS", "COST_METRICS", "ablation", "bench", "cost", "gpu_busy", "headline", "scaling", "speedup",
+    "step_time",
     # kernels
     "PASS_METRICS", "category_shares", "pass_split", "top_kernels",
     # counters
