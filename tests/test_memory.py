@@ -92,19 +92,44 @@ def test_memory_model_fits_a_line_or_estimates_from_batch_one(run):
 
 
 def test_fits_per_card(run):
-    fit = bd.fits(bd.memory_model(bd.memory_runs(run))).set_index(["model", "config", "card_gb"])
+    cards = bd.memory.cards()  # the catalogue: what each card's driver reports, cited
+    gib = dict(zip(cards["sold_gb"], cards["card_gib"]))
+    fit = bd.fits(bd.memory_model(bd.memory_runs(run)), cards).set_index(["model", "config", "sold_gb"])
     b = "brats 192x192x144"
-    # best at BraTS size: need 30 + 0.5 GiB; line 5 + 25 per volume; 5% of each card kept free
+    # best at BraTS size: need 30 + 0.5 GiB; line 5 + 25 per volume; 5% of what each driver reports kept free
     assert fit.loc[(b, "best", 40), "verdict"] == "fits" and fit.loc[(b, "best", 40), "largest_batch"] == 1
-    assert fit.loc[(b, "best", 80), "largest_batch"] == math.floor((80 * 0.95 - 0.5 - 5) / 25)
+    assert fit.loc[(b, "best", 80), "largest_batch"] == math.floor((gib[80] * 0.95 - 0.5 - 5) / 25)
     assert fit.loc[(b, "best", 24), "verdict"] == "does not fit" and fit.loc[(b, "best", 24), "largest_batch"] == 0
-    # baseline: 70.5 GiB needed leaves 5% of 80 GB free, but the reserved 80 GiB (+ 0.5 outside) does not fit
+    # baseline: 70.5 GiB needed leaves 5% of the 80 GB card's 79.3 GiB free, but the reserved 80 GiB (+ 0.5) does not fit
     assert fit.loc[(b, "baseline", 80), "verdict"] == "tight" and fit.loc[(b, "baseline", 141), "verdict"] == "fits"
     assert fit.loc[(b, "baseline", 48), "verdict"] == "does not fit"
-    # bf16 whole-head: 14.0 GiB needed fits 16 GB bare, but neither the headroom nor the reserved 16.5 GiB does
+    # bf16 whole-head: 14.0 GiB needed leaves the headroom of the 16 GB card's 15.7 GiB, its reserved 16.5 GiB does not
     assert fit.loc[("paper 128x128x128", "bf16", 16), "verdict"] == "tight"
     assert fit.loc[("paper 128x128x128", "best-ckpt", 16), "verdict"] == "fits"
-    assert list(fit.reset_index()["card_gb"].unique()) == list(bd.GPU_MEMORY_GB)
+    assert list(fit.reset_index()["sold_gb"].unique()) == [16, 24, 40, 48, 80, 141]
+    assert (fit["card_gib"] < fit.index.get_level_values("sold_gb")).all(), "a card taken to hold its sold size in GiB"
+
+
+def test_cards_keep_gb_and_gib_apart(run):
+    cited = bd.memory.cards()
+    bd.memory.check_cards(cited)
+    assert (cited["kind"] == bd.memory.CITED_CARD).all() and cited["source"].str.len().gt(20).all()
+    # every card holds less than its sold size read as GiB: the driver keeps some (ECC, firmware)
+    assert (cited["card_gib"] < cited["sold_gb"]).all()
+    # a run that measured its device replaces the cited figure of its type, and adds a card of a type not listed
+    gpu = run[run["gpu_slug"] == GPU].copy()
+    gpu["gpu_type"] = "nvidia-a100-sxm4-80gb"
+    gpu["gpu_total_bytes"] = int(79.5 * GIB)
+    other = gpu.head(1).assign(gpu_type="nvidia-new-card", gpu_name="NVIDIA New Card", gpu_total_bytes=int(90 * GIB))
+    measured = bd.memory.cards(pd.concat([gpu, other, run[run["gpu_slug"] == "cpu"]], ignore_index=True))
+    a100 = measured.set_index("gpu_type").loc["nvidia-a100-sxm4-80gb"]
+    assert a100["kind"] == bd.memory.MEASURED_CARD and a100["card_gib"] == pytest.approx(79.5) and a100["sold_gb"] == 80
+    new = measured.set_index("gpu_type").loc["nvidia-new-card"]
+    assert new["card"] == "NVIDIA New Card" and math.isnan(new["sold_gb"]) and new["card_gib"] == pytest.approx(90)
+    assert len(measured) == len(cited) + 1 and measured["card_gib"].is_monotonic_increasing
+    bad = cited.assign(card_gib=cited["sold_gb"])  # a card sold as C GB taken to hold C GiB
+    with pytest.raises(AssertionError):
+        bd.memory.check_cards(bad)
 
 
 def test_switch_costs_pair_runs_that_differ_in_one_switch(run):

@@ -29,7 +29,8 @@ import pandas as pd
 from medddpm.analysis import roofs as ar
 from medddpm.analysis.ncu_names import match_kernel
 from medddpm.report.counters import kernel_flops, ncu_kernels
-from medddpm.report.loading import Data, _sort, gpu_types, is_cpu
+from medddpm.report.loading import Data, _sort, config_order, gpu_types, is_cpu
+from medddpm.report.roofs import ROOF_LABELS
 
 TARGET = 0.10  # a prediction within 10% of the measured step
 ESTIMATE_CARDS = ar.ESTIMATE_CARDS
@@ -309,8 +310,6 @@ PREDICTION_FORMATS = {"error": "{:+.1%}", "error (roof part)": "{:+.1%}", "A's s
 
 def roofs_wide(view: pd.DataFrame) -> pd.DataFrame:
     """`roofs.roofs_view` as a roof per row and a card per column, each value with its unit and its source."""
-    from medddpm.report.roofs import ROOF_LABELS
-
     shown = view.assign(shown=[f"{v / 1e12:.3g} {'TB/s' if u == 'byte/s' else 'TFLOP/s'} ({s})"
                                for v, u, s in zip(view["value"], view["unit"], view["source"])])
     wide = shown.pivot(index="what", columns="gpu_slug", values="shown").reindex(
@@ -373,8 +372,6 @@ def misses_table(kernels: pd.DataFrame, data: Data, measured: pd.DataFrame) -> p
 def estimates_table(predicted: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     """The estimates of cards nobody measured: a configuration per row, a column per (reference card, estimated
     card) in ms; and the sources of the estimated cards' datasheets, in words."""
-    from medddpm.report.loading import config_order
-
     est = predicted[predicted["kind"] == ESTIMATE] if len(predicted) else predicted
     if est.empty:
         return pd.DataFrame(), ""

@@ -11,7 +11,10 @@ import pandas as pd
 
 from medddpm.analysis.roofs import datasheet_roofs
 from medddpm.configs import CONFIGS
-from medddpm.report import tables
+from medddpm.model.flops import count
+from medddpm.model.unet import ModelSpec
+from medddpm.report import convergence, equivalence, tables
+from medddpm.report.claims import CLAIMS
 from medddpm.report.loading import FAILS, HOLDS, MAGNITUDE, NA, UNDECIDED, Data, cpu_slugs, gpu_types
 from medddpm.report.roofs import DATASHEET_FP32, gpu_labels, peaks_of
 from medddpm.report.step_time import HEADLINE_ROLES, REFERENCE_ACCUM, REFERENCE_STEPS, headline
@@ -71,8 +74,6 @@ def result_text(head: pd.DataFrame, tally: pd.DataFrame, on_gpu: bool) -> str:
 
 def quality_text(study) -> str:
     """The convergence study's answer in one paragraph, or that it has not run on a GPU."""
-    from medddpm.report import convergence, equivalence
-
     said = convergence.headline_text(study)
     if not said:
         return ("**Does the speed cost quality?** The [convergence study](convergence.md) has not been run on a GPU "
@@ -85,8 +86,6 @@ def quality_text(study) -> str:
 def tf32_beside_paper(verdicts: pd.DataFrame, cpus: set[str]) -> pd.DataFrame:
     """The paper's TF32 figures (`PAPER_TF32`), each with its band and every GPU's measured magnitude and verdict;
     the frame has no measured column when no GPU judged them."""
-    from medddpm.report.claims import CLAIMS
-
     rows = []
     for claim_id, what in PAPER_TF32:
         band = next(c.band for c in CLAIMS if c.id == claim_id)
@@ -103,9 +102,6 @@ def counted_step(size: int = 128, mask_channels: int = 3) -> dict:
     """The work of one training micro-step of the whole-head model (the paper preset on the embedded MNI data: CSF,
     GM and WM labels), counted on PyTorch's meta device, which runs the shapes with no memory and no arithmetic:
     parameters, forward FLOPs (and by operator), training FLOPs (forward + backward)."""
-    from medddpm.model.flops import count
-    from medddpm.model.unet import ModelSpec
-
     return count(ModelSpec(size=size, mask_channels=mask_channels))
 
 

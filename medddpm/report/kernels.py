@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import pandas as pd
 
-from medddpm.report.loading import _sort
+from medddpm.report.loading import _sort, config_order
+from medddpm.report.step_time import check_strict_baseline
+from medddpm.report.tables import gpus_first
+
 
 def _shares_by(kernels: pd.DataFrame, field: str) -> pd.DataFrame:
     """Share of profiled kernel time per (GPU, configuration, `field`); sums to 1 per run."""
@@ -85,8 +87,6 @@ def check_shares(kernels: pd.DataFrame) -> None:
 def check_kernels(data, shares: pd.DataFrame) -> None:
     """The kernels page's numbers are sane: some run has a kernel table, every run's shares add up to 1 (by kernel
     and by category), and the strict-FP32 baseline ran no tensor-core kernel and read back strict math modes."""
-    from medddpm.report.step_time import check_strict_baseline
-
     assert len(data.kernels), "no kernels.parquet under data/"
     check_shares(data.kernels)
     check_strict_baseline(data)
@@ -101,8 +101,6 @@ def _share(shares: pd.DataFrame, slug: str, config: str, categories) -> float | 
 def convolution_text(shares: pd.DataFrame, cpus: set[str]) -> str:
     """Per device: the convolutions' share of the baseline's kernel time, and the element-wise and layout share
     in the baseline against channels-last (opt2)."""
-    from medddpm.report.tables import gpus_first
-
     lines = []
     for slug in gpus_first(shares["gpu_slug"]):
         conv = _share(shares, slug, "baseline", ["convolution"])
@@ -122,8 +120,6 @@ def convolution_text(shares: pd.DataFrame, cpus: set[str]) -> str:
 def tensor_core_share(kernels: pd.DataFrame) -> pd.DataFrame:
     """Per configuration, a column per GPU: the share of its kernel time in kernels whose name says tensor cores
     (empty without a GPU kernel profile)."""
-    from medddpm.report.loading import config_order
-
     k = kernels[kernels["device_type"] == "cuda"]
     tc = k.assign(t=k["total_us"] * k["tensor_cores"]).groupby(["gpu_slug", "config"])[["t", "total_us"]].sum()
     if tc.empty:
@@ -136,8 +132,6 @@ def tensor_core_share(kernels: pd.DataFrame) -> pd.DataFrame:
 
 def backward_text(passes: pd.DataFrame, cpus: set[str]) -> str:
     """Per device: the baseline's backward over forward time, and the optimizer's share of the step."""
-    from medddpm.report.tables import gpus_first
-
     p = passes.pivot_table(index=["gpu_slug", "config"], columns="pass", values="us_per_step", aggfunc="sum")
     lines = []
     for slug in gpus_first(p.index.get_level_values("gpu_slug")):
