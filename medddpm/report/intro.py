@@ -14,8 +14,8 @@ from medddpm.configs import CONFIGS
 from medddpm.model.flops import count
 from medddpm.model.unet import ModelSpec
 from medddpm.report import convergence, equivalence, tables
-from medddpm.report.claims import CLAIMS
-from medddpm.report.loading import FAILS, HOLDS, MAGNITUDE, NA, UNDECIDED, Data, cpu_slugs, gpu_types
+from medddpm.report.claims import CLAIMS, tally_text
+from medddpm.report.loading import Data, cpu_slugs, gpu_types
 from medddpm.report.roofs import DATASHEET_FP32, gpu_labels, peaks_of
 from medddpm.report.step_time import HEADLINE_ROLES, REFERENCE_ACCUM, REFERENCE_STEPS, headline
 
@@ -38,12 +38,6 @@ def check_headline(head: pd.DataFrame) -> None:
     assert len(head), "no device with a strict-FP32 baseline under data/"
     assert (head["lo"] <= head["speedup"] + 1e-9).all() and (head["speedup"] <= head["hi"] + 1e-9).all(), head
     assert (head["speedup"] > 0).all(), head
-
-
-def tally_text(t: pd.Series) -> str:
-    """One device's verdict counts (a row of `claims.headline`) in words."""
-    return (f"{t[HOLDS]} hold, {t[MAGNITUDE]} hold in direction but not in magnitude, {t[FAILS]} do not hold"
-            + (f", {t[UNDECIDED]} undecided" if t[UNDECIDED] else "") + f", {t[NA]} not measurable")
 
 
 def result_text(head: pd.DataFrame, tally: pd.DataFrame, on_gpu: bool) -> str:

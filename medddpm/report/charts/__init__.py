@@ -35,7 +35,7 @@ from medddpm.report.charts.timing import (  # noqa: E402
     ABLATION_COLORS, COST_METRICS, ablation, bench, cost, gpu_busy, headline, scaling, speedup, step_time)
 from medddpm.report.charts.kernels import PASS_METRICS, category_shares, pass_split, top_kernels  # noqa: E402
 from medddpm.report.charts.counters import (  # noqa: E402
-    MEMORY_METRICS, instruction_mix, memory, priorities, roofline, stalls, tensor_pipe)
+    MEMORY_METRICS, instruction_mix, kernel_stalls, memory, priorities, roofline, stalls, tensor_pipe)
 from medddpm.report.charts.cards import card_steps, category_ratios  # noqa: E402
 from medddpm.report.charts.device_memory import (  # noqa: E402
     FIT_COLORS, _model_param, card_label, memory_fits, memory_peaks, switch_costs)
@@ -54,7 +54,8 @@ __all__ = [
     # kernels
     "PASS_METRICS", "category_shares", "pass_split", "top_kernels",
     # counters
-    "MEMORY_METRICS", "instruction_mix", "memory", "priorities", "roofline", "stalls", "tensor_pipe",
+    "MEMORY_METRICS", "instruction_mix", "kernel_stalls", "memory", "priorities", "roofline", "stalls",
+    "tensor_pipe",
     # cards against each other
     "card_steps", "category_ratios",
     # device memory
