@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from conftest import REPO
-from medddpm import report as bd
+from medddpm import report
 from medddpm.report import tables
 
 _spec = importlib.util.spec_from_file_location("medddpm_book", REPO / "book" / "_ext" / "medddpm_book.py")
@@ -78,7 +78,7 @@ def _frame(slugs_configs) -> pd.DataFrame:
 def test_sort_puts_gpus_before_cpus():
     df = _frame([("cpu", "opt1"), ("cpu", "baseline"), ("nvidia-h200", "opt1"), ("cpu-node-7", "baseline"),
                  ("nvidia-a100", "baseline")])
-    out = bd._sort(df)
+    out = report._sort(df)
     assert list(out["gpu_slug"]) == ["nvidia-a100", "nvidia-h200", "cpu", "cpu", "cpu-node-7"]
     assert list(out.loc[out["gpu_slug"] == "cpu", "config"]) == ["baseline", "opt1"]
     assert tables.gpus_first(["cpu", "nvidia-h200", "cpu-x"]) == ["nvidia-h200", "cpu", "cpu-x"]
@@ -115,7 +115,7 @@ def test_headline_takes_the_paper_s_four_and_the_fastest_overall():
                  ("nvidia-h200", "opt2", "paper", 128, 1000.0), ("nvidia-h200", "best", "paper", 128, 50.0),
                  ("cpu", "baseline", "smoke", 16, 200.0), ("cpu", "sdpa", "smoke", 16, 40.0),
                  ("nvidia-a100", "opt1", "paper", 128, 300.0)])  # no baseline: no speedup to state
-    h = bd.headline(run)
+    h = report.headline(run)
     assert list(h["gpu_slug"]) == ["nvidia-h200"] * 4 + ["cpu"] * 2
     g = h[h["gpu_slug"] == "nvidia-h200"].set_index("config")
     assert g["role"].tolist() == ["the paper's"] * 3 + ["fastest measured"]
@@ -125,7 +125,7 @@ def test_headline_takes_the_paper_s_four_and_the_fastest_overall():
     assert (h["lo"] < h["speedup"]).all() and (h["speedup"] < h["hi"]).all()
     assert h.loc[h["gpu_slug"] == "cpu", "config"].tolist() == ["baseline", "sdpa"]
     # the fastest being one of the paper's is not shown twice
-    only = bd.headline(run[run["config"] != "best"])
+    only = report.headline(run[run["config"] != "best"])
     assert only.loc[only["gpu_slug"] == "nvidia-h200", "role"].eq("the paper's").all()
 
 
@@ -140,8 +140,8 @@ def test_bench_table_sets_the_implementations_side_by_side():
         {"gpu_slug": "nvidia-h200", "source": "run 3", "config": "bf16", "implementation": "ours",
          "train_median_ms": 40.0, "steps": 20},
     ])
-    t = bd.bench_table(b).set_index("config")
+    t = report.bench_table(b).set_index("config")
     assert t.loc["baseline", "ours_ms"] == 101.0 and t.loc["baseline", "reference_ms"] == 110.0
     assert t.loc["baseline", "runs"] == 2 and t.loc["baseline", "ours_faster"] == pytest.approx(110 / 101 - 1)
     assert pd.isna(t.loc["bf16", "reference_ms"]) and t.loc["bf16", "runs"] == 1
-    assert bd.bench_table(b.iloc[0:0]).empty
+    assert report.bench_table(b.iloc[0:0]).empty

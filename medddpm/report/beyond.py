@@ -78,8 +78,8 @@ def gpu_busy(data: Data) -> pd.DataFrame:
 
 # Each step of the ladder past the paper: (from, to, what the step adds).
 LADDER = (("opt1", "bf16", "bf16 autocast over TF32"), ("bf16", "bf16-cl", "channels-last under bf16"),
-          ("bf16-cl", "sdpa", "SDPA attention, fused Adam, no recompute"), ("sdpa", "compile", "fusion (torch.compile)"),
-          ("sdpa", "graphs", "one CUDA graph per step"))
+          ("bf16-cl", "sdpa", "SDPA attention, fused Adam, no recompute"),
+          ("sdpa", "compile", "fusion (torch.compile)"), ("sdpa", "graphs", "one CUDA graph per step"))
 CHANNELS_LAST = (("baseline", "opt2"), ("opt1", "opt12"), ("bf16", "bf16-cl"))  # (plain, channels-last) pairs
 
 
@@ -114,8 +114,8 @@ def check_floors(floors: pd.DataFrame) -> None:
 def _step_times(summary: pd.DataFrame, bench: pd.DataFrame) -> dict[str, tuple[pd.Series, str]]:
     """Per device: each configuration's median micro-step and where it comes from (the sweep's, else the bench
     timings' of a GPU that has no sweep yet)."""
-    out = {slug: (g.set_index("config")["train_median_ms"],
-                  f"{g['preset'].iloc[0]} {g['size'].iloc[0]}³") for slug, g in summary.groupby("gpu_slug", sort=False)}
+    out = {slug: (g.set_index("config")["train_median_ms"], f"{g['preset'].iloc[0]} {g['size'].iloc[0]}³")
+           for slug, g in summary.groupby("gpu_slug", sort=False)}
     b = bench[bench["implementation"] == "ours"] if not bench.empty else bench
     for slug, g in b.groupby("gpu_slug"):
         out.setdefault(slug, (g.groupby("config")["train_median_ms"].median(), "bench timings"))

@@ -154,7 +154,8 @@ def training_cost(eff: pd.DataFrame, total: float) -> pd.DataFrame:
     for gpu, peak in DATASHEET_FP32.items():
         row = {"GPU": gpu, "FP32 peak (TFLOP/s, datasheet)": peak / 1e12, "hours at 100% of peak": total / peak / 3600}
         for r in eff.itertuples():
-            row[f"hours at {r.efficiency:.0%} of peak (strict FP32 on {r.gpu_slug})"] = total / (peak * r.efficiency) / 3600
+            hours = total / (peak * r.efficiency) / 3600
+            row[f"hours at {r.efficiency:.0%} of peak (strict FP32 on {r.gpu_slug})"] = hours
         rows.append(row)
     return pd.DataFrame(rows)
 

@@ -43,7 +43,8 @@ def check_quality(data: Data) -> None:
     assert np.isfinite(q[["loss", "baseline_loss", "rel_err"]].to_numpy()).all(), q
     assert (q["rel_err"] >= 0).all(), q
     base = q[q["config"] == "baseline"]
-    assert (base["rel_err"] == 0).all() and np.allclose(base["loss"], base["baseline_loss"]), "baseline differs from itself"
+    assert (base["rel_err"] == 0).all(), "baseline differs from itself"
+    assert np.allclose(base["loss"], base["baseline_loss"]), "baseline differs from itself"
 
 
 def rel_err_text() -> str:

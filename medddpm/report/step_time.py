@@ -244,8 +244,8 @@ def bench_text(bt: pd.DataFrame, summary: pd.DataFrame) -> str:
     lines = [f"- **{r.gpu_slug}, `{r.config}`**: ours {r.ours_ms:.4g} ms, the reference {r.reference_ms:.4g} ms: "
              f"ours is {faster_text(r.ours_faster)}." for r in both.itertuples()]
     sweep = summary.set_index(["gpu_slug", "config"])["train_median_ms"]
-    apart = [(r, sweep[(r.gpu_slug, r.config)]) for r in bt.itertuples()
-             if (r.gpu_slug, r.config) in sweep.index and abs(r.ours_ms / sweep[(r.gpu_slug, r.config)] - 1) > BENCH_APART]
+    apart = [(r, sweep[(r.gpu_slug, r.config)]) for r in bt.itertuples() if (r.gpu_slug, r.config) in sweep.index
+             and abs(r.ours_ms / sweep[(r.gpu_slug, r.config)] - 1) > BENCH_APART]
     text = "\n".join(lines) if lines else "No configuration was timed in both implementations."
     if apart:
         text += ("\n\nA bench run times a configuration as it was defined when the run was made; these differ from the "

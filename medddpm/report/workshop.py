@@ -362,7 +362,8 @@ def precision_text(prec: pd.DataFrame, device: torch.device) -> str:
         speed = p.loc["fp32", "conv_median_ms"] / p.loc[mode, "conv_median_ms"]
         lines.append(f"- **Time, {mode}.** {p.loc[mode, 'conv_median_ms']:.3g} ms against "
                      f"{p.loc['fp32', 'conv_median_ms']:.3g} ms for strict FP32 on {a['device']} ({a['channels']} "
-                     f"channels, {a['size']}³): " + (f"{speed:.2f}x faster." if speed >= 1 else f"{1 / speed:.2f}x slower."))
+                     f"channels, {a['size']}³): "
+                     + (f"{speed:.2f}x faster." if speed >= 1 else f"{1 / speed:.2f}x slower."))
     if torch.device(device).type == "cpu":
         lines.append("- On a CPU, bf16 is fast only where the processor has bf16 instructions (oneDNN uses them), "
                      "and a shared CPU times noisily: run the cell again and compare.")
@@ -429,7 +430,8 @@ def check_stalls(st: pd.DataFrame) -> None:
     stall_cols = [c for c in st.columns if c.startswith("stall_")]
     assert (st[stall_cols].fillna(0) >= 0).all().all(), st
     both = st.dropna(subset=["warp_cycles_per_inst"])
-    assert np.allclose(both["sum_of_stalls"], both["warp_cycles_per_inst"], rtol=0.15), both[["kernel", "sum_of_stalls"]]
+    assert np.allclose(both["sum_of_stalls"], both["warp_cycles_per_inst"], rtol=0.15), both[
+        ["kernel", "sum_of_stalls"]]
 
 
 def stalls_text(st: pd.DataFrame) -> str:

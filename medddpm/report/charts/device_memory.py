@@ -36,13 +36,14 @@ def _cards(df: pd.DataFrame, cards: pd.DataFrame) -> pd.DataFrame:
         top = np.nanmax(g[["peak_gib", "reserved_gib"]].to_numpy(dtype=float))
         sizes = cards[cards["card_gib"] < top].to_dict("records") + cards[cards["card_gib"] >= top].head(1).to_dict(
             "records")
-        rows += [{"gpu_slug": slug, "model": model, "card_gib": c["card_gib"], "card": card_label(c["card"], c["card_gib"]),
-                  "source": c["source"], "k": i % 2} for i, c in enumerate(sizes)]
+        rows += [{"gpu_slug": slug, "model": model, "card_gib": c["card_gib"], "source": c["source"], "k": i % 2,
+                  "card": card_label(c["card"], c["card_gib"])} for i, c in enumerate(sizes)]
     return pd.DataFrame(rows, columns=["gpu_slug", "model", "card_gib", "card", "source", "k"])
 
 
 @figure
-def memory_peaks(mem: pd.DataFrame, cards: pd.DataFrame | None = None, *, cpu: bool = False) -> alt.LayerChart | alt.Chart:
+def memory_peaks(mem: pd.DataFrame, cards: pd.DataFrame | None = None, *,
+                 cpu: bool = False) -> alt.LayerChart | alt.Chart:
     """Peak allocated memory per configuration (bar, linear from 0) and the allocator's reserved peak (tick),
     against the cards' memory (dashed: `memory.cards`, the catalogue's when not given); dropdowns for the GPU
     measured on and the model, legend highlights a configuration."""
