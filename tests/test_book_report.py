@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 
 import pandas as pd
 import pytest
@@ -145,3 +146,49 @@ def test_bench_table_sets_the_implementations_side_by_side():
     assert t.loc["baseline", "runs"] == 2 and t.loc["baseline", "ours_faster"] == pytest.approx(110 / 101 - 1)
     assert pd.isna(t.loc["bf16", "reference_ms"]) and t.loc["bf16", "runs"] == 1
     assert report.bench_table(b.iloc[0:0]).empty
+
+
+def test_every_page_module_is_reached_by_its_name():
+    """`report.<page>` is the page's module: a name the facade's star imports bring in never shadows one."""
+    import types
+
+    for name in report.SUBMODULES:
+        assert isinstance(getattr(report, name), types.ModuleType), f"report.{name} is {getattr(report, name)!r}"
+
+
+_CELL = re.compile(r"^```\{code-cell\}[^\n]*\n(?P<body>.*?)^```\s*$", re.M | re.S)
+
+
+def _cells(page) -> list[tuple[set[str], str]]:
+    out = []
+    for m in _CELL.finditer(page.read_text()):
+        lines = m["body"].split("\n")
+        tags = next((set(t.strip() for t in ln.split("[", 1)[1].rstrip("]").split(","))
+                     for ln in lines if ln.startswith(":tags:")), set())
+        out.append((tags, "\n".join(ln for ln in lines if not ln.startswith(":"))))
+    return out
+
+
+def test_pages_read_as_lessons():
+    """Every page: its code calls into `medddpm.report` and imports nothing of the package past it, defines no
+    function, imports the package under its own name; a cell it hides is its setup (imports, the renderer, sanity
+    asserts), and the rest is visible or folded."""
+    import ast
+
+    for page in sorted((REPO / "book").glob("*.md")):
+        for tags, code in _cells(page):
+            tree = ast.parse(code)
+            where = f"{page.name}: {code.strip().splitlines()[0] if code.strip() else ''}"
+            assert not any(isinstance(n, (ast.FunctionDef, ast.Lambda, ast.ClassDef)) for n in ast.walk(tree)), where
+            for n in ast.walk(tree):
+                if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("medddpm"):
+                    assert n.module.startswith("medddpm.report") or {a.name for a in n.names} == {"report"}, where
+                    assert all(a.asname is None for a in n.names), where
+                elif isinstance(n, ast.Import):
+                    assert not any(a.name.startswith("medddpm") for a in n.names), where
+            assert "remove-input" not in tags, f"{where}: fold it (hide-input) instead"
+            if "remove-cell" in tags:
+                for stmt in tree.body:
+                    setup = isinstance(stmt, (ast.Import, ast.ImportFrom, ast.Assert)) or (
+                        isinstance(stmt, ast.Expr) and ast.unparse(stmt) == "charts.setup()")
+                    assert setup, f"{where}: a hidden cell holds {ast.unparse(stmt)[:60]!r}, not setup"

@@ -92,7 +92,7 @@ def test_memory_model_fits_a_line_or_estimates_from_batch_one(run):
 
 
 def test_fits_per_card(run):
-    cards = report.memory.cards()  # the catalogue: what each card's driver reports, cited
+    cards = report.memory.card_memory()  # the catalogue: what each card's driver reports, cited
     gib = dict(zip(cards["sold_gb"], cards["card_gib"]))
     fit = report.fits(report.memory_model(report.memory_runs(run)), cards).set_index(["model", "config", "sold_gb"])
     b = "brats 192x192x144"
@@ -111,7 +111,7 @@ def test_fits_per_card(run):
 
 
 def test_cards_keep_gb_and_gib_apart(run):
-    cited = report.memory.cards()
+    cited = report.memory.card_memory()
     report.memory.check_cards(cited)
     assert (cited["kind"] == report.memory.CITED_CARD).all() and cited["source"].str.len().gt(20).all()
     # every card holds less than its sold size read as GiB: the driver keeps some (ECC, firmware)
@@ -121,7 +121,7 @@ def test_cards_keep_gb_and_gib_apart(run):
     gpu["gpu_type"] = "nvidia-a100-sxm4-80gb"
     gpu["gpu_total_bytes"] = int(79.5 * GIB)
     other = gpu.head(1).assign(gpu_type="nvidia-new-card", gpu_name="NVIDIA New Card", gpu_total_bytes=int(90 * GIB))
-    measured = report.memory.cards(pd.concat([gpu, other, run[run["gpu_slug"] == "cpu"]], ignore_index=True))
+    measured = report.memory.card_memory(pd.concat([gpu, other, run[run["gpu_slug"] == "cpu"]], ignore_index=True))
     a100 = measured.set_index("gpu_type").loc["nvidia-a100-sxm4-80gb"]
     assert a100["kind"] == report.memory.MEASURED_CARD and a100["sold_gb"] == 80
     assert a100["card_gib"] == pytest.approx(79.5)

@@ -39,7 +39,7 @@ class Card:
 
 
 # One card per size the reference's users train on, each with a published deviceQuery of its memory (a card a run
-# measured takes its measurement instead: `cards`). The V100, A100 and H200 are the paper's and this book's cards.
+# measured takes its measurement instead: `card_memory`). The V100, A100 and H200 are the paper's and this book's cards.
 CARDS = (
     Card("Tesla V100-SXM2-16GB", "tesla-v100-sxm2-16gb", 16, 16_911_433_728,
          "deviceQuery on CINECA's Marconi-100 (CUDA 11.0), github.com/kosl/ihipp-examples, docs/week5.md"),
@@ -87,7 +87,7 @@ def memory_runs(run: pd.DataFrame) -> pd.DataFrame:
     return _sort(ok[cols], "model", "batch")
 
 
-def cards(run: pd.DataFrame | None = None, catalogue=CARDS) -> pd.DataFrame:
+def card_memory(run: pd.DataFrame | None = None, catalogue=CARDS) -> pd.DataFrame:
     """The cards the page answers for, smallest first, a row each: its name, the size it is sold with (GB, the
     vendor's figure, NaN for a card known only from a run) and the memory its driver reports in GiB (`card_gib`),
     with where that figure comes from (`kind`: measured by a run here, else cited). A run that measured its device
@@ -157,12 +157,12 @@ def memory_model(mem: pd.DataFrame) -> pd.DataFrame:
 def fits(model: pd.DataFrame, card_table: pd.DataFrame | None = None, *, headroom: float = HEADROOM) -> pd.DataFrame:
     """Per (GPU measured on, model, configuration, card): whether batch 1 trains on the card, and the largest batch.
 
-    A card holds the memory its driver reports (`cards`: `card_gib`, measured where a run measured it). Need at
+    A card holds the memory its driver reports (`card_memory`: `card_gib`, measured where a run measured it). Need at
     batch b = fixed + b x per_sample + memory outside the allocator (0 where never measured). Batch 1 *fits* when
     its need leaves `headroom` of the card free and the allocator's measured reserved peak fits too; it is *tight*
     when only the bare need fits (it may run, with `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, or fail on
     fragmentation); else it *does not fit*. The largest batch keeps the headroom."""
-    card_table = cards() if card_table is None else card_table
+    card_table = card_memory() if card_table is None else card_table
     cols = ["gpu_slug", "model", "config", "card", "sold_gb", "card_gib", "card_kind", "verdict", "need1_gib",
             "largest_batch", "per_sample_gib", "method", "checkpointing", "train_median_ms"]
     rows = []

@@ -1,6 +1,6 @@
 """Device memory: measured peaks against the cards' memory, what fits where, and what a memory-saving switch costs.
 
-Every size is in GiB, a card's too: the memory its driver reports (`memory.cards`), measured where a run measured
+Every size is in GiB, a card's too: the memory its driver reports (`memory.card_memory`), measured where a run measured
 it, else cited. A card is named as its driver names it; the size it is sold with (GB) stays out of the charts, in
 the page's table of cards."""
 
@@ -13,7 +13,7 @@ import pandas as pd
 from medddpm.report.charts.theme import (MS, _config_legend, _configs_in, _gpu_param, _height, _light, _no_gpu,
                                          config_color, figure, gpu_rows, parts_color, title)
 from medddpm.report.loading import config_order
-from medddpm.report.memory import FIT_VERDICTS, cards as card_table
+from medddpm.report.memory import FIT_VERDICTS, card_memory
 
 FIT_COLORS = ["#54a24b", "#eeca3b", "#e45756"]  # fits, tight, does not fit (memory.FIT_VERDICTS)
 
@@ -45,7 +45,7 @@ def _cards(df: pd.DataFrame, cards: pd.DataFrame) -> pd.DataFrame:
 def memory_peaks(mem: pd.DataFrame, cards: pd.DataFrame | None = None, *,
                  cpu: bool = False) -> alt.LayerChart | alt.Chart:
     """Peak allocated memory per configuration (bar, linear from 0) and the allocator's reserved peak (tick),
-    against the cards' memory (dashed: `memory.cards`, the catalogue's when not given); dropdowns for the GPU
+    against the cards' memory (dashed: `memory.card_memory`, the catalogue's when not given); dropdowns for the GPU
     measured on and the model, legend highlights a configuration."""
     cols = ["gpu_slug", "model", "config", "label", "batch", "peak_gib", "reserved_gib", "other_gib",
             "sample_peak_gib", "train_median_ms", "precision_used", "checkpointing"]
@@ -72,7 +72,7 @@ def memory_peaks(mem: pd.DataFrame, cards: pd.DataFrame | None = None, *,
         y=y, x=x, color=alt.Color("config:N", scale=config_color(df["config"]), legend=_config_legend(df)),
         opacity=alt.condition(pick, alt.value(1.0), alt.value(0.2)), tooltip=tip).add_params(pick)
     ticks = base.mark_tick(color="black", thickness=2).encode(y=y, x="reserved_gib:Q", tooltip=tip)
-    cards = alt.Chart(_cards(df, card_table() if cards is None else cards)).transform_filter(keep)
+    cards = alt.Chart(_cards(df, card_memory() if cards is None else cards)).transform_filter(keep)
     rules = cards.mark_rule(strokeDash=[4, 3], color="#888").encode(
         x="card_gib:Q", tooltip=[alt.Tooltip("card:N", title="card: memory its driver reports"),
                                  alt.Tooltip("source:N", title="figure from")])
