@@ -149,7 +149,8 @@ def _check_solutions(page) -> int:
     for i in range(solutions.count()):
         sol = solutions.nth(i)
         body = sol.locator("section, .cell, p:not(.admonition-title)").first
-        title = sol.locator(".admonition-title").inner_text().strip()
+        # the solution's own title comes first: its folded code cells carry titles of their own inside it
+        title = sol.locator(".admonition-title").first.inner_text().strip()
         assert body.count() == 1, f"solution {i} ({title}) has no body"
         assert not body.is_visible(), f"solution {i} ({title}) is visible before any click"
         sol.locator("button.toggle-button").click()

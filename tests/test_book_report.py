@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 
 import pandas as pd
 import pytest
 
 from conftest import REPO
-from medddpm import report as bd
+from medddpm import report
 from medddpm.report import tables
 
 _spec = importlib.util.spec_from_file_location("medddpm_book", REPO / "book" / "_ext" / "medddpm_book.py")
@@ -78,7 +79,7 @@ def _frame(slugs_configs) -> pd.DataFrame:
 def test_sort_puts_gpus_before_cpus():
     df = _frame([("cpu", "opt1"), ("cpu", "baseline"), ("nvidia-h200", "opt1"), ("cpu-node-7", "baseline"),
                  ("nvidia-a100", "baseline")])
-    out = bd._sort(df)
+    out = report._sort(df)
     assert list(out["gpu_slug"]) == ["nvidia-a100", "nvidia-h200", "cpu", "cpu", "cpu-node-7"]
     assert list(out.loc[out["gpu_slug"] == "cpu", "config"]) == ["baseline", "opt1"]
     assert tables.gpus_first(["cpu", "nvidia-h200", "cpu-x"]) == ["nvidia-h200", "cpu", "cpu-x"]
@@ -115,7 +116,7 @@ def test_headline_takes_the_paper_s_four_and_the_fastest_overall():
                  ("nvidia-h200", "opt2", "paper", 128, 1000.0), ("nvidia-h200", "best", "paper", 128, 50.0),
                  ("cpu", "baseline", "smoke", 16, 200.0), ("cpu", "sdpa", "smoke", 16, 40.0),
                  ("nvidia-a100", "opt1", "paper", 128, 300.0)])  # no baseline: no speedup to state
-    h = bd.headline(run)
+    h = report.headline(run)
     assert list(h["gpu_slug"]) == ["nvidia-h200"] * 4 + ["cpu"] * 2
     g = h[h["gpu_slug"] == "nvidia-h200"].set_index("config")
     assert g["role"].tolist() == ["the paper's"] * 3 + ["fastest measured"]
@@ -125,7 +126,7 @@ def test_headline_takes_the_paper_s_four_and_the_fastest_overall():
     assert (h["lo"] < h["speedup"]).all() and (h["speedup"] < h["hi"]).all()
     assert h.loc[h["gpu_slug"] == "cpu", "config"].tolist() == ["baseline", "sdpa"]
     # the fastest being one of the paper's is not shown twice
-    only = bd.headline(run[run["config"] != "best"])
+    only = report.headline(run[run["config"] != "best"])
     assert only.loc[only["gpu_slug"] == "nvidia-h200", "role"].eq("the paper's").all()
 
 
@@ -140,8 +141,54 @@ def test_bench_table_sets_the_implementations_side_by_side():
         {"gpu_slug": "nvidia-h200", "source": "run 3", "config": "bf16", "implementation": "ours",
          "train_median_ms": 40.0, "steps": 20},
     ])
-    t = bd.bench_table(b).set_index("config")
+    t = report.bench_table(b).set_index("config")
     assert t.loc["baseline", "ours_ms"] == 101.0 and t.loc["baseline", "reference_ms"] == 110.0
     assert t.loc["baseline", "runs"] == 2 and t.loc["baseline", "ours_faster"] == pytest.approx(110 / 101 - 1)
     assert pd.isna(t.loc["bf16", "reference_ms"]) and t.loc["bf16", "runs"] == 1
-    assert bd.bench_table(b.iloc[0:0]).empty
+    assert report.bench_table(b.iloc[0:0]).empty
+
+
+def test_every_page_module_is_reached_by_its_name():
+    """`report.<page>` is the page's module: a name the facade's star imports bring in never shadows one."""
+    import types
+
+    for name in report.SUBMODULES:
+        assert isinstance(getattr(report, name), types.ModuleType), f"report.{name} is {getattr(report, name)!r}"
+
+
+_CELL = re.compile(r"^```\{code-cell\}[^\n]*\n(?P<body>.*?)^```\s*$", re.M | re.S)
+
+
+def _cells(page) -> list[tuple[set[str], str]]:
+    out = []
+    for m in _CELL.finditer(page.read_text()):
+        lines = m["body"].split("\n")
+        tags = next((set(t.strip() for t in ln.split("[", 1)[1].rstrip("]").split(","))
+                     for ln in lines if ln.startswith(":tags:")), set())
+        out.append((tags, "\n".join(ln for ln in lines if not ln.startswith(":"))))
+    return out
+
+
+def test_pages_read_as_lessons():
+    """Every page: its code calls into `medddpm.report` and imports nothing of the package past it, defines no
+    function, imports the package under its own name; a cell it hides is its setup (imports, the renderer, sanity
+    asserts), and the rest is visible or folded."""
+    import ast
+
+    for page in sorted((REPO / "book").glob("*.md")):
+        for tags, code in _cells(page):
+            tree = ast.parse(code)
+            where = f"{page.name}: {code.strip().splitlines()[0] if code.strip() else ''}"
+            assert not any(isinstance(n, (ast.FunctionDef, ast.Lambda, ast.ClassDef)) for n in ast.walk(tree)), where
+            for n in ast.walk(tree):
+                if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("medddpm"):
+                    assert n.module.startswith("medddpm.report") or {a.name for a in n.names} == {"report"}, where
+                    assert all(a.asname is None for a in n.names), where
+                elif isinstance(n, ast.Import):
+                    assert not any(a.name.startswith("medddpm") for a in n.names), where
+            assert "remove-input" not in tags, f"{where}: fold it (hide-input) instead"
+            if "remove-cell" in tags:
+                for stmt in tree.body:
+                    setup = isinstance(stmt, (ast.Import, ast.ImportFrom, ast.Assert)) or (
+                        isinstance(stmt, ast.Expr) and ast.unparse(stmt) == "charts.setup()")
+                    assert setup, f"{where}: a hidden cell holds {ast.unparse(stmt)[:60]!r}, not setup"

@@ -10,7 +10,7 @@ import math
 import pandas as pd
 import pytest
 
-from medddpm import report as bd
+from medddpm import report
 from medddpm.report import cards, charts
 from medddpm.store import schema
 
@@ -30,24 +30,24 @@ def roofs(slug: str, bandwidth: float) -> pd.DataFrame:
 
 
 @pytest.fixture(scope="module")
-def committed() -> bd.Data:
-    return bd.load_all()
+def committed() -> report.Data:
+    return report.load_all()
 
 
 @pytest.fixture(scope="module")
-def h200(committed) -> bd.Data:
+def h200(committed) -> report.Data:
     data = committed
     runs = data.run[(data.run["gpu_slug"] == H200) & data.run["config"].isin(CONFIGS)]
     if len(runs) < len(CONFIGS) or data.ncu[data.ncu["run_id"].isin(runs["run_id"])].empty:
         pytest.skip("no committed H200 runs with counters")
     ids = set(runs["run_id"])
-    return bd.Data(run=runs, steps=schema.empty("steps"),
+    return report.Data(run=runs, steps=schema.empty("steps"),
                    kernels=data.kernels[data.kernels["run_id"].isin(ids)],
                    ncu=data.ncu[data.ncu["run_id"].isin(ids)], quality=schema.empty("quality"),
                    roofs=roofs(H200, BW[H200]))
 
 
-def copy_as(data: bd.Data, slug: str, memory_factor: float) -> bd.Data:
+def copy_as(data: report.Data, slug: str, memory_factor: float) -> report.Data:
     """`data`'s runs relabelled `slug`: memory-bound categories' kernels `memory_factor` times as long, the step
     as long as its kernels say; the counters as they were (the reference card's profile is not this card's)."""
     new = {rid: rid.replace(f"{H200}/", f"{slug}/", 1) for rid in data.run["run_id"]}
@@ -61,16 +61,16 @@ def copy_as(data: bd.Data, slug: str, memory_factor: float) -> bd.Data:
     for col in ("train_median_ms", "train_p10_ms", "train_p90_ms"):
         r[col] = r[col] * r["run_id"].map(grow)
     n = data.ncu.assign(run_id=data.ncu["run_id"].map(new), gpu_slug=slug)
-    return bd.Data(run=r, steps=data.steps, kernels=k, ncu=n, quality=data.quality, roofs=roofs(slug, BW[slug]))
+    return report.Data(run=r, steps=data.steps, kernels=k, ncu=n, quality=data.quality, roofs=roofs(slug, BW[slug]))
 
 
-def both(a: bd.Data, b: bd.Data) -> bd.Data:
-    return bd.Data(**{f: pd.concat([getattr(a, f), getattr(b, f)], ignore_index=True)
+def both(a: report.Data, b: report.Data) -> report.Data:
+    return report.Data(**{f: pd.concat([getattr(a, f), getattr(b, f)], ignore_index=True)
                       for f in ("run", "steps", "kernels", "ncu", "quality", "roofs")})
 
 
 @pytest.fixture(scope="module")
-def two(h200) -> bd.Data:
+def two(h200) -> report.Data:
     return both(h200, copy_as(h200, H100, BW[H200] / BW[H100]))
 
 
@@ -127,7 +127,7 @@ def test_category_ratios_are_measured_as_made_and_set_beside_the_roofs(two, pred
 
 def test_a_card_predicted_from_an_unchanged_copy_of_itself_is_exact(h200):
     same = both(h200, copy_as(h200, H100, 1.0))
-    same = bd.Data(**{**same.__dict__, "roofs": pd.concat([roofs(H200, 1e12), roofs(H100, 1e12)], ignore_index=True)})
+    same = report.Data(**{**same.__dict__, "roofs": pd.concat([roofs(H200, 1e12), roofs(H100, 1e12)], ignore_index=True)})
     table, _ = cards.predictions(same)
     t = table[table["kind"] == cards.MEASURED]
     assert len(t) == 2 * len(CONFIGS) and t["error"].abs().max() < 1e-9

@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from medddpm import report as bd
+from medddpm import report
 from medddpm.store import schema
 from medddpm.report import cards, charts, claims
 from medddpm.configs import CONFIGS
@@ -27,10 +27,10 @@ GPU = "nvidia-test-gpu"
 
 
 @pytest.fixture(scope="module")
-def real() -> bd.Data:
+def real() -> report.Data:
     if not (REAL / "cpu" / "baseline" / "run.parquet").is_file():
         pytest.skip("no data/cpu/baseline run yet")
-    return bd.load_all(REAL)
+    return report.load_all(REAL)
 
 
 def _ncu_rows(run_id: str, names: list[str], config: str) -> pd.DataFrame:
@@ -63,7 +63,7 @@ def _ncu_rows(run_id: str, names: list[str], config: str) -> pd.DataFrame:
     return pd.DataFrame(rows).assign(run_id=run_id)
 
 
-def with_gpu(data: bd.Data, slug: str = GPU, tf32_speedup: float = 4.0) -> bd.Data:
+def with_gpu(data: report.Data, slug: str = GPU, tf32_speedup: float = 4.0) -> report.Data:
     """The real data plus a synthetic GPU with every configuration (copied from the CPU baseline)."""
     base_run = data.run[(data.run["gpu_slug"] == "cpu") & (data.run["config"] == "baseline")].iloc[0]
     base_id = base_run["run_id"]
@@ -104,7 +104,7 @@ def with_gpu(data: bd.Data, slug: str = GPU, tf32_speedup: float = 4.0) -> bd.Da
                            "repeats": 3, "size": 1, "method": "made up", "sm_clock_mhz": np.nan,
                            "mem_clock_mhz": np.nan, "driver": "", "cuda": "", "torch": "", "git_commit": "",
                            "start_time": ""} for r, v in measured.items()])
-    return bd.Data(run=pd.concat([data.run, pd.DataFrame(runs)], ignore_index=True),
+    return report.Data(run=pd.concat([data.run, pd.DataFrame(runs)], ignore_index=True),
                    steps=pd.concat([data.steps, *steps], ignore_index=True),
                    kernels=pd.concat([data.kernels, *kern], ignore_index=True),
                    ncu=pd.concat([data.ncu, *ncu_], ignore_index=True),
@@ -113,39 +113,39 @@ def with_gpu(data: bd.Data, slug: str = GPU, tf32_speedup: float = 4.0) -> bd.Da
 
 
 @pytest.fixture(scope="module")
-def two(real) -> bd.Data:
+def two(real) -> report.Data:
     return with_gpu(real)
 
 
-def all_charts(data: bd.Data, **kw) -> dict[str, alt.TopLevelMixin]:
+def all_charts(data: report.Data, **kw) -> dict[str, alt.TopLevelMixin]:
     """Every chart of the book's pages from `data`; `kw` (cpu=True) goes to each of them."""
-    summary = bd.step_summary(data.run)
-    counters = bd.ncu_by_run(data.ncu, data.kernels)
+    summary = report.step_summary(data.run)
+    counters = report.ncu_by_run(data.ncu, data.kernels)
     run = data.run[data.run["status"] == "ok"]
-    mem = bd.memory_runs(run)
+    mem = report.memory_runs(run)
     predicted, kernels = cards.predictions(data)
     return {
-        "step_time": charts.step_time(summary, bd.floors(data.run, roofs=data.roofs), **kw),
+        "step_time": charts.step_time(summary, report.floors(data.run, roofs=data.roofs), **kw),
         "speedup": charts.speedup(summary, **kw),
         "cost": charts.cost(summary, **kw),
         "bench": charts.bench(data.bench, **kw),
-        "category_shares": charts.category_shares(bd.category_shares(data.kernels), **kw),
-        "top_kernels": charts.top_kernels(bd.top_kernels(data.kernels), **kw),
-        "pass_split": charts.pass_split(bd.pass_split(data.kernels), **kw),
+        "category_shares": charts.category_shares(report.category_shares(data.kernels), **kw),
+        "top_kernels": charts.top_kernels(report.top_kernels(data.kernels), **kw),
+        "pass_split": charts.pass_split(report.pass_split(data.kernels), **kw),
         "tensor_pipe": charts.tensor_pipe(counters, **kw),
         "instruction_mix": charts.instruction_mix(counters, **kw),
         "memory": charts.memory(counters, **kw),
         "stalls": charts.stalls(counters, **kw),
-        "priorities": charts.priorities(bd.ncu_priorities(data), **kw),
-        "roofline": charts.roofline(bd.roofline_points(data.ncu, data.run, data.roofs), bd.roofs_view(data), **kw),
-        "gpu_busy": charts.gpu_busy(bd.gpu_busy(data), **kw),
+        "priorities": charts.priorities(report.ncu_priorities(data), **kw),
+        "roofline": charts.roofline(report.roofline_points(data.ncu, data.run, data.roofs), report.roofs_view(data), **kw),
+        "gpu_busy": charts.gpu_busy(report.gpu_busy(data), **kw),
         "loss_curves": charts.loss_curves(data.quality, **kw),
         "loss_difference": charts.loss_difference(data.quality, **kw),
-        "rel_err": charts.rel_err(bd.quality_summary(data), bd.QUALITY_REL_ERR, **kw),
+        "rel_err": charts.rel_err(report.quality_summary(data), report.QUALITY_REL_ERR, **kw),
         "claims": charts.claims_grid(claims.verdicts(data), **kw),
         "memory_peaks": charts.memory_peaks(mem, **kw),
-        "memory_fits": charts.memory_fits(bd.fits(bd.memory_model(mem)), **kw),
-        "switch_costs": charts.switch_costs(bd.switch_costs(run), **kw),
+        "memory_fits": charts.memory_fits(report.fits(report.memory_model(mem)), **kw),
+        "switch_costs": charts.switch_costs(report.switch_costs(run), **kw),
         "card_steps": charts.card_steps(cards.step_times(data, predicted), **kw),
         "category_ratios": charts.category_ratios(cards.category_ratios(data, kernels), **kw),
     }
@@ -215,27 +215,27 @@ def test_config_colour_is_fixed_and_covers_every_config(two):
 
 
 def test_charts_without_ncu_say_so(real):
-    data = bd.Data(run=real.run, steps=real.steps, kernels=real.kernels, ncu=real.ncu.iloc[0:0], quality=real.quality)
+    data = report.Data(run=real.run, steps=real.steps, kernels=real.kernels, ncu=real.ncu.iloc[0:0], quality=real.quality)
     for build in (charts.tensor_pipe, charts.memory, charts.stalls, charts.instruction_mix):
-        spec = build(bd.ncu_by_run(data.ncu, data.kernels)).to_dict()
+        spec = build(report.ncu_by_run(data.ncu, data.kernels)).to_dict()
         assert "no Nsight Compute" in json.dumps(spec)
 
 
 def test_summaries_and_checks(two):
-    s = bd.step_summary(two.run)
-    bd.check_speedups(bd.speedups(two.run))
+    s = report.step_summary(two.run)
+    report.check_speedups(report.speedups(two.run))
     assert np.isclose(s.loc[(s["gpu_slug"] == GPU) & (s["config"] == "opt1"), "speedup"].iloc[0], 4.0)
-    bd.check_strict_baseline(two)
-    bd.check_shares(two.kernels)
-    bd.check_medians(two)
-    sh = bd.category_shares(two.kernels)
+    report.check_strict_baseline(two)
+    report.check_shares(two.kernels)
+    report.check_medians(two)
+    sh = report.category_shares(two.kernels)
     assert np.allclose(sh.groupby(["gpu_slug", "config"])["share"].sum(), 1.0)
     bad = two.kernels.copy()
     bad.loc[(bad["config"] == "baseline") & (bad["gpu_slug"] == GPU), "tensor_cores"] = True
     with pytest.raises(AssertionError, match="tensor-core"):
-        bd.check_strict_baseline(bd.Data(two.run, two.steps, bad, two.ncu, two.quality))
+        report.check_strict_baseline(report.Data(two.run, two.steps, bad, two.ncu, two.quality))
     with pytest.raises(AssertionError, match="positive"):
-        bd.check_speedups(pd.DataFrame({"gpu_slug": ["x"], "config": ["opt1"], "speedup": [np.inf]}))
+        report.check_speedups(pd.DataFrame({"gpu_slug": ["x"], "config": ["opt1"], "speedup": [np.inf]}))
 
 
 # ------------------------------------------------------------------------------------ loading
@@ -252,33 +252,33 @@ def _tree(tmp_path: Path, real_root: Path = REAL) -> Path:
 def test_load_adds_keys_and_ignores_non_runs(real, tmp_path, monkeypatch):
     root = _tree(tmp_path)
     monkeypatch.setenv("MEDDDPM_DATA", str(root))
-    assert bd.data_root() == root
-    k = bd.load("kernels")
+    assert report.data_root() == root
+    k = report.load("kernels")
     assert {"gpu_slug", "config"} <= set(k.columns) and set(k["config"]) == {"baseline"}
-    assert bd.load("ncu").empty and "gpu_slug" in bd.load("ncu")
-    assert [p.name for p in bd.scan().not_runs] == ["notes"]
+    assert report.load("ncu").empty and "gpu_slug" in report.load("ncu")
+    assert [p.name for p in report.scan().not_runs] == ["notes"]
 
 
 def test_load_errors_name_the_folder(real, tmp_path):
-    with pytest.raises(bd.DataError, match="no data tree"):
-        bd.load("run", tmp_path / "nowhere")
+    with pytest.raises(report.DataError, match="no data tree"):
+        report.load("run", tmp_path / "nowhere")
     root = _tree(tmp_path)
     half = root / "cpu" / "opt1"
     half.mkdir()
     shutil.copy(root / "cpu" / "baseline" / "steps.parquet", half / "steps.parquet")
-    with pytest.warns(bd.DataWarning, match=r"incomplete run .*cpu/opt1"):
-        bd.load("steps", root)
+    with pytest.warns(report.DataWarning, match=r"incomplete run .*cpu/opt1"):
+        report.load("steps", root)
     shutil.rmtree(half)
     shutil.copytree(root / "cpu" / "baseline", root / "cpu" / "moved")
-    with pytest.warns(bd.DataWarning, match="folder says cpu/moved"):
-        bd.runs(root)
+    with pytest.warns(report.DataWarning, match="folder says cpu/moved"):
+        report.runs(root)
     shutil.rmtree(root / "cpu" / "moved")
     schema.write_table(pd.DataFrame({"x": [1]}).pipe(lambda d: schema.empty("quality")), root / "cpu" / "baseline" /
                        "quality.parquet", "quality")
-    assert bd.load("quality", root).empty
+    assert report.load("quality", root).empty
     pd.DataFrame({"run_id": ["x"]}).to_parquet(root / "cpu" / "baseline" / "quality.parquet")
-    with pytest.warns(bd.DataWarning, match="quality.parquet"):
-        bd.load("quality", root)
+    with pytest.warns(report.DataWarning, match="quality.parquet"):
+        report.load("quality", root)
 
 
 def test_roofline_points_take_a_kernel_s_launches_together(monkeypatch):
@@ -289,8 +289,8 @@ def test_roofline_points_take_a_kernel_s_launches_together(monkeypatch):
         "duration_ns": [1e6, 3e6, 1e5, 1e5], "flop_fp32": [4e9, 4e9, 1e6, 1e6], "flop_fp16": 0.0, "flop_fp64": 0.0,
         "dram_bytes_per_s": [1e12, 1e12, 2e12, 2e12], "tensor_pipe_pct": [40.0, np.nan, 0.0, 0.0]})
     per_launch = pd.concat([per_launch, per_launch.iloc[[3]].assign(kernel_id=4, kernel="x" * 199 + "y")])
-    monkeypatch.setattr(bd.counters, "ncu_kernels", lambda ncu_df: per_launch)
-    p = bd.roofline_points(pd.DataFrame())
+    monkeypatch.setattr(report.counters, "ncu_kernels", lambda ncu_df: per_launch)
+    p = report.roofline_points(pd.DataFrame())
     assert (p["kernel"] == "x" * 160).sum() == 2 and p["launches"].sum() == 5  # alike in their labels, apart
     p = p.set_index("kernel").drop("x" * 160)
     assert p.loc["conv", "launches"] == 2 and p.loc["add", "launches"] == 1
@@ -317,25 +317,25 @@ def test_bench_tables_are_read_from_non_run_folders(real, tmp_path):
     notes = root / "cpu" / "notes"
     write_bench(notes, _bench_doc(), source="run 1")
     write_bench(notes, _bench_doc("sample", config="best"), source="denoising")
-    assert [p.name for p in bd.scan(root).not_runs] == ["notes"]  # bench.parquet alone: not a run
-    b = bd.bench_runs(root)
+    assert [p.name for p in report.scan(root).not_runs] == ["notes"]  # bench.parquet alone: not a run
+    b = report.bench_runs(root)
     cols = ["gpu_slug", "phase", "config", "implementation", "train_median_ms", "train_p10_ms", "steps"]
     assert b[cols].values.tolist() == [
         ["cpu", "train", "baseline", "reference (mobaidoctor/med-ddpm)", 3.0, 3.0, 4],  # in configuration order
         ["cpu", "train", "opt1", "ours", 2.0, pytest.approx(1.94), 5]]
     assert list(b["peak_mem_bytes"]) == [-1, 2**30] and list(b["fp32_math"]) == ["", "tf32"]
     assert b["sample_step_median_ms"].isna().all() and set(b["source"]) == {"run 1"}
-    s = bd.bench_runs(root, phase="sample")
+    s = report.bench_runs(root, phase="sample")
     assert list(s["source"]) == ["denoising"] * 2 and s["train_median_ms"].isna().all()
     assert list(s["sample_step_median_ms"]) == [3.0, 2.0]
-    assert len(bd.bench_runs(root, phase=None)) == 4
+    assert len(report.bench_runs(root, phase=None)) == 4
     with pytest.raises(AssertionError, match="not a micro-step"):
-        charts.bench(bd.bench_runs(root, phase=None))
+        charts.bench(report.bench_runs(root, phase=None))
     with pytest.raises(ValueError, match="phase must be one of"):
-        bd.bench_runs(root, phase="training")
+        report.bench_runs(root, phase="training")
     write_bench(root / "gpu-x" / "reference", _bench_doc(), source="run 1")  # rows of "cpu" under gpu-x
-    with pytest.warns(bd.DataWarning, match="bench.parquet: rows of another GPU than its path says"):
-        bd.bench_runs(root)
+    with pytest.warns(report.DataWarning, match="bench.parquet: rows of another GPU than its path says"):
+        report.bench_runs(root)
 
 
 def test_the_bench_writes_its_table_beside_the_json(tmp_path):
@@ -381,39 +381,39 @@ def test_the_ablation_says_what_each_lever_buys_beyond_the_noise(real, tmp_path)
         pytest.skip("no data/cpu/best run")
     root = _tree(tmp_path)
     shutil.copytree(REAL / "cpu" / "best", root / "cpu" / "best")
-    t = bd.runs(root).set_index("config").loc["best", "train_median_ms"]
+    t = report.runs(root).set_index("config").loc["best", "train_median_ms"]
     _ablated(root, "best", 1.01 * t)  # the main run and the ablation's lie 1% apart
     _ablated(root, "best+compile=false", 3 * t)
     _ablated(root, "best+tap_gemm=false", 1.015 * t)  # within the runs' own 2% spread
     _ablated(root, "best+pad_channels=false", 0.8 * t)  # faster without: the lever costs
     _ablated(root, "best+fused_adam=false", math.nan, status="oom", message="train: OutOfMemoryError")
-    abl = bd.ablation_runs(root)
+    abl = report.ablation_runs(root)
     assert sorted(abl["config"]) == sorted(["best", "best+compile=false", "best+tap_gemm=false",
                                             "best+pad_channels=false", "best+fused_adam=false"])
-    assert sorted(bd.runs(root)["config"]) == ["baseline", "best"], "the ablation's runs are not main runs"
-    s = bd.ablation_summary(abl, bd.runs(root)).set_index("lever")
+    assert sorted(report.runs(root)["config"]) == ["baseline", "best"], "the ablation's runs are not main runs"
+    s = report.ablation_summary(abl, report.runs(root)).set_index("lever")
     assert s["verdict"].to_dict() == {"compile=false": "buys", "tap_gemm=false": "not told apart",
                                       "pad_channels=false": "costs", "fused_adam=false": "failed"}
     assert s.loc["compile=false", "saved_ms"] == pytest.approx(3 * t - 1.01 * t)
     assert s.loc["compile=false", "rerun"] == pytest.approx(0.01)
     assert s.loc["tap_gemm=false", "noise"] == pytest.approx(0.02)
     # without the main run, the noise is the runs' own spread; a wider one turns a lever into noise
-    s2 = bd.ablation_summary(abl).set_index("lever")
+    s2 = report.ablation_summary(abl).set_index("lever")
     assert s2["rerun"].isna().all() and s2.loc["tap_gemm=false", "verdict"] == "not told apart"
     _ablated(root, "best+compile=false", 3 * t, spread=5.0)
-    assert bd.ablation_summary(bd.ablation_runs(root)).set_index("lever").loc["compile=false", "verdict"] \
+    assert report.ablation_summary(report.ablation_runs(root)).set_index("lever").loc["compile=false", "verdict"] \
         == "not told apart"
     spec = charts.ablation(s.reset_index(), cpu=True).to_dict()
     drawn = {r["lever"] for d in spec["datasets"].values() for r in d}
     assert drawn == {"compile=false", "tap_gemm=false", "pad_channels=false"}, "a failed variant has no bar"
     assert "No ablation" in json.dumps(charts.ablation(s.reset_index().iloc[:0]).to_dict())
     shutil.copytree(root / "cpu" / "ablation" / "best", root / "cpu" / "ablation" / "opt1")
-    with pytest.warns(bd.DataWarning, match="run.parquet says cpu/ablation/best"):
-        bd.ablation_runs(root)
+    with pytest.warns(report.DataWarning, match="run.parquet says cpu/ablation/best"):
+        report.ablation_runs(root)
 
 
 def test_ncu_coverage_says_what_the_counters_stand_for(real):
-    cov = bd.ncu_coverage(real)
+    cov = report.ncu_coverage(real)
     if cov.empty:
         pytest.skip("no GPU run with Nsight Compute in data/")
     assert (cov["selected"] >= 0.8 - 1e-9).all() and cov["profiled"].between(0, 1).all()
@@ -426,19 +426,19 @@ def test_ncu_coverage_says_what_the_counters_stand_for(real):
     from medddpm.measure import ncu
 
     share = ncu.covered(k, ncu_names.match_kernel(one["kernel"].iloc[0], k["kernel"].unique().tolist()))
-    less = bd.ncu_coverage(bd.Data(run=real.run, steps=real.steps, kernels=real.kernels, ncu=one, quality=real.quality))
+    less = report.ncu_coverage(report.Data(run=real.run, steps=real.steps, kernels=real.kernels, ncu=one, quality=real.quality))
     assert 0 < share < 1 and less["profiled"].iloc[0] == pytest.approx(share)
     assert less["profiled"].iloc[0] <= cov.loc[cov["config"] == one["config"].iloc[0], "profiled"].iloc[0]
 
 
 def test_uncounted_runs_are_the_gpu_runs_without_counters(real):
-    none = bd.uncounted_runs(real)
+    none = report.uncounted_runs(real)
     gpu = real.run[(real.run["gpu_name"] != "cpu") & (real.run["status"] == "ok")]
-    listed = set(bd.ncu_coverage(real)["config"] + "@" + bd.ncu_coverage(real)["gpu_slug"])
+    listed = set(report.ncu_coverage(real)["config"] + "@" + report.ncu_coverage(real)["gpu_slug"])
     assert set(none["config"] + "@" + none["gpu_slug"]) == set(gpu["config"] + "@" + gpu["gpu_slug"]) - listed
     # drop one run's counters: it is listed, and no CPU run ever is
     run_id = real.ncu["run_id"].iloc[0] if not real.ncu.empty else pytest.skip("no GPU run with Nsight Compute")
-    fewer = bd.uncounted_runs(bd.Data(run=real.run, steps=real.steps, kernels=real.kernels,
+    fewer = report.uncounted_runs(report.Data(run=real.run, steps=real.steps, kernels=real.kernels,
                                       ncu=real.ncu[real.ncu["run_id"] != run_id], quality=real.quality))
     assert len(fewer) == len(none) + 1 and (fewer["gpu_slug"] != "cpu").all()
 
@@ -447,28 +447,28 @@ def test_launching_ops_says_who_makes_the_copies():
     k = pd.DataFrame({"gpu_slug": "g", "config": ["a"] * 4 + ["b"], "category": ["layout"] * 3 + ["convolution", "layout"],
                       "op": ["aten::convolution_backward", "aten::convolution_backward", "aten::contiguous", "aten::conv3d", ""],
                       "calls": [10, 4, 2, 8, 6], "total_us": [60.0, 20.0, 20.0, 500.0, 30.0], "steps": 2})
-    got = bd.launching_ops(k)
+    got = report.launching_ops(k)
     a = got[got["config"] == "a"]
     assert a["op"].tolist() == ["aten::convolution_backward", "aten::contiguous"]  # the convolution is not layout
     assert a["calls_per_step"].tolist() == [7.0, 1.0] and a["us_per_step"].tolist() == [40.0, 10.0]
     assert a["share"].tolist() == pytest.approx([0.8, 0.2])
-    assert got.loc[got["config"] == "b", "op"].tolist() == [bd.UNRECORDED_OP]
-    assert bd.launching_ops(k, n=1)["rank"].max() == 1 and bd.launching_ops(k.iloc[:0]).empty
+    assert got.loc[got["config"] == "b", "op"].tolist() == [report.UNRECORDED_OP]
+    assert report.launching_ops(k, n=1)["rank"].max() == 1 and report.launching_ops(k.iloc[:0]).empty
 
 
 def test_gpu_busy_is_kernel_time_over_step_time(real):
     run = real.run[real.run["status"] == "ok"].iloc[[0]].assign(train_median_ms=0.25, dispatch_median_ms=0.25)
     k = real.kernels[real.kernels["run_id"] == run["run_id"].iloc[0]].iloc[:2].assign(total_us=[300.0, 100.0], steps=2)
-    data = bd.Data(run=run, steps=real.steps, kernels=k, ncu=real.ncu, quality=real.quality)
-    busy = bd.gpu_busy(data)
+    data = report.Data(run=run, steps=real.steps, kernels=k, ncu=real.ncu, quality=real.quality)
+    busy = report.gpu_busy(data)
     assert len(busy) == 1 and busy.loc[0, "kernel_ms"] == pytest.approx(0.2) and busy.loc[0, "busy"] == pytest.approx(0.8)
-    assert bd.gpu_busy(bd.Data(run=run, steps=real.steps, kernels=k.iloc[:0], ncu=real.ncu, quality=real.quality)).empty
+    assert report.gpu_busy(report.Data(run=run, steps=real.steps, kernels=k.iloc[:0], ncu=real.ncu, quality=real.quality)).empty
     # kernels that overlap sum to more than the step: the device is busy the whole step, not more
-    over = bd.gpu_busy(bd.Data(run=run.assign(train_median_ms=0.15), steps=real.steps, kernels=k, ncu=real.ncu,
+    over = report.gpu_busy(report.Data(run=run.assign(train_median_ms=0.15), steps=real.steps, kernels=k, ncu=real.ncu,
                                quality=real.quality))
     assert over.loc[0, "kernel_ms"] == pytest.approx(0.2) and over.loc[0, "busy"] == 1.0
     # every real run: the kernel time stands beside its own step time, as a share of at most all of it
-    b = bd.gpu_busy(real)
+    b = report.gpu_busy(real)
     np.testing.assert_allclose(b["busy"] * b["train_median_ms"], b["kernel_ms"].clip(upper=b["train_median_ms"]))
     assert b["busy"].between(0.3, 1.0).all(), b
 
@@ -531,7 +531,7 @@ def test_gpu_views_leave_cpu_rows_out_unless_asked(two, specs):
                                      "category_ratios"}:
             assert "cpu" in {r.get("gpu_slug") for r in _datasets(asked[name])}, f"{name}: cpu=True drops the CPU"
     # data of a CPU only: the chart says why it is empty instead of drawing the CPU
-    cpu_only = bd.step_summary(two.run[two.run["gpu_slug"] == "cpu"])
+    cpu_only = report.step_summary(two.run[two.run["gpu_slug"] == "cpu"])
 
     def said(chart) -> str:  # a message's lines joined
         return json.dumps(chart.to_dict()).replace("\\n", " ")
@@ -571,12 +571,15 @@ def test_memory_is_in_gib_with_the_cards_on_the_axis(specs):
     peaks = [r for r in _datasets(specs["memory_peaks"]) if "peak_gib" in r]
     top = max(max(r["peak_gib"], r["reserved_gib"] or 0) for r in peaks)
     assert cards and max(c["card_gib"] for c in cards) >= top, "the axis ends before the largest peak"
+    # a card is drawn at the memory its driver reports, labelled with it in GiB, never at its sold size in GB
+    assert all(c["card"].endswith(f"{c['card_gib']:.1f} GiB") for c in cards), cards
+    assert not {c["card_gib"] for c in cards} & {c.sold_gb for c in report.memory.CARDS}, "a card at its sold size"
     assert sorted(c["card_gib"] for c in cards if c["card_gib"] >= top)[:1] == [max(c["card_gib"] for c in cards)], \
         "cards far beyond every peak squeeze the bars"
 
 
 def test_where_to_optimize_first_ranks_the_largest_saving_first(two, specs):
-    prio = bd.ncu_priorities(two).sort_values("priority")  # smallest first, as a table may well be ordered
+    prio = report.ncu_priorities(two).sort_values("priority")  # smallest first, as a table may well be ordered
     rows = pd.DataFrame(_datasets(charts.priorities(prio).to_dict()))
     assert len(rows) > 3
     for _, g in rows.groupby(["gpu_slug", "config"]):
@@ -734,7 +737,7 @@ def test_x_axis_labels_do_not_collide_in_a_narrow_column(specs):
 def test_rankings_read_largest_first_as_drawn(two):
     """What a reader sees, top to bottom: rank 1 is the largest estimated saving, the ablation's largest lever on
     top (layers that share a y scale quietly drop a sort by field)."""
-    prio = bd.ncu_priorities(two).sort_values("priority")
+    prio = report.ncu_priorities(two).sort_values("priority")
     labels = [t for _, t in _svg_labels(charts.priorities(prio).to_dict(), 500, "Y")[0]]
     assert [int(t.split(".")[0]) for t in labels] == list(range(1, len(labels) + 1)), labels
     abl = pd.DataFrame({"gpu_slug": GPU, "preset": "paper", "lever": ["a", "b", "c"], "base_ms": 10.0,
@@ -752,7 +755,7 @@ def test_roofline_names_its_roofs_and_its_x_labels_do_not_collide(specs):
     assert "memory roof" in svg and "TB/s" in svg, "the memory roof has no label"
 
     # the H200's roofs: no measurement committed, so its datasheet's, one label per distinct rate
-    rates = {v for r, (v, _) in bd.peaks_of("nvidia-h200").items()}
+    rates = {v for r, (v, _) in report.peaks_of("nvidia-h200").items()}
     # the text marks' lines: a label of one line is a <text>, of several a <tspan> each (aria labels repeat them)
     drawn = re.findall(r"<tspan[^>]*>([^<]*)</tspan>", svg) + re.findall(r"<text[^>]*>([^<]+)</text>", svg)
     assert sum(t.startswith("compute roof") for t in drawn) == len(rates) >= 3, drawn
@@ -770,7 +773,7 @@ def test_a_machine_kept_beside_ours_has_the_peaks_of_its_device_type(real):
                        run_id=h200["run_id"].str.replace("nvidia-h200/", "nvidia-h200-box/", regex=False))
     other = h200.assign(gpu_slug="nvidia-x-box", gpu_type="nvidia-x",
                         run_id=h200["run_id"].str.replace("nvidia-h200/", "nvidia-x-box/", regex=False))
-    f = bd.floors(pd.concat([real.run, mine, other], ignore_index=True))
+    f = report.floors(pd.concat([real.run, mine, other], ignore_index=True))
     ours = f[f["gpu_slug"] == "nvidia-h200"].set_index("precision")["floor_ms"]
     theirs = f[f["gpu_slug"] == "nvidia-h200-box"].set_index("precision")["floor_ms"]
     assert not ours.empty and theirs.sort_index().tolist() == pytest.approx(ours.sort_index().tolist())

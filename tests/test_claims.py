@@ -10,7 +10,7 @@ import json
 import pandas as pd
 import pytest
 
-from medddpm import report as bd
+from medddpm import report
 from medddpm.measure import layers
 from medddpm.measure import ncu_table
 from medddpm.store import schema
@@ -61,7 +61,7 @@ def roofs_of(slug: str) -> pd.DataFrame:
                          for r, v in values.items()])
 
 
-def gpu_data(mode: str | bool, slug: str = GPU) -> bd.Data:
+def gpu_data(mode: str | bool, slug: str = GPU) -> report.Data:
     """One GPU with the paper's four configurations, sdpa and compile: every claim holds (`AGREE`, or True); every
     claim goes the paper's way but each magnitude the paper gives lies outside its band (`SIZE`); or every claim
     fails (`CONTRADICT`, or False)."""
@@ -127,7 +127,7 @@ def gpu_data(mode: str | bool, slug: str = GPU) -> bd.Data:
             quality.append(pd.DataFrame({"run_id": rid, "step": [1, 2], "loss": [0.5, 0.4],
                                          "baseline_loss": [0.5, pick(0.4, 0.2)], "rel_err": pick(1e-3, 0.1),
                                          "gpu_slug": slug, "config": config}))
-    return bd.Data(run=pd.DataFrame(runs), steps=schema.empty("steps"), kernels=pd.concat(kernels, ignore_index=True),
+    return report.Data(run=pd.DataFrame(runs), steps=schema.empty("steps"), kernels=pd.concat(kernels, ignore_index=True),
                    ncu=pd.concat(counters, ignore_index=True), quality=pd.concat(quality, ignore_index=True),
                    roofs=roofs_of(slug))
 
@@ -146,7 +146,7 @@ def study(agree: bool, slug: str = GPU):
     return Study(runs, pd.DataFrame(), samples, {slug: None})
 
 
-def verdicts(data: bd.Data, slug: str = GPU) -> dict[str, str]:
+def verdicts(data: report.Data, slug: str = GPU) -> dict[str, str]:
     agree = data.quality["rel_err"].max() < 0.01  # gpu_data's opt1 parity: 1e-3 where the data agrees, else 0.1
     t = claims.verdicts(data, study=study(agree, slug))
     return t[t["gpu_slug"] == slug].set_index("claim_id")["verdict"].to_dict()
@@ -157,10 +157,10 @@ def test_every_claim_comes_out_each_way_it_has():
     magnitude says so, the others hold. Data that contradicts: every claim fails."""
     agree, size, contradict = (verdicts(gpu_data(m)) for m in (AGREE, SIZE, CONTRADICT))
     assert set(agree) == {c.id for c in claims.CLAIMS}
-    assert {c: v for c, v in agree.items() if v != bd.HOLDS} == {}
-    assert {c for c, v in size.items() if v == bd.MAGNITUDE} == BANDED
-    assert {c: v for c, v in size.items() if c not in BANDED and v != bd.HOLDS} == {}
-    assert {c: v for c, v in contradict.items() if v != bd.FAILS} == {}
+    assert {c: v for c, v in agree.items() if v != report.HOLDS} == {}
+    assert {c for c, v in size.items() if v == report.MAGNITUDE} == BANDED
+    assert {c: v for c, v in size.items() if c not in BANDED and v != report.HOLDS} == {}
+    assert {c: v for c, v in contradict.items() if v != report.FAILS} == {}
     assert BANDED == {"tf32-cycles", "tf32-instructions", "tf32-tensor", "cl-tensor", "cl-sm", "cl-cache"}
 
 
@@ -199,72 +199,72 @@ def test_the_h100_stall_claim_needs_both_of_its_parts(part, change):
         at = (ncu["metric"] == RAW[metric]) & (ncu["kernel_id"] == 10)
         ncu.loc[at & (ncu["config"] == "baseline"), "value"] = a
         ncu.loc[at & (ncu["config"] == "opt1"), "value"] = b
-    row = claims.verdicts(bd.Data(**{**data.__dict__, "ncu": ncu})).set_index("claim_id").loc["tf32-stalls"]
-    assert row["verdict"] == bd.FAILS and row["evidence"].endswith(f"(not so: {part})")
+    row = claims.verdicts(report.Data(**{**data.__dict__, "ncu": ncu})).set_index("claim_id").loc["tf32-stalls"]
+    assert row["verdict"] == report.FAILS and row["evidence"].endswith(f"(not so: {part})")
     assert row["paper_card"] == "H100"
 
 
 def test_opt12_against_the_card_s_roof_reads_the_measured_roofs_else_says_what_is_missing():
     data = gpu_data(AGREE)
     row = claims.verdicts(data).set_index("claim_id").loc["opt12-peak"]
-    assert row["verdict"] == bd.HOLDS and row["figures"]["fraction_of_peak"] == pytest.approx(0.1)
+    assert row["verdict"] == report.HOLDS and row["figures"]["fraction_of_peak"] == pytest.approx(0.1)
     assert "TF32 roof (400 TFLOP/s, measured under nvidia-test-gpu" in row["evidence"]
-    no_roofs = bd.Data(**{**data.__dict__, "roofs": schema.empty("roofs")})
+    no_roofs = report.Data(**{**data.__dict__, "roofs": schema.empty("roofs")})
     row = claims.verdicts(no_roofs).set_index("claim_id").loc["opt12-peak"]
-    assert row["verdict"] == bd.NA and "no roof" in row["evidence"]
+    assert row["verdict"] == report.NA and "no roof" in row["evidence"]
 
 
 def test_each_card_s_verdicts_stand_side_by_side():
     a, b = gpu_data(AGREE), gpu_data(SIZE, slug="nvidia-h100-test")
-    both = bd.Data(**{k: pd.concat([getattr(a, k), getattr(b, k)], ignore_index=True)
+    both = report.Data(**{k: pd.concat([getattr(a, k), getattr(b, k)], ignore_index=True)
                       for k in ("run", "steps", "kernels", "ncu", "quality", "roofs")})
     table = claims.verdicts(both)
     wide = claims.side_by_side(table).set_index("claim_id")
     assert list(wide.columns) == ["short", "scope", "paper", "paper_card", "nvidia-h100-test", GPU]
-    assert wide.loc["tf32-cycles", GPU] == bd.HOLDS and wide.loc["tf32-cycles", "nvidia-h100-test"] == bd.MAGNITUDE
+    assert wide.loc["tf32-cycles", GPU] == report.HOLDS and wide.loc["tf32-cycles", "nvidia-h100-test"] == report.MAGNITUDE
     assert wide.loc["opt12-peak", "paper_card"] == "H100"
     doc = {c["claim"]: c for c in json.loads(claims.as_json(table))}
     assert set(doc["tf32-cycles"]["verdicts"]) == {GPU, "nvidia-h100-test"}
-    assert doc["tf32-cycles"]["verdicts"]["nvidia-h100-test"]["verdict"] == bd.MAGNITUDE
+    assert doc["tf32-cycles"]["verdicts"]["nvidia-h100-test"]["verdict"] == report.MAGNITUDE
     assert doc["tf32-cycles"]["paper"] == "up to 5x" and doc["conv-dominates"]["paper"] is None
 
 
 def test_inefficiency_sources_names_each_source_it_could_not_show():
     data = gpu_data(True)
     row = claims.verdicts(data).query("claim_id == 'inefficiency-sources'").iloc[0]
-    assert row["verdict"] == bd.HOLDS and set(row["figures"]) >= {"memory_rules_share", "layout_share",
+    assert row["verdict"] == report.HOLDS and set(row["figures"]) >= {"memory_rules_share", "layout_share",
                                                                    "scheduling_rules_share", "l1_hit_pct"}
     high_l1 = data.ncu.copy()
     is_l1 = (high_l1["config"] == "baseline") & (high_l1["metric"] == RAW["l1_hit_pct"])
     high_l1.loc[is_l1, "value"] = 90.0
-    row = claims.verdicts(bd.Data(**{**data.__dict__, "ncu": high_l1})).query("claim_id == 'inefficiency-sources'").iloc[0]
-    assert row["verdict"] == bd.FAILS and row["evidence"].endswith("(not shown: cache residency)")
+    row = claims.verdicts(report.Data(**{**data.__dict__, "ncu": high_l1})).query("claim_id == 'inefficiency-sources'").iloc[0]
+    assert row["verdict"] == report.FAILS and row["evidence"].endswith("(not shown: cache residency)")
 
 
 def test_cpu_rows_never_judge_a_claim_and_the_headline_counts_gpus_only():
     gpu = gpu_data(True)
     cpu = gpu_data(True, slug="cpu")
     cpu.run["gpu_name"] = "cpu"
-    both = bd.Data(run=pd.concat([gpu.run, cpu.run]), steps=gpu.steps, kernels=pd.concat([gpu.kernels, cpu.kernels]),
+    both = report.Data(run=pd.concat([gpu.run, cpu.run]), steps=gpu.steps, kernels=pd.concat([gpu.kernels, cpu.kernels]),
                    ncu=pd.concat([gpu.ncu, cpu.ncu]), quality=pd.concat([gpu.quality, cpu.quality]), roofs=gpu.roofs)
     table = claims.verdicts(both, study=study(True))
     assert list(dict.fromkeys(table["gpu_slug"])) == [GPU, "cpu"]  # GPUs first
     on_cpu = table[table["gpu_slug"] == "cpu"]
-    assert (on_cpu["verdict"] == bd.NA).all() and (on_cpu["evidence"] == claims.ON_CPU).all()
+    assert (on_cpu["verdict"] == report.NA).all() and (on_cpu["evidence"] == claims.ON_CPU).all()
     head = claims.headline(table)
-    assert list(head.index) == [GPU] and head.loc[GPU, bd.HOLDS] == len(claims.CLAIMS)
+    assert list(head.index) == [GPU] and head.loc[GPU, report.HOLDS] == len(claims.CLAIMS)
     assert list(head.columns) == list(claims.VERDICTS)
 
 
 def test_tf32_claims_are_not_measurable_without_a_matched_layer_and_say_what_to_run():
     data = gpu_data(True)
     no_layers = data.ncu[data.ncu["section"] != ncu_table.LAYER_SECTION]
-    v = claims.verdicts(bd.Data(**{**data.__dict__, "ncu": no_layers})).set_index("claim_id")
+    v = claims.verdicts(report.Data(**{**data.__dict__, "ncu": no_layers})).set_index("claim_id")
     for cid in ("tf32-cycles", "tf32-instructions", "tf32-tensor", "tf32-memory", "tf32-stalls"):
-        assert v.loc[cid, "verdict"] == bd.NA and "layer ranges" in v.loc[cid, "evidence"], cid
-    assert v.loc["cl-tensor", "verdict"] == bd.HOLDS  # step-weighted claims need no layers
+        assert v.loc[cid, "verdict"] == report.NA and "layer ranges" in v.loc[cid, "evidence"], cid
+    assert v.loc["cl-tensor", "verdict"] == report.HOLDS  # step-weighted claims need no layers
     no_opt1 = data.ncu[data.ncu["config"] != "opt1"]
-    v = claims.verdicts(bd.Data(**{**data.__dict__, "ncu": no_opt1})).set_index("claim_id")
+    v = claims.verdicts(report.Data(**{**data.__dict__, "ncu": no_opt1})).set_index("claim_id")
     assert v.loc["tf32-cycles", "evidence"] == f"no counters for opt1 (`python -m medddpm counters data/{GPU}/opt1`)"
 
 
@@ -304,7 +304,7 @@ def test_claims_command_prints_json_with_every_card_s_verdict_and_the_figures_it
     assert all(set(v) == {"verdict", "evidence", "figures"} for r in rows for v in r["verdicts"].values())
     assert {v["verdict"] for r in rows for v in r["verdicts"].values()} <= set(claims.VERDICTS)
     gpu = {r["claim"]: v for r in rows for d, v in r["verdicts"].items() if d == "nvidia-h200"}
-    judged = (bd.HOLDS, bd.MAGNITUDE, bd.FAILS)
+    judged = (report.HOLDS, report.MAGNITUDE, report.FAILS)
     for cid, key in (("tf32-cycles", "sm_cycles_ratio"), ("tf32-instructions", "instructions_ratio")):
         if gpu.get(cid, {}).get("verdict") in judged:
             assert isinstance(gpu[cid]["figures"][key], float) and isinstance(gpu[cid]["figures"]["magnitude"], float)
@@ -319,7 +319,7 @@ def test_claims_command_prints_each_card_s_verdict_under_each_claim(capsys, monk
     from medddpm.report import convergence
 
     a, b = gpu_data(AGREE), gpu_data(SIZE, slug="nvidia-h100-test")
-    both = bd.Data(**{k: pd.concat([getattr(a, k), getattr(b, k)], ignore_index=True)
+    both = report.Data(**{k: pd.concat([getattr(a, k), getattr(b, k)], ignore_index=True)
                       for k in ("run", "steps", "kernels", "ncu", "quality", "roofs")})
     monkeypatch.setattr(report, "load_all", lambda root=None: both)
     monkeypatch.setattr(convergence, "load_study", lambda root=None: study(True))
@@ -336,17 +336,17 @@ def test_claims_command_prints_each_card_s_verdict_under_each_claim(capsys, monk
 def test_channels_last_shift_falls_back_to_the_tf32_pair_and_then_says_what_is_missing():
     data = gpu_data(True)
     k = data.kernels[data.kernels["config"] != "opt2"]
-    row = claims.verdicts(bd.Data(**{**data.__dict__, "kernels": k})).query("claim_id == 'cl-shift'").iloc[0]
-    assert row["verdict"] == bd.HOLDS and "(opt1)" in row["evidence"] and "(opt12)" in row["evidence"]
-    no_pair = bd.Data(**{**data.__dict__, "kernels": k[k["config"] != "opt12"]})
-    assert claims.verdicts(no_pair).query("claim_id == 'cl-shift'").iloc[0]["verdict"] == bd.NA
+    row = claims.verdicts(report.Data(**{**data.__dict__, "kernels": k})).query("claim_id == 'cl-shift'").iloc[0]
+    assert row["verdict"] == report.HOLDS and "(opt1)" in row["evidence"] and "(opt12)" in row["evidence"]
+    no_pair = report.Data(**{**data.__dict__, "kernels": k[k["config"] != "opt12"]})
+    assert claims.verdicts(no_pair).query("claim_id == 'cl-shift'").iloc[0]["verdict"] == report.NA
 
 
 def test_a_claim_without_its_run_names_the_sweep_that_gives_it():
     data = gpu_data(True)
-    no_run = bd.Data(**{**data.__dict__, "run": data.run[data.run["config"] != "opt2"]})
+    no_run = report.Data(**{**data.__dict__, "run": data.run[data.run["config"] != "opt2"]})
     row = claims.verdicts(no_run).query("claim_id == 'opt12-partial'").iloc[0]
-    assert row["verdict"] == bd.NA
+    assert row["verdict"] == report.NA
     assert row["evidence"] == "no run of opt2 (`python -m medddpm sweep --preset paper --configs opt2`)"
 
 
@@ -354,8 +354,8 @@ def test_timing_claims_fall_back_to_bench_timings_where_no_sweep():
     data = gpu_data(True)
     bench = pd.DataFrame({"gpu_slug": GPU, "implementation": "ours", "config": ["sdpa", "sdpa", "compile"],
                           "train_median_ms": [300.0, 310.0, 100.0], "fp32_math": "tf32"})
-    unswept = bd.Data(**{**data.__dict__, "bench": bench,
+    unswept = report.Data(**{**data.__dict__, "bench": bench,
                          "run": data.run[~data.run["config"].isin(["sdpa", "compile"])]})
     row = claims.verdicts(unswept).query("claim_id == 'fusion-needed'").iloc[0]
-    assert row["verdict"] == bd.HOLDS and row["evidence"].endswith("ms, bench timings)")
+    assert row["verdict"] == report.HOLDS and row["evidence"].endswith("ms, bench timings)")
     assert row["figures"]["speedup"] == pytest.approx(305.0 / 100.0)

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 from PIL import Image
 
-from medddpm import report as bd
+from medddpm import report
 from medddpm.report import charts
 from medddpm.train.data import one_hot_condition
 from medddpm.report.explore import AXES, LABEL_COLORS, DataExplorer, SliceViewer, labels_from_condition
@@ -229,7 +229,7 @@ def test_data_explorer_dropdowns_change_the_chart(data_root):
 
 
 def test_data_explorer_state_and_bad_input(data_root, tmp_path):
-    data = bd.load_all(data_root)
+    data = report.load_all(data_root)
     e = DataExplorer(data, gpu="cpu", view="step time", width=400)
     assert e.chart().to_dict()["width"] == 400
     with pytest.raises(ValueError, match=r"gpu must be one of \['cpu', 'gpu-x'\]"):

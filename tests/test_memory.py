@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from medddpm import report as bd
+from medddpm import report
 from medddpm.store import schema
 from medddpm.report import charts
 from medddpm.configs import CONFIGS
@@ -32,7 +32,7 @@ OTHER_GIB = 0.5
 
 @pytest.fixture(scope="module")
 def template() -> pd.Series:
-    run = bd.runs(REAL)
+    run = report.runs(REAL)
     rows = run[(run["gpu_slug"] == "cpu") & (run["config"] == "baseline")]
     if rows.empty:
         pytest.skip("no data/cpu/baseline run")
@@ -59,56 +59,82 @@ def gpu_runs(template, runs=RUNS) -> pd.DataFrame:
 
 @pytest.fixture(scope="module")
 def run(template) -> pd.DataFrame:
-    cpu = bd.runs(REAL)
+    cpu = report.runs(REAL)
     return pd.concat([cpu[cpu["gpu_slug"] == "cpu"], gpu_runs(template)], ignore_index=True)
 
 
 def test_memory_runs_keep_gpu_peaks_only(run):
-    mem = bd.memory_runs(run)
+    mem = report.memory_runs(run)
     assert set(mem["gpu_slug"]) == {GPU} and len(mem) == len(RUNS)
-    bd.check_memory(mem)
+    report.check_memory(mem)
     best2 = mem[(mem["config"] == "best") & (mem["batch"] == 2)].iloc[0]
     assert best2["label"] == "best (batch 2)" and best2["model"] == "brats 192x192x144"
     assert best2["peak_gib"] == pytest.approx(55.0) and best2["other_gib"] == pytest.approx(OTHER_GIB)
-    assert set(bd.memory_runs(run).query("config == 'best'")["label"]) == {"best", "best (batch 2)"}
+    assert set(report.memory_runs(run).query("config == 'best'")["label"]) == {"best", "best (batch 2)"}
     failed = run.copy()
     failed.loc[failed["config"] == "bf16", "status"] = "oom"
-    assert "bf16" not in set(bd.memory_runs(failed)["config"])
+    assert "bf16" not in set(report.memory_runs(failed)["config"])
     bad = mem.copy()
     bad.loc[0, "reserved_gib"] = bad.loc[0, "peak_gib"] / 2
     with pytest.raises(AssertionError, match="reserved below allocated"):
-        bd.check_memory(bad)
+        report.check_memory(bad)
 
 
 def test_memory_model_fits_a_line_or_estimates_from_batch_one(run):
-    model = bd.memory_model(bd.memory_runs(run)).set_index(["model", "config"])
+    model = report.memory_model(report.memory_runs(run)).set_index(["model", "config"])
     best = model.loc[("brats 192x192x144", "best")]
     assert (best["fixed_gib"], best["per_sample_gib"]) == (pytest.approx(5.0), pytest.approx(25.0))
     assert best["batches"] == "1, 2" and best["method"].startswith("line through the peaks measured at batch 1, 2")
     opt1 = model.loc[("paper 128x128x128", "opt1")]
-    state = HEAD[2] * bd.STATE_BYTES_PER_PARAM / GIB
+    state = HEAD[2] * report.STATE_BYTES_PER_PARAM / GIB
     assert opt1["fixed_gib"] == pytest.approx(state) and opt1["per_sample_gib"] == pytest.approx(18.5 - state)
     assert opt1["method"].startswith("estimate from batch 1 alone")
 
 
 def test_fits_per_card(run):
-    fit = bd.fits(bd.memory_model(bd.memory_runs(run))).set_index(["model", "config", "card_gb"])
+    cards = report.memory.card_memory()  # the catalogue: what each card's driver reports, cited
+    gib = dict(zip(cards["sold_gb"], cards["card_gib"]))
+    fit = report.fits(report.memory_model(report.memory_runs(run)), cards).set_index(["model", "config", "sold_gb"])
     b = "brats 192x192x144"
-    # best at BraTS size: need 30 + 0.5 GiB; line 5 + 25 per volume; 5% of each card kept free
+    # best at BraTS size: need 30 + 0.5 GiB; line 5 + 25 per volume; 5% of what each driver reports kept free
     assert fit.loc[(b, "best", 40), "verdict"] == "fits" and fit.loc[(b, "best", 40), "largest_batch"] == 1
-    assert fit.loc[(b, "best", 80), "largest_batch"] == math.floor((80 * 0.95 - 0.5 - 5) / 25)
+    assert fit.loc[(b, "best", 80), "largest_batch"] == math.floor((gib[80] * 0.95 - 0.5 - 5) / 25)
     assert fit.loc[(b, "best", 24), "verdict"] == "does not fit" and fit.loc[(b, "best", 24), "largest_batch"] == 0
-    # baseline: 70.5 GiB needed leaves 5% of 80 GB free, but the reserved 80 GiB (+ 0.5 outside) does not fit
+    # baseline: 70.5 GiB needed leaves 5% of the 80 GB card's 79.3 GiB free; the reserved 80 GiB (+ 0.5) does not fit
     assert fit.loc[(b, "baseline", 80), "verdict"] == "tight" and fit.loc[(b, "baseline", 141), "verdict"] == "fits"
     assert fit.loc[(b, "baseline", 48), "verdict"] == "does not fit"
-    # bf16 whole-head: 14.0 GiB needed fits 16 GB bare, but neither the headroom nor the reserved 16.5 GiB does
+    # bf16 whole-head: 14.0 GiB needed leaves the headroom of the 16 GB card's 15.7 GiB; its reserved 16.5 GiB does not
     assert fit.loc[("paper 128x128x128", "bf16", 16), "verdict"] == "tight"
     assert fit.loc[("paper 128x128x128", "best-ckpt", 16), "verdict"] == "fits"
-    assert list(fit.reset_index()["card_gb"].unique()) == list(bd.GPU_MEMORY_GB)
+    assert list(fit.reset_index()["sold_gb"].unique()) == [16, 24, 40, 48, 80, 141]
+    assert (fit["card_gib"] < fit.index.get_level_values("sold_gb")).all(), "a card taken to hold its sold size in GiB"
+
+
+def test_cards_keep_gb_and_gib_apart(run):
+    cited = report.memory.card_memory()
+    report.memory.check_cards(cited)
+    assert (cited["kind"] == report.memory.CITED_CARD).all() and cited["source"].str.len().gt(20).all()
+    # every card holds less than its sold size read as GiB: the driver keeps some (ECC, firmware)
+    assert (cited["card_gib"] < cited["sold_gb"]).all()
+    # a run that measured its device replaces the cited figure of its type, and adds a card of a type not listed
+    gpu = run[run["gpu_slug"] == GPU].copy()
+    gpu["gpu_type"] = "nvidia-a100-sxm4-80gb"
+    gpu["gpu_total_bytes"] = int(79.5 * GIB)
+    other = gpu.head(1).assign(gpu_type="nvidia-new-card", gpu_name="NVIDIA New Card", gpu_total_bytes=int(90 * GIB))
+    measured = report.memory.card_memory(pd.concat([gpu, other, run[run["gpu_slug"] == "cpu"]], ignore_index=True))
+    a100 = measured.set_index("gpu_type").loc["nvidia-a100-sxm4-80gb"]
+    assert a100["kind"] == report.memory.MEASURED_CARD and a100["sold_gb"] == 80
+    assert a100["card_gib"] == pytest.approx(79.5)
+    new = measured.set_index("gpu_type").loc["nvidia-new-card"]
+    assert new["card"] == "NVIDIA New Card" and math.isnan(new["sold_gb"]) and new["card_gib"] == pytest.approx(90)
+    assert len(measured) == len(cited) + 1 and measured["card_gib"].is_monotonic_increasing
+    bad = cited.assign(card_gib=cited["sold_gb"])  # a card sold as C GB taken to hold C GiB
+    with pytest.raises(AssertionError):
+        report.memory.check_cards(bad)
 
 
 def test_switch_costs_pair_runs_that_differ_in_one_switch(run):
-    costs = bd.switch_costs(run)
+    costs = report.switch_costs(run)
     gpu = costs[costs["gpu_slug"] == GPU]
     pairs = set(zip(gpu["model"], gpu["batch"], gpu["config_off"], gpu["config_on"], gpu["switch"]))
     h, b = "paper 128x128x128", "brats 192x192x144"
@@ -123,7 +149,7 @@ def test_switch_costs_pair_runs_that_differ_in_one_switch(run):
     same = run.copy()
     for k in differ - {"checkpointing"}:
         same.loc[same["config"] == "best-ckpt", k] = CONFIGS["best"].flags[k]
-    also = bd.switch_costs(same)
+    also = report.switch_costs(same)
     also = also[also["gpu_slug"] == GPU]
     assert set(zip(also["model"], also["batch"], also["config_off"], also["config_on"], also["switch"])) == pairs | {
         (h, 1, "best", "best-ckpt", "checkpointing"), (b, 1, "best", "best-ckpt", "checkpointing"),
@@ -136,28 +162,28 @@ def test_switch_costs_pair_runs_that_differ_in_one_switch(run):
 
 
 def test_memory_targets(run, template):
-    t = bd.memory_targets(bd.memory_runs(run)).set_index("target_id")
-    assert (t["verdict"] == bd.HOLDS).all()
+    t = report.memory_targets(report.memory_runs(run)).set_index("target_id")
+    assert (t["verdict"] == report.HOLDS).all()
     assert t.loc["head-8", "config"] == "best" and "of 6 measured" in t.loc["head-8", "evidence"]
     assert t.loc["head-4-ckpt", "config"] == "best-ckpt" and t.loc["brats-40", "config"] == "best"
-    few = bd.memory_targets(bd.memory_runs(gpu_runs(template, [r for r in RUNS if r[1] in ("opt1", "bf16")])))
+    few = report.memory_targets(report.memory_runs(gpu_runs(template, [r for r in RUNS if r[1] in ("opt1", "bf16")])))
     v = few.set_index("target_id")["verdict"]
     # none of the measured runs meets them, but best and the checkpointed ones were not measured
-    assert v["head-8"] == bd.NOT_YET and v["head-4-ckpt"] == bd.NOT_MEASURED
-    assert v["brats-40"] == bd.NOT_YET and "71.00 GiB" in few.set_index("target_id").loc["brats-40", "evidence"]
+    assert v["head-8"] == report.NOT_YET and v["head-4-ckpt"] == report.NOT_MEASURED
+    assert v["brats-40"] == report.NOT_YET and "71.00 GiB" in few.set_index("target_id").loc["brats-40", "evidence"]
     assert "not measured: baseline, opt2" in few.set_index("target_id").loc["head-8", "evidence"]
     # every configuration there is was measured: then the target does not hold
     only = tuple(CONFIGS[c] for c in ("opt1", "bf16"))
-    v = bd.memory_targets(bd.memory_runs(gpu_runs(template, [r for r in RUNS if r[1] in ("opt1", "bf16")])),
+    v = report.memory_targets(report.memory_runs(gpu_runs(template, [r for r in RUNS if r[1] in ("opt1", "bf16")])),
                           configs=only).set_index("target_id")["verdict"]
-    assert v["head-8"] == bd.FAILS  # both measured on the whole-head model
-    assert bd.memory_targets(bd.memory_runs(run[run["gpu_slug"] == "cpu"])).empty
+    assert v["head-8"] == report.FAILS  # both measured on the whole-head model
+    assert report.memory_targets(report.memory_runs(run[run["gpu_slug"] == "cpu"])).empty
 
 
 def test_memory_charts(run):
-    mem = bd.memory_runs(run)
-    built = {"peaks": charts.memory_peaks(mem), "fits": charts.memory_fits(bd.fits(bd.memory_model(mem))),
-             "costs": charts.switch_costs(bd.switch_costs(run))}
+    mem = report.memory_runs(run)
+    built = {"peaks": charts.memory_peaks(mem), "fits": charts.memory_fits(report.fits(report.memory_model(mem))),
+             "costs": charts.switch_costs(report.switch_costs(run))}
     for name, chart in built.items():
         spec = chart.to_dict()  # validates against the Vega-Lite schema
         text = json.dumps(spec)
@@ -166,9 +192,9 @@ def test_memory_charts(run):
         if name != "costs":
             assert set(params["model"]["bind"]["options"]) == {"paper 128x128x128", "brats 192x192x144"}, name
         assert any("legend" == p.get("bind") for p in params.values()), f"{name}: no legend selection"
-    for build in (charts.memory_peaks, lambda m: charts.memory_fits(bd.fits(bd.memory_model(m)))):
+    for build in (charts.memory_peaks, lambda m: charts.memory_fits(report.fits(report.memory_model(m)))):
         assert "no GPU peak memory" in json.dumps(build(mem.iloc[0:0]).to_dict())
-    assert "no pair of runs" in json.dumps(charts.switch_costs(bd.switch_costs(run.iloc[0:0])).to_dict())
+    assert "no pair of runs" in json.dumps(charts.switch_costs(report.switch_costs(run.iloc[0:0])).to_dict())
 
 
 def test_variant_runs_are_read_only_on_request(tmp_path):
@@ -178,18 +204,18 @@ def test_variant_runs_are_read_only_on_request(tmp_path):
     shutil.copytree(REAL / "cpu" / "baseline", root / "cpu" / "baseline")
     variant = root / "cpu" / "baseline@smoke-b2"
     shutil.copytree(REAL / "cpu" / "baseline", variant)
-    with pytest.warns(bd.DataWarning, match="run.parquet says cpu/baseline, the folder says cpu/baseline@smoke-b2"):
-        bd.runs(root)
+    with pytest.warns(report.DataWarning, match="run.parquet says cpu/baseline, the folder says cpu/baseline@smoke-b2"):
+        report.runs(root)
     df = schema.read_table(variant / "run.parquet")
     df["batch"] = 2
     df["run_id"] = "cpu/baseline@smoke-b2/x"
     schema.write_table(df, variant / "run.parquet", "run")
-    assert bd.runs(root)["folder"].tolist() == ["cpu/baseline"]
-    assert sorted(bd.runs(root, variants=True)["folder"]) == ["cpu/baseline", "cpu/baseline@smoke-b2"]
+    assert report.runs(root)["folder"].tolist() == ["cpu/baseline"]
+    assert sorted(report.runs(root, variants=True)["folder"]) == ["cpu/baseline", "cpu/baseline@smoke-b2"]
 
 
 def test_counted_models():
-    c = bd.counted_models().set_index("preset")
+    c = report.counted_models().set_index("preset")
     assert c.loc["brats", "parameters"] == 57_562_564 and c.loc["paper", "parameters"] == 40_228_161
     assert c.loc["brats", "forward_tflop"] == pytest.approx(21.26, rel=1e-3)
     assert c.loc["brats", "activations_ckpt_gib"] < 0.2 * c.loc["brats", "activations_gib"]

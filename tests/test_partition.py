@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from medddpm import report as bd
+from medddpm import report
 from medddpm.model import unet as model
 from medddpm.measure import partition
 from medddpm.cli.main import main
@@ -122,14 +122,14 @@ def test_write_records_one_row_per_configuration_and_torch_version(tmp_path, cap
 def test_the_memory_page_s_table_is_current():
     """data/partition.parquet (the memory page's table) traces every configuration the page names under
     today's definitions, and a fresh trace of best-ckpt with this torch gives its stored row."""
-    kept = bd.compiled_saved("paper")
-    assert set(kept["config"]) == set(bd.COMPILED_SAVED) and kept["current"].all(), \
+    kept = report.compiled_saved("paper")
+    assert set(kept["config"]) == set(report.COMPILED_SAVED) and kept["current"].all(), \
         kept.loc[~kept["current"], "config"].tolist()
     mine = kept[kept["torch"] == torch.__version__].set_index("config")
-    assert set(mine.index) == set(bd.COMPILED_SAVED), f"no trace with torch {torch.__version__}"
+    assert set(mine.index) == set(report.COMPILED_SAVED), f"no trace with torch {torch.__version__}"
     fresh = saved_tensors(get_preset("paper").spec(), "best-ckpt")
     assert (mine.loc["best-ckpt", "tensors"], mine.loc["best-ckpt", "activation_bytes"]) == (
         (~fresh["input"]).sum(), activation_bytes(fresh))
     assert mine.loc["best-ckpt", "activations_gib"] < mine.loc["best", "activations_gib"]
-    with pytest.raises(bd.DataError, match="python -m medddpm saved --preset paper"):
-        bd.compiled_saved("paper", root=REPO / "tests")
+    with pytest.raises(report.DataError, match="python -m medddpm saved --preset paper"):
+        report.compiled_saved("paper", root=REPO / "tests")

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import torch
 
-from medddpm import report as bd
+from medddpm import report
 from medddpm.analysis import roofs as ar
 from medddpm.measure import roofs as mr
 from medddpm.report import counters
@@ -122,20 +122,20 @@ def test_a_card_s_roofs_come_from_its_own_measurement_then_its_type_s_then_its_d
 
 
 def test_pages_read_the_measured_roofs_and_say_the_datasheet_where_there_are_none():
-    data = bd.load_all()
+    data = report.load_all()
     assert data.roofs.empty or set(data.roofs["gpu_slug"]) <= set(data.run["gpu_slug"])
-    peaks = bd.peaks_of("nvidia-h200", data.run, data.roofs)
+    peaks = report.peaks_of("nvidia-h200", data.run, data.roofs)
     if data.roofs[data.roofs["gpu_slug"] == "nvidia-h200"].empty:
         assert all(src.startswith("datasheet") for _, src in peaks.values()), peaks
-    measured = bd.Data(**{**data.__dict__, "roofs": made_up("nvidia-h200", "nvidia-h200", 0.85)})
-    view = bd.roofs_view(measured)
-    bd.check_roofs(view)
+    measured = report.Data(**{**data.__dict__, "roofs": made_up("nvidia-h200", "nvidia-h200", 0.85)})
+    view = report.roofs_view(measured)
+    report.check_roofs(view)
     h200 = view[view["gpu_slug"] == "nvidia-h200"].set_index("roof")
     assert (h200["source"] == ar.MEASURED).all() and h200["of_datasheet"].astype(float).round(2).eq(0.85).all()
-    floors = bd.floors(data.run, roofs=measured.roofs).set_index(["gpu_slug", "precision"])
+    floors = report.floors(data.run, roofs=measured.roofs).set_index(["gpu_slug", "precision"])
     assert floors.loc[("nvidia-h200", "bf16"), "source"].startswith("measured under nvidia-h200")
     with pytest.raises(AssertionError, match="above the datasheet"):
-        bd.check_roofs(bd.roofs_view(bd.Data(**{**data.__dict__, "roofs": made_up("nvidia-h200", "nvidia-h200",
+        report.check_roofs(report.roofs_view(report.Data(**{**data.__dict__, "roofs": made_up("nvidia-h200", "nvidia-h200",
                                                                                          1.3)})))
 
 
@@ -143,12 +143,12 @@ def test_a_roofs_file_of_another_label_is_left_out_with_a_warning(tmp_path):
     (tmp_path / "nvidia-h200").mkdir()
     schema.write_table(made_up("nvidia-h100-80gb-hbm3", "nvidia-h100-80gb-hbm3"),
                        tmp_path / "nvidia-h200" / schema.ROOFS_FILE, "roofs")
-    with pytest.warns(bd.DataWarning, match="roofs of another label"):
-        assert bd.roofs_table(tmp_path).empty
+    with pytest.warns(report.DataWarning, match="roofs of another label"):
+        assert report.roofs_table(tmp_path).empty
     schema.write_table(made_up("nvidia-h200", "nvidia-h200"), tmp_path / "nvidia-h200" / schema.ROOFS_FILE, "roofs")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert len(bd.roofs_table(tmp_path)) == 5
+        assert len(report.roofs_table(tmp_path)) == 5
 
 
 def test_tensor_precision_is_read_from_the_kernel_s_name_then_from_the_run():
@@ -167,8 +167,8 @@ def test_tensor_core_flops_match_the_layer_s_own_arithmetic_on_the_committed_h20
     """TF32's 64-channel full-size convolutions, whose tensor pipe is their whole arithmetic: the count from the
     pipe's active cycles is the layer's 2 x 64 x 64 x 27 x 128^3 FLOPs to within a percent, in all three
     directions; and strict FP32's forward, counted from its FFMA instructions, too."""
-    data = bd.load_all()
-    check = bd.flop_count_check(data)
+    data = report.load_all()
+    check = report.flop_count_check(data)
     if check.empty or "opt1" not in set(check["config"]):
         pytest.skip("no layer-ranged counters of opt1 in the data")
     rows = check[(check["layer"] == "conv3d 64>64 k3 s1 @128x128x128")].set_index(["config", "direction"])
@@ -182,8 +182,8 @@ def test_tensor_core_flops_match_the_layer_s_own_arithmetic_on_the_committed_h20
 
 
 def test_the_roofline_puts_tf32_convolutions_on_the_tensor_cores():
-    data = bd.load_all()
-    points = bd.roofline_points(data.ncu, data.run, data.roofs)
+    data = report.load_all()
+    points = report.roofline_points(data.ncu, data.run, data.roofs)
     if points.empty:
         pytest.skip("no counters in the data")
     opt1 = points[points["config"] == "opt1"]

@@ -7,7 +7,7 @@ import json
 import pandas as pd
 import pytest
 
-from medddpm import report as bd
+from medddpm import report
 from medddpm.store import schema
 from medddpm.report import charts
 from medddpm.cli.main import main
@@ -27,7 +27,7 @@ def test_two_cpu_ranks_write_every_ranks_steps_and_a_rerun_keeps_other_world_siz
     again = schema.read_table(path, "scaling")
     pd.testing.assert_frame_equal(again[again["world_size"] == 1].reset_index(drop=True), first.reset_index(drop=True))
     assert again.groupby(["world_size", "rank"]).size().to_dict() == {(1, 0): 3, (2, 0): 2, (2, 1): 2}
-    summary = bd.scaling_summary(bd.scaling_runs(tmp_path))
+    summary = report.scaling_summary(report.scaling_runs(tmp_path))
     assert list(summary["world_size"]) == [1, 2] and summary["efficiency"].iloc[0] == pytest.approx(1.0)
     assert summary["samples_per_s"].gt(0).all()
 
@@ -63,12 +63,12 @@ def _rows(world: int, times: dict[int, list[float]], slug: str = "gpu-x", config
 
 def test_summary_takes_the_slowest_rank_of_each_step():
     df = pd.concat([_rows(1, {0: [100, 100, 100]}), _rows(2, {0: [100, 130, 100], 1: [120, 100, 110]})])
-    s = bd.scaling_summary(df).set_index("world_size")
+    s = report.scaling_summary(df).set_index("world_size")
     assert s.loc[2, "step_median_ms"] == 120  # steps last 120, 130, 110 (slowest rank each): median 120
     assert s.loc[2, "samples_per_s"] == pytest.approx(2 / 0.120)
     assert s.loc[2, "efficiency"] == pytest.approx((2 / 0.120) / (2 / 0.100))
     assert (s.loc[2, "rank_min_ms"], s.loc[2, "rank_max_ms"]) == (100, 110)
-    no_one = bd.scaling_summary(_rows(2, {0: [100], 1: [100]}))
+    no_one = report.scaling_summary(_rows(2, {0: [100], 1: [100]}))
     assert no_one["efficiency"].isna().all()  # no one-rank run: no efficiency claimed
 
 
@@ -84,10 +84,10 @@ def test_scaling_tables_are_found_validated_and_charted(tmp_path):
     folder = tmp_path / "gpu-x" / "scaling"
     schema.write_table(pd.concat([_rows(1, {0: [100.0]}), _rows(2, {0: [110.0], 1: [105.0]})]), folder / "sdpa.parquet",
                        "scaling")
-    assert bd.scan(tmp_path).runs == [] and bd.scan(tmp_path).not_runs == []  # not a run folder, not an error
-    spec = charts.scaling(bd.scaling_summary(bd.scaling_runs(tmp_path))).to_dict()
+    assert report.scan(tmp_path).runs == [] and report.scan(tmp_path).not_runs == []  # not a run folder, not an error
+    spec = charts.scaling(report.scaling_summary(report.scaling_runs(tmp_path))).to_dict()
     assert {r["world_size"] for d in spec["datasets"].values() for r in d} == {1, 2}
-    assert "no data-parallel scaling" in json.dumps(charts.scaling(bd.scaling_summary(schema.empty("scaling"))).to_dict())
+    assert "no data-parallel scaling" in json.dumps(charts.scaling(report.scaling_summary(schema.empty("scaling"))).to_dict())
     schema.write_table(_rows(1, {0: [1.0]}, config="opt1"), folder / "sdpa.parquet", "scaling")
-    with pytest.warns(bd.DataWarning, match="another GPU or configuration"):
-        bd.scaling_runs(tmp_path)
+    with pytest.warns(report.DataWarning, match="another GPU or configuration"):
+        report.scaling_runs(tmp_path)

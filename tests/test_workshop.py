@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from medddpm import report as bd
+from medddpm import report
 from medddpm.report import workshop as ws
 
 
@@ -70,10 +70,10 @@ def test_cost_model():
     with pytest.raises(ValueError, match="0 < efficiency <= 1"):
         ws.gpu_hours(flops_per_step=flops, peak_flops=100e12, efficiency=1.5)
     assert 0 < ws.matmul_tflops(device="cpu", n=128, repeats=2) < 100
-    eff = ws.efficiencies(bd.load_all())
+    eff = ws.efficiencies(report.load_all())
     assert ((eff["efficiency"] > 0) & (eff["efficiency"] <= 1)).all()
-    data = bd.load_all()
-    assert set(eff["gpu_slug"]) <= {s for s in data.run["gpu_slug"] if bd.peaks_of(s, data.run, data.roofs)}
+    data = report.load_all()
+    assert set(eff["gpu_slug"]) <= {s for s in data.run["gpu_slug"] if report.peaks_of(s, data.run, data.roofs)}
     assert eff["peak_source"].str.startswith(("datasheet", "measured")).all()
 
 

@@ -1,13 +1,17 @@
 """What the book's pages read: every run under ``data/``, validated, and the summaries each page draws.
 
 A facade over one module per page (as HTA's `TraceAnalysis` is over its analyses): `loading` reads the data tree
-and `roofs` gives each card's roofs (measured, else its datasheet's); `step_time`, `beyond`, `kernels`,
-`counters`, `quality`, `memory` and `scaling` summarise it for their pages (`cards`, the cross-card page's, is
-read as a module: `report.cards`); `claims` judges the paper's claims on it; `charts` draws the figures,
-`workshop` and `explore` serve the hands-on pages. Pages call ``report.<summary>(...)`` and the ``check_*``
-functions, which assert that their numbers are sane. The figure and widget modules (Altair, ipywidgets) load
-only when imported.
+and `roofs` gives each card's roofs (measured, else its datasheet's); `intro`, `methodology`, `step_time`,
+`cards`, `kernels`, `counters`, `beyond`, `memory`, `scaling`, `quality`, `convergence`, `claims`, `reproduce`
+and `appendix` summarise it for their pages; `charts` draws the figures, `tables` sets the tables, `workshop` and
+`explore` serve the hands-on pages. A page imports this package under its own name (``from medddpm import
+report``) and calls ``report.<summary>(...)``, ``report.<page>.<summary>(...)`` and the ``check_*`` functions,
+which assert that its numbers are sane; it imports nothing past this package. The page modules that need Altair,
+ipywidgets or torch load on first use (``report.charts``, ``report.workshop``, ...), so a page pays only for
+what it draws.
 """
+
+import importlib
 
 from medddpm.configs import CONFIGS, PAPER  # noqa: F401 - for the pages
 from medddpm.report.beyond import *  # noqa: F401,F403
@@ -20,3 +24,15 @@ from medddpm.report.quality import *  # noqa: F401,F403
 from medddpm.report.roofs import *  # noqa: F401,F403
 from medddpm.report.scaling import *  # noqa: F401,F403
 from medddpm.report.step_time import *  # noqa: F401,F403
+
+# The submodules a page reaches as ``report.<name>``: imported on first use (PEP 562), so that a page that draws
+# no chart never loads Altair and one that trains nothing never loads the workshop's torch code.
+SUBMODULES = ("appendix", "beyond", "cards", "charts", "claim_evidence", "claims", "convergence", "counters",
+              "end_to_end", "equivalence", "explore", "intro", "kernels", "loading", "memory", "methodology",
+              "quality", "reproduce", "roofs", "scaling", "step_time", "tables", "workshop")
+
+
+def __getattr__(name: str):
+    if name in SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

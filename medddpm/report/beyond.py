@@ -6,8 +6,12 @@ import math
 
 import pandas as pd
 
+from medddpm.configs import CONFIGS, PAPER, ablation
+from medddpm.model.flops import count
+from medddpm.model.unet import ModelSpec
 from medddpm.report.loading import Data, _sort
 from medddpm.report.step_time import device_label
+from medddpm.report.tables import cpu_rows, gpus_first
 
 ABLATION_VERDICTS = ("buys", "not told apart", "costs", "failed")
 
@@ -68,3 +72,166 @@ def gpu_busy(data: Data) -> pd.DataFrame:
     per_step = k.groupby("run_id")["total_us"].sum() / k.groupby("run_id")["steps"].max() / 1e3
     ok["device"], ok["kernel_ms"] = device_label(ok), ok["run_id"].map(per_step)
     return _sort(ok.assign(busy=(ok["kernel_ms"] / ok["train_median_ms"]).clip(upper=1.0))[cols])
+
+
+# ------------------------------------------------------------------------------------------ the page
+
+# Each step of the ladder past the paper: (from, to, what the step adds).
+LADDER = (("opt1", "bf16", "bf16 autocast over TF32"), ("bf16", "bf16-cl", "channels-last under bf16"),
+          ("bf16-cl", "sdpa", "SDPA attention, fused Adam, no recompute"),
+          ("sdpa", "compile", "fusion (torch.compile)"), ("sdpa", "graphs", "one CUDA graph per step"))
+CHANNELS_LAST = (("baseline", "opt2"), ("opt1", "opt12"), ("bf16", "bf16-cl"))  # (plain, channels-last) pairs
+
+
+def _cpu_note(slug: str, cpus: set[str]) -> str:
+    return " (CPU smoke runs)" if slug in cpus else ""
+
+
+def beyond_paper() -> pd.DataFrame:
+    """The configurations past the paper's four, with what each adds."""
+    return pd.DataFrame([{"configuration": c, "what it adds": CONFIGS[c].description} for c in CONFIGS
+                         if c not in PAPER])
+
+
+def bench_flops(data: Data, summary: pd.DataFrame) -> float | None:
+    """FLOPs of the bench's micro-step, counted on the meta device (no memory, no arithmetic), for GPUs that have
+    bench timings but no sweep yet; None where every benched GPU has a sweep."""
+    b = data.bench[data.bench["implementation"] == "ours"] if not data.bench.empty else data.bench
+    if b.empty or not set(b["gpu_slug"]) - set(summary["gpu_slug"]):
+        return None
+    shape = b[["size", "mask_channels", "base_channels"]].drop_duplicates()
+    assert len(shape) == 1, f"bench files of several model shapes: {shape.to_dict('records')}"
+    s = shape.iloc[0]
+    return count(ModelSpec(size=int(s["size"]), mask_channels=int(s["mask_channels"]),
+                           base_channels=int(s["base_channels"])))["train_flops"]
+
+
+def check_floors(floors: pd.DataFrame) -> None:
+    """A floor is a share of the fastest step: the peak's time can only be shorter than a measured one."""
+    assert floors["fraction_of_peak"].between(0, 1).all(), floors
+
+
+def _step_times(summary: pd.DataFrame, bench: pd.DataFrame) -> dict[str, tuple[pd.Series, str]]:
+    """Per device: each configuration's median micro-step and where it comes from (the sweep's, else the bench
+    timings' of a GPU that has no sweep yet)."""
+    out = {slug: (g.set_index("config")["train_median_ms"], f"{g['preset'].iloc[0]} {g['size'].iloc[0]}³")
+           for slug, g in summary.groupby("gpu_slug", sort=False)}
+    b = bench[bench["implementation"] == "ours"] if not bench.empty else bench
+    for slug, g in b.groupby("gpu_slug"):
+        out.setdefault(slug, (g.groupby("config")["train_median_ms"].median(), "bench timings"))
+    return out
+
+
+def ladder() -> tuple[tuple[str, str, str], ...]:
+    """`LADDER`, with best's last step over compile: the switches where best differs from compile."""
+    levers = ", ".join(f for f, v in CONFIGS["best"].flags.items() if CONFIGS["compile"].flags[f] != v)
+    return (*LADDER, ("compile", "best", "on top of fusion, " + levers))
+
+
+def ladder_text(summary: pd.DataFrame, bench: pd.DataFrame, cpus: set[str]) -> str:
+    """Per device: the speedup of each step of the ladder over the one before it."""
+    lines = []
+    for slug, (t, source) in _step_times(summary, bench).items():
+        items = [f"{label} (`{a}` → `{b}`) {t[a] / t[b]:.2f}x" for a, b, label in ladder()
+                 if a in t.index and b in t.index]
+        if items:
+            where = f"{'CPU smoke runs, ' if slug in cpus else ''}{source}"
+            lines.append(f"- **{slug}** ({where}): " + "; ".join(items) + ".")
+    return "Speedup of each step over the one before it (above 1: faster):\n\n" + "\n".join(lines)
+
+
+def channels_last_text(summary: pd.DataFrame, bench: pd.DataFrame, cpus: set[str]) -> str:
+    """Per device: each channels-last configuration's time over its plain twin's."""
+    times = _step_times(summary, bench)
+    lines = []
+    for slug in gpus_first(times):
+        t = times[slug][0]
+        parts = [f"`{cl}` takes {t[cl] / t[plain]:.2f}x the time of `{plain}`" for plain, cl in CHANNELS_LAST
+                 if {plain, cl} <= set(t.index)]
+        if parts:
+            lines.append(f"- **{slug}**{_cpu_note(slug, cpus)}: " + ", ".join(parts) + ".")
+    return "Channels-last on its own:\n\n" + "\n".join(lines) if lines else ""
+
+
+FLOOR_COLUMNS = {"gpu_slug": "device", "peak_tflops": "peak TFLOP/s", "floor_ms": "floor ms", "best_config": "fastest",
+                 "best_ms": "fastest ms", "fraction_of_peak": "floor / fastest"}
+
+
+def floors_text(floors: pd.DataFrame) -> str:
+    return "\n".join(
+        f"- **{r.gpu_slug}**, {r.precision} peak {r.peak_tflops:.0f} TFLOP/s ({r.source}): floor {r.floor_ms:.3g} ms; "
+        f"the fastest {r.precision} configuration, `{r.best_config}`, takes {r.best_ms:.3g} ms, "
+        f"{r.fraction_of_peak:.0%} of that peak ({r.timing_source})." for r in floors.itertuples())
+
+
+def check_ablation(abl: pd.DataFrame) -> None:
+    """Verdicts are the known ones, and every finished variant's median lies in its positive p10-p90 spread."""
+    assert set(abl["verdict"]) <= set(ABLATION_VERDICTS), abl
+    done = abl[abl["verdict"] != "failed"]
+    assert (done["train_median_ms"] > 0).all(), done
+    assert ((done["train_p10_ms"] <= done["train_median_ms"]) & (done["train_median_ms"] <= done["train_p90_ms"])).all()
+
+
+def ablation_text(abl: pd.DataFrame, base: str = "best") -> str:
+    """Per device: how many of `base`'s levers are measured, how many save more than the noise (the largest
+    named), those that cost time, and those that did not finish."""
+    n_levers = len(ablation(base)) - 1  # base, then base without each lever
+    lines = []
+    for slug, g in abl.groupby("gpu_slug", sort=False):
+        buys = g[g["verdict"] == "buys"]
+        rerun = "" if g["rerun"].isna().all() else f"; the two runs of `{base}` lie {g['rerun'].iloc[0]:.1%} apart"
+        lines.append(f"- **{slug}** ({g['shape'].iloc[0]}, `{base}` {g['base_ms'].iloc[0]:.1f} ms{rerun}): "
+                     f"{len(g)} of the {n_levers} levers measured so far; {len(buys)} of them save more than the noise"
+                     + (f", the most `{buys['lever'].iloc[0]}` ({buys['saved_ms'].iloc[0]:.1f} ms, "
+                        f"{buys['ratio'].iloc[0]:.2f}x slower without it)" if len(buys) else "") + ".")
+        for r in g[g["verdict"] == "costs"].itertuples():
+            lines.append(f"  - `{r.lever}` is faster by {-r.saved_ms:.1f} ms ({1 / r.ratio:.2f}x): on this device the "
+                         "lever costs time.")
+        for r in g[g["verdict"] == "failed"].itertuples():
+            lines.append(f"  - `{r.lever}` did not finish ({r.status}: {r.message}).")
+    return "\n".join(lines) if lines else "No ablation measured yet: `python -m medddpm ablation`."
+
+
+def check_busy(busy: pd.DataFrame, cpus: set[str]) -> None:
+    """On a GPU the kernels keep the device busy between half of the step and all of it."""
+    gpus = busy[~cpu_rows(busy, cpus)]
+    assert gpus["busy"].between(0.5, 1.0).all(), gpus
+
+
+def busy_text(busy: pd.DataFrame, cpus: set[str]) -> str:
+    """Per GPU: the range of its busy share over the configurations, and sdpa against its CUDA-graph twin."""
+    lines = []
+    for slug, g in busy[~cpu_rows(busy, cpus)].groupby("gpu_slug"):
+        g = g.set_index("config")
+        lines.append(f"- **{slug}**: kernels keep the GPU busy {g['busy'].min():.1%} to {g['busy'].max():.1%} of a step "
+                     f"over {len(g)} configurations (least: `{g['busy'].idxmin()}`).")
+        if {"sdpa", "graphs"} <= set(g.index):
+            lines.append(f"  `sdpa` is busy {g.loc['sdpa', 'busy']:.1%} of its {g.loc['sdpa', 'train_median_ms']:.4g} "
+                         f"ms; captured in one graph (`graphs`), the step takes {g.loc['graphs', 'train_median_ms']:.4g}"
+                         " ms.")
+    return "\n".join(lines) if lines else ("No GPU run with a kernel table in the data yet; on a CPU, CUDA graphs do "
+                                           "not apply.")
+
+
+SAMPLING_COLUMNS = {"gpu_slug": "device", "config": "configuration", "sample_step_median_ms": "denoising step (ms)",
+                    "sample_s": "full sample (s)", "sample_total_s": "first sample of a process (s)"}
+
+
+def sampling(summary: pd.DataFrame, cpus: set[str]) -> pd.DataFrame:
+    """The runs that timed sampling, GPUs first, each device's fastest sample first."""
+    s = summary.dropna(subset=["sample_step_median_ms"])
+    assert (s["sample_step_median_ms"] > 0).all() and (s["sample_s"] > 0).all(), s
+    return s.assign(_cpu=cpu_rows(s, cpus)).sort_values(["_cpu", "gpu_slug", "sample_s"]).drop(columns="_cpu")
+
+
+def sampling_text(s: pd.DataFrame, cpus: set[str]) -> str:
+    """Per device: the configuration that samples a volume fastest, and how much faster than strict FP32."""
+    lines = []
+    for slug, g in s.groupby("gpu_slug", sort=False):
+        g = g.set_index("config")
+        fast = g["sample_s"].idxmin()
+        line = f"- **{slug}**{_cpu_note(slug, cpus)}: `{fast}` samples a volume in {g.loc[fast, 'sample_s']:.3g} s"
+        if "baseline" in g.index and fast != "baseline":
+            line += f", {g.loc['baseline', 'sample_s'] / g.loc[fast, 'sample_s']:.3g}x faster than `baseline`"
+        lines.append(line + ".")
+    return "\n".join(lines) if lines else "No sampling measured yet."

@@ -29,7 +29,8 @@ import pandas as pd
 from medddpm.analysis import roofs as ar
 from medddpm.analysis.ncu_names import match_kernel
 from medddpm.report.counters import kernel_flops, ncu_kernels
-from medddpm.report.loading import Data, _sort, gpu_types, is_cpu
+from medddpm.report.loading import Data, _sort, config_order, gpu_types, is_cpu
+from medddpm.report.roofs import ROOF_LABELS
 
 TARGET = 0.10  # a prediction within 10% of the measured step
 ESTIMATE_CARDS = ar.ESTIMATE_CARDS
@@ -298,5 +299,92 @@ def check_predictions(table: pd.DataFrame) -> None:
     assert table["covered"].between(0, 1 + 1e-9).all(), table
 
 
-__all__ = ["ESTIMATE", "MEASURED", "MODELS", "TARGET", "card_name", "category_ratios", "check_predictions",
-           "kernel_rates", "misses", "predict_kernels", "predictions", "step_times", "why"]
+# ------------------------------------------------------------------------------------------ the page
+
+PREDICTION_COLUMNS = {"from_card": "from (A)", "card": "card B", "config": "configuration", "from_ms": "A, measured ms",
+                      "predicted_ms": "B, predicted ms", "predicted_roof_part_ms": "B, predicted ms (roof part)",
+                      "measured_ms": "B, measured ms", "error": "error", "error_roof_part": "error (roof part)",
+                      "covered": "A's step with counters", "roofs": "roofs compared"}
+PREDICTION_FORMATS = {"error": "{:+.1%}", "error (roof part)": "{:+.1%}", "A's step with counters": "{:.0%}"}
+
+
+def roofs_wide(view: pd.DataFrame) -> pd.DataFrame:
+    """`roofs.roofs_view` as a roof per row and a card per column, each value with its unit and its source."""
+    shown = view.assign(shown=[f"{v / 1e12:.3g} {'TB/s' if u == 'byte/s' else 'TFLOP/s'} ({s})"
+                               for v, u, s in zip(view["value"], view["unit"], view["source"])])
+    wide = shown.pivot(index="what", columns="gpu_slug", values="shown").reindex(
+        [ROOF_LABELS[r] for r in ("dram", "fp32", "tf32", "bf16", "fp16")]).dropna(how="all").reset_index()
+    return wide.rename(columns={"what": "roof"})
+
+
+def measured_cards(steps: pd.DataFrame) -> list[str]:
+    """The cards of `step_times` that were measured (not estimated), sorted."""
+    return sorted(set(steps.loc[steps["kind"] == MEASURED, "gpu_slug"])) if len(steps) else []
+
+
+def card_ratio_text(steps: pd.DataFrame) -> str:
+    """Each measured card's step against the first's, over the configurations both ran; or, with one card, that
+    every other bar is an estimate and how a second card's sweep adds its own."""
+    gpus = measured_cards(steps)
+    if len(gpus) < 2:
+        return (f"Only {', '.join(f'**{g}**' for g in gpus) or 'no GPU'} is measured in these data, so every other bar "
+                "is an estimate. A second card's sweep (`python -m medddpm sweep --preset paper` on it) adds its bars, "
+                "its measured ratios below and the model's errors, with no page edited.")
+    m = steps[steps["kind"] == MEASURED].pivot_table(index="config", columns="gpu_slug", values="train_median_ms")
+    first, lines = gpus[0], []
+    for other in gpus[1:]:
+        both = m[[first, other]].dropna()
+        r = both[other] / both[first]
+        lines.append(f"- **{other}** against **{first}**, over the {len(r)} configurations both ran: from "
+                     f"{r.min():.2f}x (`{r.idxmin()}`) to {r.max():.2f}x (`{r.idxmax()}`) the time.")
+    return "\n".join(lines)
+
+
+def held_against_measured(predicted: pd.DataFrame) -> pd.DataFrame:
+    """The predictions of a card that has its own run of the configuration: those a measured step can judge."""
+    return predicted[predicted["kind"] == MEASURED] if len(predicted) else predicted
+
+
+def prediction_table(measured: pd.DataFrame) -> pd.DataFrame:
+    """`held_against_measured` with the page's column names (`PREDICTION_COLUMNS`)."""
+    return measured[list(PREDICTION_COLUMNS)].rename(columns=PREDICTION_COLUMNS)
+
+
+def prediction_text(measured: pd.DataFrame) -> str:
+    """How many measured predictions are within `TARGET`, in both readings of the model."""
+    ok = measured["error"].abs() <= TARGET
+    roof_part = int((measured["error_roof_part"].abs() <= TARGET).sum())
+    return (f"{int(ok.sum())} of {len(ok)} predictions within {TARGET:.0%} of the measured step (the model as "
+            f"stated); with only the time at the roof moving, {roof_part}.")
+
+
+def misses_table(kernels: pd.DataFrame, data: Data, measured: pd.DataFrame) -> pd.DataFrame:
+    """`misses` of the measured predictions with a line each on why (`why`), in the page's column names."""
+    miss = misses(kernels, data, measured) if len(measured) else pd.DataFrame()
+    if miss.empty:
+        return miss
+    shown = miss.assign(why=miss.apply(why, axis=1))
+    return shown[["from_card", "card", "config", "kernel", "category", "ms", "error_ms", "why"]].rename(
+        columns={"from_card": "A", "card": "B", "config": "configuration", "ms": "ms on A",
+                 "error_ms": "predicted - measured on B (ms)"})
+
+
+def estimates_table(predicted: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """The estimates of cards nobody measured: a configuration per row, a column per (reference card, estimated
+    card) in ms; and the sources of the estimated cards' datasheets, in words."""
+    est = predicted[predicted["kind"] == ESTIMATE] if len(predicted) else predicted
+    if est.empty:
+        return pd.DataFrame(), ""
+    t = est.assign(card_name=est["card"].map(card_name))
+    wide = t.pivot_table(index="config", columns=["from_card", "card_name"], values="predicted_ms")
+    wide.columns = [f"{name}, estimate from {src} (ms)" for src, name in wide.columns]
+    wide = wide.reindex([c for c in config_order(wide.index) if c in wide.index]).reset_index()
+    sources = t.drop_duplicates("card")[["card_name", "source"]]
+    said = "Sources: " + "; ".join(f"{r.card_name}: {r.source}" for r in sources.itertuples()) + "."
+    return wide.rename(columns={"config": "configuration"}), said
+
+
+__all__ = ["ESTIMATE", "MEASURED", "MODELS", "PREDICTION_COLUMNS", "PREDICTION_FORMATS", "TARGET", "card_name",
+           "card_ratio_text", "category_ratios", "check_predictions", "estimates_table", "held_against_measured",
+           "kernel_rates", "measured_cards", "misses", "misses_table", "predict_kernels", "prediction_table",
+           "prediction_text", "predictions", "roofs_wide", "step_times", "why"]

@@ -107,3 +107,34 @@ class GPU:
         parts += ([f"no counters for {', '.join(uncounted)} (`python -m medddpm counters "
                    f"{' '.join(f'data/{self.slug}/{c}' for c in uncounted)}`)"] if uncounted else [])
         return "; ".join(parts) or "the counters lack a metric this claim reads"
+
+
+def matched_tables(g: GPU) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The baseline/opt1 matched layers of one GPU as the claims page shows them: the layer's time in baseline's
+    step, its SM-cycle and instruction ratios and tensor-pipe use (the TF32 claims' figures); and, for a fold, its
+    instances, L1 hit rate, DRAM throughput and the two stall reasons, each as baseline → opt1."""
+    m = g.matched
+
+    def arrow(a: str, b: str, fmt: str) -> list[str]:
+        return [f"{x:{fmt}} → {y:{fmt}}" for x, y in zip(m[a], m[b])]
+
+    main = pd.DataFrame({
+        "layer": m["layer"], "direction": m["direction"], "baseline ms in step": m["step_ms_a"],
+        "SM cycles, baseline / opt1": m["sm_cycles_ratio"], "instructions, baseline / opt1": m["instructions_ratio"],
+        "tensor pipe %": arrow("tensor_pipe_pct_a", "tensor_pipe_pct_b", ".1f")})
+    more = pd.DataFrame({
+        "layer": m["layer"], "direction": m["direction"], "instances in the model": m["instances"],
+        "L1 hit %": arrow("l1_hit_pct_a", "l1_hit_pct_b", ".0f"),
+        "DRAM throughput %": arrow("dram_throughput_pct_a", "dram_throughput_pct_b", ".1f"),
+        "long-scoreboard stalls": arrow("stall_long_scoreboard_a", "stall_long_scoreboard_b", ".2f"),
+        "math-pipe-throttle stalls": arrow("stall_math_pipe_throttle_a", "stall_math_pipe_throttle_b", ".2f")})
+    return main, more
+
+
+def check_matched(main: pd.DataFrame) -> None:
+    """Every matched layer's cycle ratio is positive, and the layers come ranked by their time in the step."""
+    assert (main["SM cycles, baseline / opt1"] > 0).all() and main["baseline ms in step"].is_monotonic_decreasing, main
+
+
+MATCHED_FORMATS = {"baseline ms in step": "{:.1f}", "SM cycles, baseline / opt1": "{:.2f}x",
+                   "instructions, baseline / opt1": "{:.1f}x"}

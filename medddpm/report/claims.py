@@ -36,7 +36,8 @@ import pandas as pd
 
 from medddpm.measure import ncu_table
 from medddpm.report import equivalence
-from medddpm.report.claim_evidence import GPU
+# The page's matched-layer tables are evidence of one GPU: read here, the claims page has one module to call.
+from medddpm.report.claim_evidence import GPU, MATCHED_FORMATS, check_matched, matched_tables  # noqa: F401
 from medddpm.report.convergence import FAIL_DICE, MARGINS, Study, paired, verdicts as study_verdicts
 from medddpm.report.loading import FAILS, HOLDS, MAGNITUDE, NA, UNDECIDED, Data, is_cpu
 from medddpm.report.quality import QUALITY_LOSS, QUALITY_REL_ERR
@@ -539,3 +540,68 @@ def as_json(table: pd.DataFrame) -> str:
                                               "figures": {k: _plain(v) for k, v in d.figures.items()}}
                                  for d in rows.itertuples()}})
     return json.dumps(out, indent=1)
+
+
+# ------------------------------------------------------------------------------------------ the page
+
+def check_verdicts(table: pd.DataFrame, cpus: set[str]) -> None:
+    """Every claim judged once on every device, with a known verdict, none on a CPU."""
+    assert set(table["verdict"]) <= set(VERDICTS), set(table["verdict"])
+    assert len(table) == len(CLAIMS) * table["gpu_slug"].nunique(), len(table)
+    assert (table.loc[table["gpu_slug"].isin(cpus) | table["gpu_slug"].map(is_cpu), "verdict"] == NA).all()
+
+
+def tally_text(t: pd.Series) -> str:
+    """One device's verdict counts (a row of `headline`) in words."""
+    return (f"{t[HOLDS]} hold, {t[MAGNITUDE]} hold in direction but not in magnitude, {t[FAILS]} do not hold"
+            + (f", {t[UNDECIDED]} undecided" if t[UNDECIDED] else "") + f", {t[NA]} not measurable")
+
+
+def headline_text(table: pd.DataFrame, on_cpu: bool) -> str:
+    """The tally of every GPU, and that a CPU run judges none."""
+    lines = [f"- **{slug}**: **{r[HOLDS]} hold**, **{r[MAGNITUDE]} hold in direction but not in magnitude**, "
+             f"**{r[FAILS]} do not hold**" + (f", {r[UNDECIDED]} undecided" if r[UNDECIDED] else "")
+             + f", {r[NA]} not measurable" for slug, r in headline(table).iterrows()]
+    cpu = "\n\nThe CPU run (a small model, to check the pipeline) judges none of them." if on_cpu else ""
+    return (f"{len(CLAIMS)} claims on each GPU:\n\n" + ("\n".join(lines) or "- no GPU measured yet") + cpu
+            + "\n\nHover over a cell for the numbers; click a verdict in the legend to pick those cells out.")
+
+
+def claims_text(gpu_table: pd.DataFrame) -> str:
+    """Claim by claim: its text, scope, the paper's magnitude and card, its rule, every GPU's verdict and evidence."""
+    parts = []
+    for c in CLAIMS:
+        rows = gpu_table[gpu_table["claim_id"] == c.id]
+        about = f"*Scope:* {c.scope}" + (f"; *the paper's magnitude:* {c.band.said}" if c.band else "") + (
+            f"; *the paper's card:* {c.paper_card}" if c.paper_card else "")
+        parts.append(f"**{c.text}**\n\n{about}\n\n*Rule:* {c.rule}\n\n"
+                     + ("\n".join(f"- {r.gpu_slug}: **{r.verdict}**: {r.evidence}" for r in rows.itertuples())
+                        or "- no GPU measured yet"))
+    return "\n\n".join(parts)
+
+
+THRESHOLDS = {
+    "SPEEDUP_MIN": "a ratio of times, cycles or instructions that counts as a cut",
+    "CONV_DOMINANT": "convolution share of baseline's kernel time that counts as dominant",
+    "SHIFT_MIN": "smallest shift of kernel-time share that counts",
+    "TENSOR_NEAR": "tensor-pipe points within which use is 'near' the baseline",
+    "SM_DROP": "channels-last SM throughput at most this fraction of baseline's",
+    "SOURCE_RULES_MIN": "step share ncu's memory or scheduling rules must estimate recoverable",
+    "LAYOUT_MIN": "layout-conversion share of a paper configuration's step that counts",
+    "L1_LOW": "baseline L1 hit rate (%) under which cache residency is poor",
+    "TENSOR_LOW": "opt1 tensor-pipe use (% of peak) under which it is low",
+    "PEAK_FAR": "share of the card's roof under which a step 'does not reach peak'",
+    "MAGNITUDE_FACTOR": "'up to X' spans X / this to X × this",
+    "ABOUT_REL": "'~X' spans X within this relative difference",
+    "QUALITY_REL_ERR": "forward relative error tolerated against strict FP32",
+    "QUALITY_LOSS": "mean relative loss difference tolerated",
+}
+
+
+def thresholds() -> pd.DataFrame:
+    """The constants the rules use, with their values as they are now and what each means."""
+    return pd.DataFrame([{"constant": k, "value": globals()[k], "meaning": v} for k, v in THRESHOLDS.items()])
+
+
+def scopes() -> pd.DataFrame:
+    return pd.DataFrame([{"scope": k, "what it weighs": v} for k, v in SCOPES.items()])

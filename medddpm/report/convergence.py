@@ -400,6 +400,74 @@ def paired_chart(study: Study):
     return charts.paired_differences(paired(study), {m: METRICS[m][1].split(" (")[0] for m in METRICS})
 
 
+# ------------------------------------------------------------------------------------------ the page
+
+MARGIN_REASONS = {
+    "label_dice": "A twentieth of the score's scale; real subjects' own scores lie within about 0.02 of each other.",
+    "hist_w1": "In the images' [-1, 1] units: a seventh of the gap between the grey- and white-matter medians of the "
+               "embedded data, and less than real subjects' own intensity distances to the training images.",
+    "ms_ssim": "A twentieth of its scale, as for label_dice; a higher MS-SSIM means two samples of one map are more "
+               "alike, a model collapsing towards one volume, so higher counts as worse.",
+}
+
+
+def margins_text() -> str:
+    """Each score's equivalence margin with the reason it was set there."""
+    return "\n".join(f"- **{m}**: ±{MARGINS[m]:g}. {why}" for m, why in MARGIN_REASONS.items())
+
+
+def check_study(study: Study) -> None:
+    """A study's runs have known statuses, its scores lie in their ranges, a finished run skipped no negative number
+    of steps and sampled, and every decided comparison's mean lies in its interval."""
+    if study.empty:
+        return
+    assert set(study.runs["status"]) <= {"ok", "diverged", "error"}, study.runs["status"].unique()
+    ps = per_seed(study)
+    assert ps["label_dice"].dropna().between(0, 1).all() and (ps["hist_w1"].dropna() >= 0).all(), ps
+    assert ps["ms_ssim"].dropna().between(0, 1).all(), ps
+    ok = study.runs[study.runs["status"] == "ok"]
+    assert (ok["skipped_steps"] >= 0).all() and (ok["sample_steps"] > 0).all(), ok
+    decided = paired(study).dropna(subset=["low"])
+    assert ((decided["low"] <= decided["mean"]) & (decided["mean"] <= decided["high"])).all(), decided
+
+
+def status_text(study: Study, run: pd.DataFrame) -> str:
+    """Whether the study has run, on which devices, and which measured GPUs still lack one."""
+    missing = gpus_without_study(study, run)
+    where = " or ".join(f"`{g}`" for g in missing) or "any device"
+    lines = []
+    if study.empty:
+        lines.append(f"**The study has not been run on {where} yet**: there is no `data/<gpu>/convergence/` folder "
+                     "in the data, so this page has no loss curves, scores or samples to show. "
+                     "`python -m medddpm study` runs it (see [Reproduce](reproduce.md)).")
+    else:
+        if missing:
+            lines.append(f"**The study has not been run on {where} yet**: the other pages measure it, but no "
+                         "convergence study is in the data for it.")
+        shown = ", ".join(f"`{g}`" for g in study.gpus)
+        lines.append(f"Studies in the data: {shown}." + (" A `cpu` study is a smoke run at a tiny size and a few "
+                                                         "steps: its scores say nothing about quality."
+                                                         if "cpu" in study.gpus else ""))
+    return "\n\n".join(lines)
+
+
+def unfinished_text(study: Study) -> str:
+    """The study's runs that did not finish, with why ("" when all did)."""
+    failed = study.runs[study.runs["status"] != "ok"]
+    if failed.empty:
+        return ""
+    return "Runs that did not finish: " + "; ".join(
+        f"`{r.gpu_slug}/{r.config}` seed {r.seed}: {r.message}" for r in failed.itertuples()) + "."
+
+
+def verdicts_text(study: Study, run: pd.DataFrame) -> str:
+    """`verdict_text` of every GPU that ran the study, each with its configurations' main-run step times."""
+    ok = run[run["status"] == "ok"]
+    texts = [f"**{slug}.** " + verdict_text(study, slug, ok[ok["gpu_slug"] == slug].set_index("config")[
+        "train_median_ms"].dropna().to_dict()) for slug in study.gpus]
+    return "\n\n".join(texts) if texts else "No verdict: the study has not been run."
+
+
 # ------------------------------------------------------------------------------------------- gallery
 
 

@@ -74,6 +74,14 @@ def ncu_coverage(data: Data) -> pd.DataFrame:
     return _sort(pd.DataFrame(rows, columns=["gpu_slug", "config", "selected", "profiled", "launches"]))
 
 
+def ncu_sections() -> tuple[str, ...]:
+    """The Nsight Compute sections every counters pass collects (`medddpm.measure.ncu.SECTIONS`), for the
+    methodology page to list."""
+    from medddpm.measure import ncu
+
+    return tuple(ncu.SECTIONS)
+
+
 def uncounted_runs(data: Data) -> pd.DataFrame:
     """GPU runs measured (status ok) that have no counters at all: `ncu_coverage` cannot list them."""
     r = data.run
@@ -223,3 +231,125 @@ def ncu_priorities(data: Data, n: int = 10) -> pd.DataFrame:
     out = pd.concat(parts, ignore_index=True)
     out["kernel"] = out["kernel"].str.slice(0, 160)
     return _sort(out, "priority")
+
+
+# ------------------------------------------------------------------------------------------ the page
+
+PERCENT_COLUMNS = ("tensor_pipe_pct", "l1_hit_pct", "l2_hit_pct", "dram_throughput_pct", "sm_throughput_pct")
+COVERAGE_FLOOR = 0.8  # a run's counters that stand for less of its step than this are named on the page
+
+
+def check_counters(counters: pd.DataFrame) -> None:
+    """Step-weighted percentages lie within 0-100 (half a point of slack for rounding in Nsight Compute)."""
+    for col in PERCENT_COLUMNS:
+        if col in counters:
+            v = counters[col].dropna()
+            assert ((v >= 0) & (v <= 100.5)).all(), (col, v.tolist())
+
+
+def counters_text(data: Data, counters: pd.DataFrame) -> str:
+    """What the counters stand for and how they are weighted; where the data holds none, why and how to get them."""
+    if data.ncu.empty:
+        gpus = sorted(set(data.run.loc[data.run["gpu_name"] != "cpu", "gpu_slug"]))
+        return ("**These figures need a GPU run.** The data holds no `ncu.parquet`: "
+                + ("no GPU has been measured with the pipeline yet" if not gpus else
+                   f"the GPU runs ({', '.join(gpus)}) have no Nsight Compute table")
+                + ". Hardware counters exist only on an NVIDIA GPU with Nsight Compute (`ncu`) on the path; run "
+                "`python -m medddpm sweep --preset paper` there, and every chart on this page fills in with no edit. "
+                "Until then each chart below says that it has nothing to draw.")
+    return (f"Counters for {counters['gpu_slug'].nunique()} GPU(s) and {len(counters)} runs, over "
+            f"{int(counters['kernels'].sum())} profiled kernel launches. Nsight Compute profiles a sample of each "
+            "step's launches, and two runs' samples differ, so no figure here averages the profiled launches. "
+            "A rate (tensor-pipe use, hit rates, throughputs, stalls) weights each kernel of the step by its share "
+            "of the step's kernel time in the torch.profiler table, with the kernel's own rate from the launches "
+            "that stand for it; a count (instructions) is each kernel's count per launch times its launches a "
+            "step. Kernels without counters are left out of both, and the share of the step that has counters "
+            "is in the table below.")
+
+
+def coverage_text(data: Data, cov: pd.DataFrame) -> str:
+    """What share of each run's step the counters stand for: the runs short of `COVERAGE_FLOOR` and why that
+    happens, and the GPU runs with no counters at all."""
+    short = cov[cov["profiled"] < COVERAGE_FLOOR - 1e-9]
+    text = ("What the counters stand for, as a share of each run's kernel time: the kernels chosen for Nsight "
+            "Compute (from the profiler's table, longest launches first, to the share the run asked for), and "
+            "those it actually profiled. "
+            + (f"Every run's counters cover at least {COVERAGE_FLOOR:.0%}." if short.empty else
+               f"Short of {COVERAGE_FLOOR:.0%}: "
+               + ", ".join(f"`{r.gpu_slug}/{r.config}` {r.profiled:.2%}" for r in short.itertuples())
+               + ". A chosen kernel that ncu never saw is usually a cuDNN convolution of the backward pass: "
+               "ncu names cuDNN's launches after the launch before them, so its name filters lose them, and "
+               "they are profiled in a pass of their own, every launch in order, as far as the time allows. "
+               "Read these runs' figures as those of the kernels profiled, not of the whole step; "
+               "`python -m medddpm counters RUN_DIR` takes a run's counters again without timing it again "
+               "(with `--merge` it adds to the counters a run has, going on where their library pass stopped)."))
+    none = uncounted_runs(data)
+    if not none.empty:
+        text += ("\n\nNo counters yet: " + ", ".join(f"`{r.gpu_slug}/{r.config}`" for r in none.itertuples())
+                 + " (`python -m medddpm counters RUN_DIR` on that GPU).")
+    return text
+
+
+COVERAGE_COLUMNS = {"gpu_slug": "GPU", "config": "configuration", "selected": "chosen for ncu", "profiled": "profiled",
+                    "launches": "profiled launches"}
+
+
+def top_savings(prio: pd.DataFrame) -> pd.DataFrame:
+    """The largest estimated saving of each run (`ncu_priorities`): the rule and its kernel, the kernel's share of
+    the step times the rule's estimated speedup, in the page's column names."""
+    top = _sort(prio.sort_values("priority", ascending=False).groupby(["gpu_slug", "config"]).head(1))
+    top = top.assign(what=top["rule"] + " on " + top["kernel"].str.slice(0, 40) + "…",
+                     how=[f"{a:.0%}\u00a0×\u00a0{b:.0f}%" for a, b in zip(top["share"], top["speedup_pct"])])
+    return top[["gpu_slug", "config", "priority", "how", "what"]].rename(
+        columns={"gpu_slug": "GPU", "config": "configuration", "priority": "saving, of step",
+                 "how": "share × speedup", "what": "rule, on kernel"})
+
+
+def roofs_text(roofs: pd.DataFrame) -> str:
+    """Which cards' roofs are measured and which are their datasheet's."""
+    unmeasured = sorted(set(roofs.loc[roofs["source"] != "measured", "gpu_slug"]))
+    return ("The roofs in use, per card: "
+            + ("every one measured." if not unmeasured else
+               f"{', '.join(f'**{s}**' for s in unmeasured)} has no measurement of some or all of them yet (no "
+               "`roofs.parquet` beside its runs), so those roofs are its datasheet's, the silicon's limit at its boost "
+               "clock, above what a program reaches (`python -m medddpm roofs` measures them on the card)."))
+
+
+def roofs_in_use(roofs: pd.DataFrame) -> pd.DataFrame:
+    """`roofs.roofs_view` as the page shows it: each roof's value with its unit, source, the datasheet's value and
+    the measured share of it."""
+    t = roofs.assign(shown=[f"{v / 1e12:.3g} {'TB/s' if u == 'byte/s' else 'TFLOP/s'}"
+                            for v, u in zip(roofs["value"], roofs["unit"])],
+                     sheet=[f"{v / 1e12:.3g}" if pd.notna(v) else "-" for v in roofs["datasheet"]],
+                     share=[f"{v:.0%}" if pd.notna(v) else "-" for v in roofs["of_datasheet"]])
+    return t[["gpu_slug", "what", "shown", "source", "sheet", "share"]].rename(columns={
+        "gpu_slug": "GPU", "what": "roof", "shown": "value", "sheet": "datasheet (same unit)",
+        "share": "measured / datasheet"})
+
+
+def roof_sources_text(roofs: pd.DataFrame) -> str:
+    said = roofs.drop_duplicates(["gpu_slug", "detail"])
+    return "Sources: " + "; ".join(f"**{r.gpu_slug}**, {r.source}: {r.detail}" for r in said.itertuples()) + "."
+
+
+FLOP_CLOSE = 0.05  # a counted layer within 5% of its arithmetic counts right
+
+
+def flop_check_text(check: pd.DataFrame) -> str:
+    """How many layer directions count within `FLOP_CLOSE` of their arithmetic, how many count less (which the
+    count cannot explain), and why a kernel may count more."""
+    close = check[(check["ratio"] - 1).abs() <= FLOP_CLOSE]
+    low = check[check["ratio"] < 1 - FLOP_CLOSE]
+    return (f"{len(close)} of {len(check)} layer directions count within {FLOP_CLOSE:.0%} of the layer's FLOPs"
+            + (f"; {len(low)} count less, which the count cannot explain and which makes its FLOP figures suspect"
+               if len(low) else "") + ". A kernel counted higher executes more arithmetic than its layer needs (a "
+            "tensor-core tile of 64 channels over a layer of 1 or 4 computes the padding too; some CUDA-core "
+            "weight-gradient engines execute more FMAs than the gradient has): the count is of what ran, not of "
+            "what the layer asked for. The longest three of each run and unit:")
+
+
+def flop_check_table(check: pd.DataFrame, n: int = 3) -> pd.DataFrame:
+    """The `n` longest layer directions of each run and unit, their counted FLOPs over the layer's."""
+    big = check.sort_values("duration_ns", ascending=False).groupby(["gpu_slug", "config", "math"]).head(n)
+    return big[["gpu_slug", "config", "layer", "direction", "math", "ratio"]].rename(columns={
+        "gpu_slug": "GPU", "config": "configuration", "math": "math ran on", "ratio": "counted / layer FLOPs"})

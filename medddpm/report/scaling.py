@@ -7,6 +7,8 @@ import math
 import pandas as pd
 
 from medddpm.report.loading import _sort
+from medddpm.report.tables import cpu_rows
+
 
 def scaling_summary(df: pd.DataFrame) -> pd.DataFrame:
     """Per GPU, configuration and world size: the median step (`step_median_ms`: each step as long as its
@@ -28,3 +30,58 @@ def scaling_summary(df: pd.DataFrame) -> pd.DataFrame:
     out["ideal_samples_per_s"] = base * out["world_size"]
     out["efficiency"] = out["samples_per_s"] / out["ideal_samples_per_s"]
     return _sort(out[cols], "world_size")
+
+
+# ------------------------------------------------------------------------------------------ the page
+
+SCALING_COLUMNS = {"gpu_slug": "device", "config": "configuration", "world_size": "ranks",
+                   "step_median_ms": "median step (ms, slowest rank)", "samples_per_s": "samples/s"}
+SCALING_FORMATS = {"median step (ms, slowest rank)": "{:.4g}", "samples/s": "{:.3g}", "efficiency": "{:.0%}"}
+
+
+def check_scaling(summary: pd.DataFrame) -> None:
+    """Throughputs are positive, each world size's fastest rank is no slower than its slowest, and one rank is
+    100% efficient against itself."""
+    if summary.empty:
+        return
+    assert (summary["samples_per_s"] > 0).all() and (summary["rank_min_ms"] <= summary["rank_max_ms"]).all(), summary
+    assert (summary.loc[summary["world_size"] == 1, "efficiency"].dropna().round(9) == 1).all(), summary
+
+
+def scaling_on_cpu(summary: pd.DataFrame, cpus: set[str]) -> pd.Series:
+    """Which rows of `scaling_summary` ran on a CPU: a device the runs name a CPU, or a label that looks like one."""
+    return cpu_rows(summary, cpus) if len(summary) else pd.Series(dtype=bool)
+
+
+def cpu_only_text(summary: pd.DataFrame) -> str:
+    """That the page holds CPU runs only, which ones, and the command that measures GPUs."""
+    runs = summary.groupby(["gpu_slug", "config", "backend"], sort=False)["world_size"].max()
+    return ("**This page holds no GPU measurement yet**: only "
+            + "; ".join(f"a CPU run (`{slug}`, `{config}`, {backend}, up to {n} ranks)"
+                        for (slug, config, backend), n in runs.items())
+            + ", which checks that the data-parallel code runs and shows how a host shares its cores among processes. "
+            "How GPUs scale is still to be measured (`python -m medddpm scale --config sdpa --world-sizes 1,2,4 "
+            "--preset paper` on a machine with several GPUs); this page fills in with no edit.")
+
+
+def ranks_text(rows: pd.DataFrame) -> str:
+    """Per device and configuration: the throughput and efficiency at its largest world size, and the spread of its
+    ranks' median step times there."""
+    lines = []
+    for (slug, config), g in rows.groupby(["gpu_slug", "config"], sort=False):
+        best = g.loc[g["world_size"].idxmax()]
+        eff = f", {best['efficiency']:.0%} efficiency" if pd.notna(best["efficiency"]) else ""
+        lines.append(f"- `{slug}` / `{config}` ({best['backend']}): {best['samples_per_s']:.3g} samples/s on "
+                     f"{int(best['world_size'])} ranks{eff}; its ranks' median step times "
+                     f"{best['rank_min_ms']:.4g}-{best['rank_max_ms']:.4g} ms.")
+    return "\n".join(lines)
+
+
+def scaling_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """`scaling_summary` rows as the page shows them (`SCALING_COLUMNS`; format them with `SCALING_FORMATS`)."""
+    return rows.drop(columns=["ideal_samples_per_s", "rank_min_ms", "rank_max_ms"]).rename(columns=SCALING_COLUMNS)
+
+
+NO_RUNS = ("**No scaling runs in the data yet.** Run `python -m medddpm scale --config sdpa --world-sizes 1,2,4 "
+           "--preset paper` on a machine with that many GPUs (or `--device cpu` for gloo processes), and this page "
+           "fills in with no edit.")

@@ -157,3 +157,99 @@ def headline(run: pd.DataFrame) -> pd.DataFrame:
                          "lo": b["train_p10_ms"] / r["train_p90_ms"], "hi": b["train_p90_ms"] / r["train_p10_ms"]})
     out = pd.DataFrame(rows, columns=cols)
     return _sort(out) if len(out) else out
+
+
+# ------------------------------------------------------------------------------------------ the page
+
+SUMMARY_COLUMNS = {"gpu_slug": "device", "config": "configuration", "precision_used": "precision ran",
+                   "train_median_ms": "median ms", "train_p10_ms": "p10 ms", "train_p90_ms": "p90 ms",
+                   "speedup": "speedup (x)", "achieved_tflops": "TFLOP/s"}
+BENCH_COLUMNS = {"gpu_slug": "device", "config": "configuration", "ours_ms": "ours, ms",
+                 "reference_ms": "reference, ms", "ours_faster": "ours against the reference", "runs": "bench runs",
+                 "steps": "timed steps"}
+BENCH_APART = 0.10  # a bench timing this far from the sweep's times the configuration as it was defined then
+
+
+def check(data: Data, summary: pd.DataFrame) -> None:
+    """The step-time page's numbers are sane: some run finished, every speedup is positive and finite, each
+    median lies in its p10-p90 spread and is the median of the run's timed steps in steps.parquet, and every
+    projected cost is positive."""
+    assert len(summary), "no finished run under data/"
+    check_speedups(speedups(data.run))
+    check_medians(data)
+    assert (summary["train_p10_ms"] <= summary["train_median_ms"]).all(), summary
+    assert (summary["train_median_ms"] <= summary["train_p90_ms"]).all(), summary
+    assert (summary["gpu_hours_100k"] > 0).all(), summary
+    assert (summary["sample_s"].dropna() > 0).all(), summary
+
+
+def _cpu(slug: str, cpus: set[str], what: str = "CPU smoke runs") -> str:
+    return f" ({what})" if slug in cpus else ""
+
+
+def fastest_text(summary: pd.DataFrame, cpus: set[str]) -> str:
+    """Per device: its fastest configuration, against the baseline where there is one, and the widest spread."""
+    lines = []
+    for slug, g in summary.groupby("gpu_slug", sort=False):  # GPUs first
+        g = g.set_index("config")
+        best = g["train_median_ms"].idxmin()
+        line = (f"- **{slug}**{_cpu(slug, cpus)} ({g['preset'].iloc[0]}, {g['size'].iloc[0]}³): fastest is `{best}` "
+                f"at {g.loc[best, 'train_median_ms']:.4g} ms")
+        if "baseline" in g.index:
+            line += (f", {g.loc[best, 'speedup']:.2f}x the strict-FP32 baseline "
+                     f"({g.loc['baseline', 'train_median_ms']:.4g} ms)")
+        spread = ((g["train_p90_ms"] - g["train_p10_ms"]) / g["train_median_ms"]).max()
+        lines.append(line + f"; the widest p10-p90 spread is {spread:.0%} of its median.")
+    return "\n".join(lines)
+
+
+def cost_text(summary: pd.DataFrame, cpus: set[str]) -> str:
+    """Per device: the device-hours and energy of 100k steps, cheapest and dearest, and one full sample's time."""
+    lines = []
+    for slug, g in summary.groupby("gpu_slug", sort=False):  # GPUs first
+        g = g.set_index("config")
+        fast, slow = g["gpu_hours_100k"].idxmin(), g["gpu_hours_100k"].idxmax()
+        line = (f"- **{slug}**{_cpu(slug, cpus)}: 100k steps take {g.loc[fast, 'gpu_hours_100k']:.3g} device-hours "
+                f"with `{fast}` and {g.loc[slow, 'gpu_hours_100k']:.3g} with `{slow}`")
+        if g["energy_100k_kwh"].notna().any():
+            e = g["energy_100k_kwh"].dropna()
+            line += f"; energy {e.min():.3g} to {e.max():.3g} kWh"
+        s = g["sample_s"].dropna()
+        if len(s):
+            fast = s.idxmin()
+            line += (f"; one full sample takes {s.min():.3g} s (`{fast}`) to {s.max():.3g} s (`{s.idxmax()}`) once "
+                     f"compiled, {g.loc[fast, 'sample_step_median_ms']:.3g} ms or more per denoising step")
+            if g.loc[fast, "compile"] and pd.notna(g.loc[fast, "sample_total_s"]):
+                line += f" (the first sample of a process, which compiles, took {g.loc[fast, 'sample_total_s']:.3g} s)"
+        lines.append(line + ".")
+    return "\n".join(lines)
+
+
+def faster_text(v: float) -> str:
+    """`bench_table`'s `ours_faster` in words: '3.1% faster', '2.0% slower', '-' where the reference was not timed."""
+    return "-" if pd.isna(v) else f"{abs(v):.1%} {'faster' if v >= 0 else 'slower'}"
+
+
+def check_bench(bt: pd.DataFrame) -> None:
+    """Ours and the reference implement the same model: where both were timed, within a factor of 1.5."""
+    both = bt.dropna(subset=["reference_ms"])
+    assert both["ours_faster"].abs().lt(0.5).all(), both
+
+
+def bench_text(bt: pd.DataFrame, summary: pd.DataFrame) -> str:
+    """Ours against the reference for each configuration timed in both, and the bench timings that lie more than
+    `BENCH_APART` from the sweep's (a bench run times a configuration as defined when it ran; the sweep's rows are
+    what the other pages use)."""
+    both = bt.dropna(subset=["reference_ms"])
+    lines = [f"- **{r.gpu_slug}, `{r.config}`**: ours {r.ours_ms:.4g} ms, the reference {r.reference_ms:.4g} ms: "
+             f"ours is {faster_text(r.ours_faster)}." for r in both.itertuples()]
+    sweep = summary.set_index(["gpu_slug", "config"])["train_median_ms"]
+    apart = [(r, sweep[(r.gpu_slug, r.config)]) for r in bt.itertuples() if (r.gpu_slug, r.config) in sweep.index
+             and abs(r.ours_ms / sweep[(r.gpu_slug, r.config)] - 1) > BENCH_APART]
+    text = "\n".join(lines) if lines else "No configuration was timed in both implementations."
+    if apart:
+        text += ("\n\nA bench run times a configuration as it was defined when the run was made; these differ from the "
+                 f"sweep by more than {BENCH_APART:.0%}: " + ", ".join(
+                     f"`{r.config}` on {r.gpu_slug} ({r.ours_ms:.4g} ms in the bench, {ms:.4g} ms in the sweep)"
+                     for r, ms in apart) + ". The sweep's times are the ones every other page uses.")
+    return text

@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from medddpm import report as bd
+from medddpm import report
 from medddpm.configs import Config, set_precision_flags
 from medddpm.train.timing import summarize, time_steps
 
@@ -96,7 +96,7 @@ def conv_precision(*, channels: int | None = None, size: int | None = None, devi
 PRECISION_CONFIGS = {"baseline": "fp32", "opt1": "tf32", "bf16": "bf16"}  # one configuration per math mode
 
 
-def precision_step_times(data: bd.Data) -> pd.DataFrame:
+def precision_step_times(data: report.Data) -> pd.DataFrame:
     """Median training micro-step time of strict FP32, TF32 and bf16 (the configurations baseline,
     opt1 and bf16) on every device in the data: the sweep's where it ran, else the bench timings'."""
     ok = data.ok
@@ -151,7 +151,7 @@ def layout_share(kernels: pd.DataFrame) -> pd.DataFrame:
         lambda d: pd.Series({"layout_share": d.loc[d["layout"], "share"].sum(),
                              "layout_calls_per_step": d.loc[d["layout"], "cps"].sum(),
                              "device_type": d["device_type"].iloc[0]}), include_groups=False)
-    return bd._sort(g)
+    return report._sort(g)
 
 
 def profile_conv_layouts(*, channels: int | None = None, size: int | None = None, device=None,
@@ -229,7 +229,7 @@ def stall_table(ncu_df: pd.DataFrame, *, top: int = 8) -> pd.DataFrame:
     time: stall cycles per issued instruction by reason, their sum, the dominant reason and a reading."""
     from medddpm.measure.kernels import categorize, short_name
 
-    k = bd.ncu_kernels(ncu_df)
+    k = report.ncu_kernels(ncu_df)
     stalls = [c for c in k.columns if c.startswith("stall_")]
     cols = ["gpu_slug", "config", "kernel", "category", "launches", "profiled_ms", "warp_cycles_per_inst",
             "sum_of_stalls", "dominant", "dominant_cycles", "dram_throughput_pct", "achieved_occupancy_pct",
@@ -268,7 +268,7 @@ def stall_table(ncu_df: pd.DataFrame, *, top: int = 8) -> pd.DataFrame:
 # ---------------------------------------------------------------------------------------- cost
 
 
-def efficiencies(data: bd.Data) -> pd.DataFrame:
+def efficiencies(data: report.Data) -> pd.DataFrame:
     """Per GPU with known peaks (its measured roofs, else its datasheet's: `roofs.peaks_of`) and precision measured
     there: achieved TFLOP/s of a training micro-step (strict FP32 = the baseline; TF32 = opt1; bf16 = the bf16
     configuration; fp16 = the fp16 one), from the sweep, else from the bench timings, and the fraction of the peak
@@ -277,7 +277,7 @@ def efficiencies(data: bd.Data) -> pd.DataFrame:
     rows = []
     slugs = sorted(set(run["gpu_slug"]) | (set(data.bench["gpu_slug"]) if not data.bench.empty else set()))
     for slug in slugs:
-        for precision, (peak, source) in bd.peaks_of(slug, run, data.roofs).items():
+        for precision, (peak, source) in report.peaks_of(slug, run, data.roofs).items():
             config = {"fp32": "baseline", "tf32": "opt1", "bf16": "bf16", "fp16": "fp16"}[precision]
             r = run[(run["gpu_slug"] == slug) & (run["config"] == config)]
             if len(r):
@@ -311,7 +311,7 @@ def efficiencies(data: bd.Data) -> pd.DataFrame:
 
 
 def gpu_hours(*, flops_per_step: float, peak_flops: float, efficiency: float,
-              micro_steps: int = bd.REFERENCE_STEPS * bd.REFERENCE_ACCUM) -> float:
+              micro_steps: int = report.REFERENCE_STEPS * report.REFERENCE_ACCUM) -> float:
     """Device hours for `micro_steps` training micro-steps at `efficiency` x `peak_flops`."""
     if not (peak_flops > 0 and 0 < efficiency <= 1 and flops_per_step > 0):
         raise ValueError(f"need peak > 0, 0 < efficiency <= 1, flops > 0; got {peak_flops}, {efficiency}, "
@@ -337,3 +337,144 @@ def matmul_tflops(*, device=None, dtype: torch.dtype = torch.float32, n: int | N
         if saved is not None:
             torch.backends.cuda.matmul.fp32_precision = saved
     return 2 * n ** 3 / (summarize(timing["step_ms"])["median"] / 1e3) / 1e12
+
+
+# ------------------------------------------------------------------------------------ the page's answers
+
+def gpus_in(data: report.Data) -> list[str]:
+    """The GPUs the data holds: swept ones (their runs are not a CPU's) and those with bench timings only."""
+    return sorted(set(data.run.loc[data.run["gpu_name"] != "cpu", "gpu_slug"]) | set(data.bench["gpu_slug"]))
+
+
+def precision_text(prec: pd.DataFrame, device: torch.device) -> str:
+    """Exercise 1's answer on this device: each mode's error in units of its own roundoff, and its time against
+    strict FP32's."""
+    p = prec.set_index("mode")
+    ratio = p["rel_err"] / p["unit_roundoff"]
+    a = prec.attrs
+    reduced = [m for m in p.index if m != "fp32"]
+    lines = [f"- **Error.** Strict FP32 is off by {ratio['fp32']:.2g} u: its inputs are exact, and the error is the "
+             f"rounding of {27 * a['channels']:,} products and their sum in FP32, which partly cancels. "
+             + "; ".join(f"{m} is off by {ratio[m]:.2g} u of its own format" for m in reduced)
+             + ": rounding the inputs to the narrower format sets the error, and the FP32 accumulation adds little "
+               "to it."]
+    for mode in reduced:
+        speed = p.loc["fp32", "conv_median_ms"] / p.loc[mode, "conv_median_ms"]
+        lines.append(f"- **Time, {mode}.** {p.loc[mode, 'conv_median_ms']:.3g} ms against "
+                     f"{p.loc['fp32', 'conv_median_ms']:.3g} ms for strict FP32 on {a['device']} ({a['channels']} "
+                     f"channels, {a['size']}³): "
+                     + (f"{speed:.2f}x faster." if speed >= 1 else f"{1 / speed:.2f}x slower."))
+    if torch.device(device).type == "cpu":
+        lines.append("- On a CPU, bf16 is fast only where the processor has bf16 instructions (oneDNN uses them), "
+                     "and a shared CPU times noisily: run the cell again and compare.")
+    return "\n".join(lines)
+
+
+def step_speedup_text(gpu_steps: pd.DataFrame) -> str:
+    """Per GPU: how much faster TF32 and bf16 make the whole step than strict FP32, and why less than the
+    convolutions alone."""
+    lines = []
+    for slug, g in gpu_steps.groupby("gpu_slug"):
+        g = g.set_index("config")
+        for config, label in (("opt1", "TF32"), ("bf16", "bf16")):
+            if config in g.index and "baseline" in g.index and g.loc[config, "ran_as"] == PRECISION_CONFIGS[config]:
+                lines.append(f"- **{slug}**: {label} makes the step {g.loc[config, 'speedup_vs_fp32']:.2f}x faster "
+                             f"than strict FP32 ({g.loc[config, 'train_median_ms']:.4g} vs "
+                             f"{g.loc['baseline', 'train_median_ms']:.4g} ms).")
+    if not lines:
+        return "The data holds no GPU step with both strict FP32 and a faster mode yet."
+    return ("\n".join(lines) + "\n\nOn the GPU, strict FP32 convolutions run on the FMA pipes and TF32 or bf16 ones "
+            "on tensor cores, a different unit with several times the throughput. The step gains less than its "
+            "convolutions do, because its normalization, element-wise and layout kernels (exercise 2) run on neither.")
+
+
+def layout_text(kernels: pd.DataFrame, gpu_layout: pd.DataFrame) -> str:
+    """Exercise 2's answer in the committed profiles: each GPU run's layout share, launches and largest layout
+    kernels, and whether cuDNN converts layouts around its tensor-core convolutions."""
+    if gpu_layout.empty:
+        return ("The data holds no GPU kernel profile yet: only aten operators on a CPU, where `copy_` and friends "
+                "are the layout work.")
+    lines = []
+    for r in gpu_layout.sort_values("layout_share", ascending=False).itertuples():
+        k = kernels[(kernels["run_id"] == r.run_id) & (kernels["category"] == "layout")]
+        top = (k.assign(us=k["total_us"] / k["steps"].clip(lower=1)).groupby("short_name")["us"].sum()
+               .sort_values(ascending=False))
+        assert len(top), r
+        lines.append(f"- **{r.gpu_slug}** `{r.config}`: {r.layout_share:.0%} of the kernel time, "
+                     f"{r.layout_calls_per_step:.0f} launches per step; largest: "
+                     + ", ".join(f"`{n}` ({us / 1e3:.2f} ms per step)" for n, us in top.head(3).items()) + ".")
+    names = " ".join(kernels.loc[kernels["device_type"] == "cuda", "kernel"])
+    cudnn = "nchwToNhwc" in names or "nhwcToNchw" in names
+    return "\n".join(lines) + (
+        "\n\nThese runs keep the model in NCDHW, yet their profiles hold cuDNN's `nchwToNhwcKernel` and "
+        "`nhwcToNchwKernel`: cuDNN converts the tensors to channels-last around its tensor-core convolutions "
+        "and back after them, on every call." if cudnn else "")
+
+
+def pairs_text(pairs: pd.DataFrame, gpus: list[str]) -> str:
+    """Each channels-last run's layout share against its partner's, and the GPUs with no such pair yet."""
+    lines = [f"- **{r.gpu_slug}**: `{r.channels_last}` {r.cl_share:.1%} against `{r.partner}` {r.partner_share:.1%} "
+             f"({(r.cl_share - r.partner_share) * 100:+.1f} points)" for r in pairs.dropna().itertuples()]
+    missing = [g for g in gpus if g not in set(pairs["gpu_slug"])]
+    if missing:
+        lines.append(f"- {', '.join(missing)}: no channels-last profile with a partner in the data yet "
+                     "(`python -m medddpm sweep --preset paper --configs paper` measures opt2 and opt12).")
+    return ("\n".join(lines) + "\n\nThe paper saw channels-last *move* time into small element-wise and layout "
+            "kernels rather than remove it: compare the layout share of each pair above, and the kernel names in its "
+            "channels-last profile.")
+
+
+def check_stalls(st: pd.DataFrame) -> None:
+    """Stall cycles are never negative, and the reasons add up to the cycles per issued instruction (Nsight
+    Compute's own identity), within 15%."""
+    stall_cols = [c for c in st.columns if c.startswith("stall_")]
+    assert (st[stall_cols].fillna(0) >= 0).all().all(), st
+    both = st.dropna(subset=["warp_cycles_per_inst"])
+    assert np.allclose(both["sum_of_stalls"], both["warp_cycles_per_inst"], rtol=0.15), both[
+        ["kernel", "sum_of_stalls"]]
+
+
+def stalls_text(st: pd.DataFrame) -> str:
+    """Exercise 3's answer: each kernel's dominant stall and reading, which columns tell latency from bandwidth,
+    and which kernels more thread blocks would help."""
+    lines = [f"- `{r.kernel}` ({r.gpu_slug} `{r.config}`, {r.profiled_ms:.2f} ms profiled): "
+             f"{r.dominant.replace('_', ' ')} {r.dominant_cycles:.1f} of {r.warp_cycles_per_inst:.1f} cycles; "
+             f"DRAM {r.dram_throughput_pct:.0f}%, occupancy {r.achieved_occupancy_pct:.0f}%: *{r.reading}*."
+             for r in st.itertuples()]
+    latency = st[st["reading"].str.startswith("latency-bound")]
+    bandwidth = st[st["reading"].str.startswith("bandwidth-bound")]
+    text = "\n".join(lines) + (
+        f"\n\nDRAM throughput and achieved occupancy tell the two apart (rule of thumb: DRAM at least "
+        f"{BANDWIDTH_BOUND_DRAM:.0f}% is bandwidth-bound; occupancy under {LOW_OCCUPANCY:.0f}% with DRAM idle is "
+        "latency-bound). ")
+    if len(latency):
+        text += ("More thread blocks would help the latency-bound ones: "
+                 + ", ".join(f"`{k}`" for k in latency["kernel"].unique())
+                 + ". Their warps wait on memory that is mostly idle, because there are too few of them to cover its "
+                   "latency. ")
+        if (latency["category"] == "normalization").any():
+            text += ("PyTorch's GroupNorm statistics kernels launch one block per (sample, group): 32 blocks at "
+                     "batch 1 with 32 groups, fewer than the GPU has SMs (132 on an H200). ")
+    if len(bandwidth):
+        text += ("The bandwidth-bound ones (" + ", ".join(f"`{k}`" for k in bandwidth["kernel"].unique())
+                 + ") would not get faster with more blocks, only with fewer bytes: fusion, or a smaller dtype.")
+    return text
+
+
+def estimates_text(estimates: pd.DataFrame) -> str:
+    """Exercise 4's estimates in hours and days, and the weakest assumption behind them."""
+    e = estimates.set_index("GPU")["estimated hours"]
+    return ("- " + "; ".join(f"**{g}**: {h:,.0f} h ({h / 24:.1f} days)" for g, h in e.items()) + ".\n"
+            "- The weakest assumption is that the efficiency carries over. It is a property of the GPU as much as of "
+            "the model: the memory-bound kernels of a step (exercise 3) follow memory bandwidth, not the FLOP peak, "
+            "and the ratio of the two, the cache sizes and the convolution kernels cuDNN has differ from one GPU to "
+            "the next. The estimate is a first guess, to check against one measured step on the new GPU.")
+
+
+def here_text(here: pd.DataFrame, device: torch.device) -> str:
+    """What the reference's training would take on the device that runs the page, at the measured matmul rate."""
+    r = here.iloc[0]
+    hours = r["estimated hours here"]
+    return (f"At {r['matmul TFLOP/s here']:.3g} TFLOP/s ({r['precision']}), 100,000 optimizer steps would take about "
+            f"{hours:,.0f} hours here ({hours / 24 / 365:.2g} years)"
+            + (": the reason this model trains on GPUs." if torch.device(device).type == "cpu" else "."))

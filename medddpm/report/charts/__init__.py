@@ -32,10 +32,10 @@ from medddpm.report.charts.theme import (  # noqa: E402
     distinct_colors, duration_text, figure, gpu_rows, is_cpu, live_notebook, log_axis, parts_color, setup, table, title,
     top_parts, unit_of, with_unit)
 from medddpm.report.charts.timing import (  # noqa: E402
-    ABLATION_COLORS, COST_METRICS, ablation, bench, cost, gpu_busy, scaling, speedup, step_time)
+    ABLATION_COLORS, COST_METRICS, ablation, bench, cost, gpu_busy, headline, scaling, speedup, step_time)
 from medddpm.report.charts.kernels import PASS_METRICS, category_shares, pass_split, top_kernels  # noqa: E402
 from medddpm.report.charts.counters import (  # noqa: E402
-    MEMORY_METRICS, instruction_mix, memory, priorities, roofline, stalls, tensor_pipe)
+    MEMORY_METRICS, instruction_mix, kernel_stalls, memory, priorities, roofline, stalls, tensor_pipe)
 from medddpm.report.charts.cards import card_steps, category_ratios  # noqa: E402
 from medddpm.report.charts.device_memory import (  # noqa: E402
     FIT_COLORS, _model_param, card_label, memory_fits, memory_peaks, switch_costs)
@@ -49,11 +49,13 @@ __all__ = [
     "distinct_colors", "duration_text", "figure", "gpu_rows", "is_cpu", "live_notebook", "log_axis", "parts_color", "setup",
     "table", "title", "top_parts", "unit_of", "with_unit",
     # step time and what it buys
-    "ABLATION_COLORS", "COST_METRICS", "ablation", "bench", "cost", "gpu_busy", "scaling", "speedup", "step_time",
+    "ABLATION_COLORS", "COST_METRICS", "ablation", "bench", "cost", "gpu_busy", "headline", "scaling", "speedup",
+    "step_time",
     # kernels
     "PASS_METRICS", "category_shares", "pass_split", "top_kernels",
     # counters
-    "MEMORY_METRICS", "instruction_mix", "memory", "priorities", "roofline", "stalls", "tensor_pipe",
+    "MEMORY_METRICS", "instruction_mix", "kernel_stalls", "memory", "priorities", "roofline", "stalls",
+    "tensor_pipe",
     # cards against each other
     "card_steps", "category_ratios",
     # device memory

@@ -151,6 +151,25 @@ def stalls(counters: pd.DataFrame, *, cpu: bool = False) -> alt.Chart:
 
 
 @figure
+def kernel_stalls(st: pd.DataFrame, min_cycles: float = 0.05) -> alt.Chart:
+    """The workshop's stall breakdown (`workshop.stall_table`): a bar per kernel of a run, its stall cycles per issued
+    instruction stacked by reason (those above `min_cycles`), the largest profiled kernels first; GPU dropdown."""
+    long = st.melt(id_vars=["gpu_slug", "config", "kernel", "profiled_ms"],
+                   value_vars=[c for c in st.columns if c.startswith("stall_")], var_name="reason", value_name="cycles")
+    long = _light(long.dropna().assign(reason=lambda d: d["reason"].str.removeprefix("stall_"),
+                                       row=lambda d: d["config"] + " · " + d["kernel"].str.slice(0, 44)))
+    long = long[long["cycles"] > min_cycles]
+    gpu = _gpu_param(long)
+    return alt.Chart(long).transform_filter(alt.datum.gpu_slug == gpu).mark_bar().encode(
+        y=alt.Y("row:N", title=None, sort=alt.EncodingSortField("profiled_ms", order="descending")),
+        x=alt.X("cycles:Q", title="stall cycles per issued instruction"),
+        color=alt.Color("reason:N", scale=alt.Scale(scheme="tableau20"),
+                        legend=alt.Legend(orient="bottom", columns=5, title="reason")),
+        tooltip=["config:N", "kernel:N", "reason:N", alt.Tooltip("cycles:Q", format=".3g")],
+    ).add_params(gpu).properties(width="container", height=alt.Step(20), title="Why warps wait, per kernel")
+
+
+@figure
 def priorities(prio: pd.DataFrame, *, cpu: bool = False) -> alt.Chart:
     """Nsight Compute rules ranked by share of step x estimated speedup, the largest saving first (rank 1);
     GPU and configuration dropdowns."""

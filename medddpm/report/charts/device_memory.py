@@ -1,7 +1,8 @@
-"""Device memory: measured peaks against card sizes, what fits where, and what a memory-saving switch costs.
+"""Device memory: measured peaks against the cards' memory, what fits where, and what a memory-saving switch costs.
 
-Every size is in GiB. A card sold as C GB is drawn as holding C GiB, as `memory.fits` takes it: NVIDIA's
-sizes are binary ones (an "80 GB" card reports 80 GiB)."""
+Every size is in GiB, a card's too: the memory its driver reports (`memory.card_memory`), measured where a run measured
+it, else cited. A card is named as its driver names it; the size it is sold with (GB) stays out of the charts, in
+the page's table of cards."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pandas as pd
 from medddpm.report.charts.theme import (MS, _config_legend, _configs_in, _gpu_param, _height, _light, _no_gpu,
                                          config_color, figure, gpu_rows, parts_color, title)
 from medddpm.report.loading import config_order
-from medddpm.report.memory import FIT_VERDICTS, GPU_MEMORY_GB
+from medddpm.report.memory import FIT_VERDICTS, card_memory
 
 FIT_COLORS = ["#54a24b", "#eeca3b", "#e45756"]  # fits, tight, does not fit (memory.FIT_VERDICTS)
 
@@ -22,27 +23,30 @@ def _model_param(df: pd.DataFrame, name: str = "model") -> alt.Parameter:
     return alt.param(name=name, value=options[0], bind=alt.binding_select(options=options, name="model "))
 
 
-def card_label(gib: float) -> str:
-    return f"{gib:g} GiB"
+def card_label(name: str, gib: float) -> str:
+    """A card on a chart: its name as its driver gives it, without the vendor's prefix, and its memory in GiB."""
+    return f"{name.removeprefix('NVIDIA ')}: {gib:.1f} GiB"
 
 
-def _cards(df: pd.DataFrame) -> pd.DataFrame:
-    """Per (GPU, model): the card sizes up to the smallest that holds every peak drawn, so that the linear axis
-    ends there and the bars keep the width (a 141 GiB card beside 4 GiB peaks leaves them slivers)."""
+def _cards(df: pd.DataFrame, cards: pd.DataFrame) -> pd.DataFrame:
+    """Per (GPU, model): the cards up to the smallest that holds every peak drawn, so that the linear axis ends
+    there and the bars keep the width (a 140 GiB card beside 4 GiB peaks leaves them slivers)."""
     rows = []
     for (slug, model), g in df.groupby(["gpu_slug", "model"]):
         top = np.nanmax(g[["peak_gib", "reserved_gib"]].to_numpy(dtype=float))
-        sizes = [c for c in GPU_MEMORY_GB if c < top] + [c for c in GPU_MEMORY_GB if c >= top][:1]
-        rows += [{"gpu_slug": slug, "model": model, "card_gib": float(c), "card": card_label(c), "k": i % 2}
-                 for i, c in enumerate(sizes)]
-    return pd.DataFrame(rows, columns=["gpu_slug", "model", "card_gib", "card", "k"])
+        sizes = cards[cards["card_gib"] < top].to_dict("records") + cards[cards["card_gib"] >= top].head(1).to_dict(
+            "records")
+        rows += [{"gpu_slug": slug, "model": model, "card_gib": c["card_gib"], "source": c["source"], "k": i % 2,
+                  "card": card_label(c["card"], c["card_gib"])} for i, c in enumerate(sizes)]
+    return pd.DataFrame(rows, columns=["gpu_slug", "model", "card_gib", "card", "source", "k"])
 
 
 @figure
-def memory_peaks(mem: pd.DataFrame, *, cpu: bool = False) -> alt.LayerChart | alt.Chart:
+def memory_peaks(mem: pd.DataFrame, cards: pd.DataFrame | None = None, *,
+                 cpu: bool = False) -> alt.LayerChart | alt.Chart:
     """Peak allocated memory per configuration (bar, linear from 0) and the allocator's reserved peak (tick),
-    against the card sizes (dashed); dropdowns for the GPU measured on and the model, legend highlights a
-    configuration."""
+    against the cards' memory (dashed: `memory.card_memory`, the catalogue's when not given); dropdowns for the GPU
+    measured on and the model, legend highlights a configuration."""
     cols = ["gpu_slug", "model", "config", "label", "batch", "peak_gib", "reserved_gib", "other_gib",
             "sample_peak_gib", "train_median_ms", "precision_used", "checkpointing"]
     df = _light(gpu_rows(mem, cpu)[cols]) if len(mem) else mem
@@ -68,9 +72,10 @@ def memory_peaks(mem: pd.DataFrame, *, cpu: bool = False) -> alt.LayerChart | al
         y=y, x=x, color=alt.Color("config:N", scale=config_color(df["config"]), legend=_config_legend(df)),
         opacity=alt.condition(pick, alt.value(1.0), alt.value(0.2)), tooltip=tip).add_params(pick)
     ticks = base.mark_tick(color="black", thickness=2).encode(y=y, x="reserved_gib:Q", tooltip=tip)
-    cards = alt.Chart(_cards(df)).transform_filter(keep)
+    cards = alt.Chart(_cards(df, card_memory() if cards is None else cards)).transform_filter(keep)
     rules = cards.mark_rule(strokeDash=[4, 3], color="#888").encode(
-        x="card_gib:Q", tooltip=[alt.Tooltip("card:N", title="card memory")])
+        x="card_gib:Q", tooltip=[alt.Tooltip("card:N", title="card: memory its driver reports"),
+                                 alt.Tooltip("source:N", title="figure from")])
     # neighbouring sizes can lie close: every other label one line higher
     labels = [cards.transform_filter(alt.datum.k == k).mark_text(
         align="center", dy=-4 - 11 * k, baseline="bottom", fontSize=10, color="#555").encode(
@@ -79,27 +84,30 @@ def memory_peaks(mem: pd.DataFrame, *, cpu: bool = False) -> alt.LayerChart | al
         width="container", height=_height(df, len(set(df["config"])), by="label"),
         title=title("Peak memory of one training micro-step",
                     ["bar: peak allocated; tick: peak reserved by the allocator",
-                     "dashed: card sizes, up to the smallest card that holds every bar"]))
+                     "dashed: the memory a card's driver reports, up to the smallest card that holds every bar"]))
 
 
 @figure
 def memory_fits(fits_df: pd.DataFrame, *, cpu: bool = False) -> alt.LayerChart | alt.Chart:
-    """Configuration x card size: does batch 1 train (colour) and the largest batch (text); dropdowns
+    """Configuration x card: does batch 1 train (colour) and the largest batch (text); dropdowns
     for the GPU the peaks were measured on and the model; legend picks a verdict."""
     df = gpu_rows(fits_df, cpu)
     if df.empty:
         return _no_gpu(fits_df, "GPU peak memory", " (a CPU run has none): nothing to fit yet")
-    df = _light(df.assign(card=df["card_gb"].map(card_label)))
+    df = _light(df.assign(card_axis=[card_label(c, g) for c, g in zip(df["card"], df["card_gib"])]))
     df["batch_text"] = [("up to " + str(int(b))) if pd.notna(b) and b >= 1 else "-" for b in df["largest_batch"]]
     gpu, model = _gpu_param(df), _model_param(df)
     pick = alt.selection_point(fields=["verdict"], bind="legend")
     base = alt.Chart(df).transform_filter((alt.datum.gpu_slug == gpu) & (alt.datum.model == model))
-    x = alt.X("card:N", sort=[card_label(c) for c in GPU_MEMORY_GB], title="card memory (GiB)",
-              axis=alt.Axis(labelAngle=0))
+    order = df.sort_values(["card_gib", "card"])["card_axis"].drop_duplicates().tolist()
+    # a card's name over its memory, on two lines: six cards side by side fit the page's column
+    x = alt.X("card_axis:N", sort=order, title="card: the memory its driver reports (GiB)",
+              axis=alt.Axis(labelAngle=0, labelExpr="split(datum.label, ': ')", labelLimit=160))
     y = alt.Y("config:N", sort=_configs_in(df), title=None)
     tip = [alt.Tooltip("gpu_slug:N", title="measured on"), alt.Tooltip("model:N"),
-           alt.Tooltip("config:N", title="configuration"), alt.Tooltip("card:N", title="card memory"),
-           alt.Tooltip("verdict:N", title="batch 1"),
+           alt.Tooltip("config:N", title="configuration"), alt.Tooltip("card:N"),
+           alt.Tooltip("card_gib:Q", title="card memory, as its driver reports (GiB)", format=".3~r"),
+           alt.Tooltip("card_kind:N", title="card memory figure"), alt.Tooltip("verdict:N", title="batch 1"),
            alt.Tooltip("need1_gib:Q", title="need at batch 1 (GiB)", format=".3~r"),
            alt.Tooltip("largest_batch:Q", title="largest batch", format="d"),
            alt.Tooltip("per_sample_gib:Q", title="per extra volume (GiB)", format=".3~r"),

@@ -55,6 +55,37 @@ def step_time(summary: pd.DataFrame, floors: pd.DataFrame | None = None, *,
 
 
 @figure
+def headline(head: pd.DataFrame) -> alt.LayerChart:
+    """The first page's figure: per device, each configuration of `step_time.headline` (the paper's four and the
+    fastest measured) as its speedup over strict FP32, a bar with the runs' p10-p90 spread as a whisker and its
+    value beside it; a dashed rule at 1x, so that a configuration slower than the baseline shows as a bar short
+    of it. Every device of `head` is drawn: the page chooses whether CPU rows are among them."""
+    df = head.assign(row=head["gpu_slug"] + " · " + head["config"],
+                     value=head["speedup"].map(lambda v: f"{v:.3g}x"))
+    bars = alt.Chart(df).encode(y=alt.Y("row:N", sort=list(df["row"]), title=None, axis=alt.Axis(labelLimit=320)))
+    x = alt.X("speedup:Q", title="speedup over strict FP32 on the same device (x)",
+              scale=alt.Scale(domain=[0, float(df["hi"].max()) * 1.15]))
+    tooltip = [alt.Tooltip("gpu_slug:N", title="device"), alt.Tooltip("config:N", title="configuration"),
+               alt.Tooltip("base_ms:Q", title="strict FP32 (ms)", format=".4g"),
+               alt.Tooltip("train_median_ms:Q", title="this configuration (ms)", format=".4g"),
+               alt.Tooltip("speedup:Q", title="speedup (x)", format=".3g"),
+               alt.Tooltip("lo:Q", title="p10-p90 spread from (x)", format=".3g"),
+               alt.Tooltip("hi:Q", title="p10-p90 spread to (x)", format=".3g")]
+    one = alt.Chart(pd.DataFrame({"one": [1.0]})).mark_rule(strokeDash=[4, 3], color="#555").encode(
+        x="one:Q", tooltip=[alt.Tooltip("one:Q", title="strict FP32 (x)", format=".0f")])
+    return alt.layer(
+        bars.mark_bar(height=20).encode(x=x, color=alt.Color("config:N", scale=config_color(df["config"]), legend=None),
+                                        tooltip=tooltip),
+        bars.mark_rule(color="black").encode(x="lo:Q", x2="hi:Q"),
+        bars.mark_text(align="left", dx=6, fontSize=12, fontWeight="bold").encode(x="hi:Q", text="value:N"),
+        one).properties(
+        width="container", height={"step": 34},
+        title=alt.Title("A training micro-step against strict FP32",
+                        subtitle="the paper's four and the fastest measured; whisker: the runs' 10th-90th "
+                                 "percentiles; dashed: 1x"))
+
+
+@figure
 def speedup(summary: pd.DataFrame, *, cpu: bool = False) -> alt.LayerChart | alt.Chart:
     """Speedup over the baseline of the same GPU, every GPU on one chart; click a GPU in the legend."""
     df = _light(gpu_rows(summary[summary["speedup"].notna()], cpu)[

@@ -15,7 +15,7 @@ import ipywidgets as widgets
 import numpy as np
 import pandas as pd
 
-from medddpm import report as bd
+from medddpm import report
 
 ALL = "all"
 _WIDE = {"description_width": "initial"}  # whole descriptions, not "configurat..."
@@ -39,14 +39,14 @@ class DataExplorer:
     Python (`gpu`, `config`, `category`, `view`) or with the widgets, built on first use (`widget`, or
     displaying the explorer in JupyterLab), where an `altair.JupyterChart` follows the dropdowns."""
 
-    def __init__(self, data: bd.Data | None = None, *, root: str | os.PathLike | None = None, gpu: str | None = None,
+    def __init__(self, data: report.Data | None = None, *, root: str | os.PathLike | None = None, gpu: str | None = None,
                  config: str | None = None, category: str = ALL, view: str = "kernels", top: int = 15,
                  width: int | str = "container", offline: bool = True):
         from medddpm.report.charts import _default_gpu
 
         if data is not None and root is not None:
             raise ValueError("give data or root, not both")
-        self.data = data if data is not None else bd.load_all(root)
+        self.data = data if data is not None else report.load_all(root)
         if not isinstance(top, int) or isinstance(top, bool) or top < 1:
             raise ValueError(f"top must be a positive int, got {top!r}")
         if not (width == "container" or isinstance(width, int) and not isinstance(width, bool) and width > 0):
@@ -56,13 +56,13 @@ class DataExplorer:
         self.kernels = k.assign(us_per_step=k["total_us"] / k["steps"].clip(lower=1),
                                 calls_per_step=k["calls"] / k["steps"].clip(lower=1))
         # step_summary needs at least one finished run (its arithmetic on an empty table has no dtypes)
-        self.summary = (bd.step_summary(self.data.run) if len(self.data.ok) else
+        self.summary = (report.step_summary(self.data.run) if len(self.data.ok) else
                         pd.DataFrame(columns=["gpu_slug", "config", "precision_used", "train_median_ms",
                                               "train_p10_ms", "train_p90_ms", "speedup"]))
         self.ncu = self._ncu_with_categories()
         self.gpus = sorted(set(self.kernels["gpu_slug"]) | set(self.summary["gpu_slug"]))
         if not self.gpus:
-            raise ValueError(f"no finished runs in the data ({bd.data_root() if root is None else root})")
+            raise ValueError(f"no finished runs in the data ({report.data_root() if root is None else root})")
         self._gpu = self._config = None
         self._category, self._view = ALL, "kernels"
         self._box = self._chart_widget = None
@@ -76,7 +76,7 @@ class DataExplorer:
     # -- options and state ---------------------------------------------------------------------------
 
     def _ncu_with_categories(self) -> pd.DataFrame:
-        k = bd.ncu_kernels(self.data.ncu)
+        k = report.ncu_kernels(self.data.ncu)
         return k.assign(category=_category_of(k["kernel"])) if len(k) else k.assign(category=pd.Series(dtype="str"))
 
     def configs(self, gpu: str | None = None) -> list[str]:
@@ -84,7 +84,7 @@ class DataExplorer:
         gpu = gpu or self._gpu
         present = (set(self.kernels.loc[self.kernels["gpu_slug"] == gpu, "config"])
                    | set(self.summary.loc[self.summary["gpu_slug"] == gpu, "config"]))
-        return [c for c in bd.config_order(present) if c in present]
+        return [c for c in report.config_order(present) if c in present]
 
     def categories(self, gpu: str | None = None, config: str | None = None) -> list[str]:
         """'all', then the kernel categories profiled in one run."""
@@ -166,7 +166,7 @@ class DataExplorer:
             g["rank"] = np.arange(1, len(g) + 1)
             return g
         if view == "categories":
-            s = bd.category_shares(k)
+            s = report.category_shares(k)
             return s if cat == ALL else s[s["category"] == cat].reset_index(drop=True)
         if view == "step time":
             return self.summary[self.summary["gpu_slug"] == gpu][
