@@ -185,7 +185,7 @@ def cmd_sample(args) -> None:
 def cmd_bench(args) -> None:
     from medddpm.measure.bench import bench_sample, bench_train, write_bench
     from medddpm.measure.env import environment, pick_device
-    from medddpm.measure.snapshot import snapshot_name
+    from medddpm.store.layout import BENCH_FILE, snapshot_name
 
     if args.reference and args.phase == "sample":
         raise ValueError("--reference times training steps only; drop it or use --phase train")
@@ -239,7 +239,7 @@ def cmd_bench(args) -> None:
         print(f"{r['config']:<40}{median:>10.1f}{p10:>9.1f}{p90:>9.1f}{mem:>10.2f}"
               f"{(r['warmup_ms'] or [float('nan')])[0] / 1e3:>17.1f}")
     if args.out:
-        print(f"wrote {Path(args.out) / 'bench.parquet'} (source {source!r})")
+        print(f"wrote {Path(args.out) / BENCH_FILE} (source {source!r})")
     for r in results["runs"]:
         if "category_us" in r:
             cats = ", ".join(f"{k} {v / 1e3:.2f}" for k, v in r["category_us"].items())

@@ -21,6 +21,7 @@ from medddpm.model.unet import ModelSpec
 from medddpm.measure.env import gpu_slug
 from medddpm.measure.snapshot import SOURCES, package_source, sources, write_summary
 from medddpm.store import schema
+from medddpm.store.layout import BENCH_FILE
 from medddpm.store.storage import atomic_write
 from medddpm.train.timing import summarize, time_steps
 
@@ -182,7 +183,7 @@ def bench_rows(doc: dict, *, source: str) -> pd.DataFrame:
 def write_bench(out_dir: str | Path, doc: dict, *, source: str) -> Path:
     """Write `doc`'s rows (`bench_rows`) to OUT_DIR/bench.parquet, atomically and checked against the schema,
     in place of the rows of the same source; the file's other sources are kept."""
-    path = Path(out_dir) / schema.BENCH_FILE
+    path = Path(out_dir) / BENCH_FILE
     rows = bench_rows(doc, source=source)
     if path.is_file():
         kept = schema.read_table(path, "bench")
