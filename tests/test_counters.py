@@ -10,7 +10,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from medddpm.measure import ncu, ncu_table
+from medddpm.analysis import ncu_table
+from medddpm.measure import ncu
 
 from medddpm.store import schema
 from medddpm.cli.main import main

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from medddpm.measure.ncu import BOTH, COVERAGE, PASSES
+from medddpm.analysis.ncu_table import COVERAGE
+from medddpm.measure.ncu import BOTH, PASSES
 from medddpm.store.layout import PARTITION_FILE
 from medddpm.store.schema import PHASES
 from medddpm.cli.args import (DEVICE_HELP, PRESET_NAMES, WIDTH, add_config_args, add_device_arg, add_model_args,

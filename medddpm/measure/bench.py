@@ -65,7 +65,7 @@ def real_batch(spec: ModelSpec, *, seed: int = 0, batch: int = 1) -> tuple[torch
 def kernel_summary(step: Callable[[], object], *, device: torch.device, top: int, steps: int = 2) -> dict:
     """Device time per step by kernel category and the `top` kernels, from `steps` more steps under
     torch.profiler (after the timing: profiling is kept apart from it). Microseconds per step."""
-    from medddpm.measure.kernels import profile_kernels
+    from medddpm.train.profiling import profile_kernels
 
     k = profile_kernels(step, device=device, steps=steps, warmup=0)
     per_kernel = (k.groupby(["short_name", "category"], as_index=False)[["calls", "total_us"]].sum()

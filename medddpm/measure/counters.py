@@ -25,8 +25,8 @@ from medddpm.store.layout import NCU_REPORTS, RUN_FILE, is_run, run_table
 from medddpm.configs import mismatch
 from medddpm.measure.env import device_name, git_commit, gpu_slug
 from medddpm.model.unet import format_size, parse_size
-from medddpm.measure.ncu import COVERAGE, PASSES, library_launches_done, profiled_coverage, run_ncu
-from medddpm.measure.ncu_table import join_launches
+from medddpm.analysis.ncu_table import COVERAGE, join_launches, profiled_coverage
+from medddpm.measure.ncu import PASSES, library_launches_done, run_ncu
 
 
 class CountersError(ValueError):

@@ -2,7 +2,7 @@
 
 The torch.profiler table picks the kernels (`select_kernels`); `ncu_command` profiles only those,
 only inside the NVTX range of `medddpm.measure.capture`'s one step, with the clocks left alone; the report is
-exported (`export_command`) and read into one long table (`medddpm.measure.ncu_table`, which derives the
+exported (`export_command`) and read into one long table (`medddpm.analysis.ncu_table`, which derives the
 per-kernel summary and the rules' priorities from it), with the layer range of each launch
 (`medddpm.measure.ncu_layers`). Kernels are named to ncu's filter by their token skeleton
 (`medddpm.analysis.ncu_names`). `run_ncu` never raises for a profiler problem: it returns an empty table and
@@ -33,17 +33,11 @@ import pandas as pd
 import psutil
 from medddpm import REPO
 from medddpm.measure.ncu_layers import with_layers
-from medddpm.analysis.ncu_names import kernel_regex, match_kernel
-from medddpm.measure.ncu_table import EXTRA_METRICS, empty_table, join_launches, parse_details_csv
+from medddpm.analysis.ncu_names import kernel_regex
+from medddpm.analysis.ncu_table import (COVERAGE, EXTRA_METRICS, SECTIONS, covered, empty_table, join_launches,
+                                        parse_details_csv, profiled_coverage, profiled_names, select_kernels)
 
 NVTX_RANGE = "medddpm_step"  # medddpm.capture.NVTX_RANGE (not imported: capture imports torch)
-
-# Sections, not `--set full`: full also collects SourceCounters and PM sampling (55 MB for 12 kernels).
-SECTIONS = (
-    "SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "MemoryWorkloadAnalysis_Tables",
-    "WarpStateStats", "SchedulerStats", "InstructionStats", "Occupancy", "LaunchStats",
-    "SpeedOfLight_RooflineChart",
-)
 
 STOP_MARGIN_S = 60  # for ncu to write and export the report after the profiled program stopped
 STOPPED = "medddpm.capture: stopped"  # what capture prints when --stop-after ends it
@@ -52,56 +46,6 @@ STOPPED = "medddpm.capture: stopped"  # what capture prints when --stop-after en
 # timeout that then kills ncu takes its report and log with it.
 KILL_MARGIN_S = 20
 KILLED = "medddpm.ncu: the profiled program was killed"  # what the log says then
-NON_KERNEL_CATEGORIES = ("memcpy",)  # copies and fills (medddpm.measure.kernels files memsets here too): not kernels
-# Step time the selection aims at: 80% is what the counters must cover, and matching ncu's names back to
-# the profiler's loses a few points (cuDNN's dgrad launches, a few percent of sdpa's and graphs' steps)
-COVERAGE = 0.85
-
-
-# ---------------------------------------------------------------------------------------- selection
-
-def _kernel_times(kernels: pd.DataFrame) -> pd.Series:
-    """Summed device time per distinct kernel name, largest first (name breaks ties: deterministic)."""
-    k = kernels[~kernels["category"].isin(NON_KERNEL_CATEGORIES)]
-    t = k.groupby("kernel")["total_us"].sum()
-    return t.sort_index().sort_values(ascending=False, kind="stable")
-
-
-def select_kernels(kernels: pd.DataFrame, *, coverage: float = 0.8) -> list[str]:
-    """Distinct kernels whose summed time reaches `coverage` of all kernel time, taken by time per launch,
-    longest first (by total time where `calls` is absent).
-
-    Nsight Compute's cost grows with the launches it replays (seconds each at 128^3), so a
-    kernel of many short launches comes last: in data/nvidia-h200/opt1, layout conversions are 398
-    launches a step for 10% of its time; 80% by total time takes 698 launches a step, by time per launch 369.
-    """
-    t = _kernel_times(kernels)
-    total = t.sum()
-    if total <= 0:
-        return []
-    if "calls" in kernels:
-        calls = kernels[kernels["kernel"].isin(t.index)].groupby("kernel")["calls"].sum().reindex(t.index)
-        t = t.loc[(t / calls.clip(lower=1)).sort_values(ascending=False, kind="stable").index]
-    reached = t.cumsum() >= coverage * total * (1 - 1e-12)  # float sums must not miss an exact boundary
-    return t.index[: int(reached.to_numpy().argmax()) + 1].tolist()
-
-
-def covered(kernels: pd.DataFrame, names: list[str]) -> float:
-    """Fraction of all kernel time spent in `names`."""
-    t = _kernel_times(kernels)
-    return float(t[t.index.isin(names)].sum() / t.sum()) if t.sum() > 0 else 0.0
-
-
-def profiled_names(kernels: pd.DataFrame, ncu: pd.DataFrame) -> set[str]:
-    """The profiler's kernel names that ncu's table covers (names matched as in `match_kernel`)."""
-    names = _kernel_times(kernels).index.tolist()
-    return {n for k in ncu["kernel"].unique() for n in match_kernel(k, names)}
-
-
-def profiled_coverage(kernels: pd.DataFrame, ncu: pd.DataFrame) -> float:
-    """Fraction of the step's kernel time in kernels that ncu actually profiled: the selection aims at
-    `COVERAGE`, this says what the counters cover."""
-    return covered(kernels, sorted(profiled_names(kernels, ncu)))
 
 
 # ------------------------------------------------------------------------------------------- passes

@@ -289,7 +289,7 @@ class Measurement:
 
     def kernels(self) -> pd.DataFrame | None:
         """torch.profiler over a few steps (separate from the timed steps)."""
-        from medddpm.measure.kernels import profile_kernels
+        from medddpm.train.profiling import profile_kernels
 
         with self.phase("torch", critical=False) as go:
             if not go:
