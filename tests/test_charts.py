@@ -311,7 +311,7 @@ def _bench_doc(phase: str | None = "train", **run) -> dict:
 
 
 def test_bench_tables_are_read_from_non_run_folders(real, tmp_path):
-    from medddpm.measure.bench import write_bench
+    from medddpm.measure.timing.bench import write_bench
 
     root = _tree(tmp_path)
     notes = root / "cpu" / "notes"
@@ -341,7 +341,7 @@ def test_bench_tables_are_read_from_non_run_folders(real, tmp_path):
 def test_the_bench_writes_its_table_beside_the_json(tmp_path):
     """`bench --out DIR`: DIR/bench.parquet, validated; a second invocation replaces the rows of its own source and
     keeps the others'; the summaries are those of the recorded steps under the run table's names."""
-    from medddpm.measure.bench import bench_rows, write_bench
+    from medddpm.measure.timing.bench import bench_rows, write_bench
 
     doc = _bench_doc()
     path = write_bench(tmp_path, doc, source="a")

@@ -12,8 +12,8 @@ import pandas as pd
 import pytest
 import torch
 
-from medddpm.measure import convergence as conv
-from medddpm.measure import sample_metrics as sm
+from medddpm.measure.study import convergence as conv
+from medddpm.measure.study import sample_metrics as sm
 from medddpm.model.diffusion import GaussianDiffusion
 from medddpm.report import convergence as rc
 from medddpm.store import convergence as store

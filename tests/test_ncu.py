@@ -12,7 +12,7 @@ import pytest
 
 from medddpm.analysis import ncu_names
 from medddpm.analysis import ncu_table
-from medddpm.measure import ncu, ncu_layers
+from medddpm.measure.profile import ncu, ncu_layers
 
 FIX = Path(__file__).parent / "fixtures"
 DETAILS = {name: FIX / f"h200/ncu-{name}-size32-details.csv.gz" for name in ("opt1", "bf16-cl")}
@@ -192,7 +192,7 @@ def test_ncu_command(tmp_path):
     assert cmd[cmd.index("--metrics") + 1] == "a__b.sum,c__d.ratio"
     assert cmd[cmd.index("--kernel-name-base") + 1] == "demangled"
     assert cmd[cmd.index("-o") + 1:cmd.index("-o") + 3] == [str(report), "-f"]
-    assert cmd[-9:] == ["/usr/bin/python3", "-m", "medddpm.measure.capture", "--config", "opt1", "--preset", "paper",
+    assert cmd[-9:] == ["/usr/bin/python3", "-m", "medddpm.measure.profile.capture", "--config", "opt1", "--preset", "paper",
                         "--size", "64"]
     # a layer repeated with the same launch configuration is profiled once
     assert "--filter-mode per-launch-config --launch-count 1" in joined

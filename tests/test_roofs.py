@@ -13,7 +13,7 @@ import torch
 
 from medddpm import report as bd
 from medddpm.analysis import roofs as ar
-from medddpm.measure import roofs as mr
+from medddpm.measure.timing import roofs as mr
 from medddpm.report import counters
 from medddpm.store import schema
 from medddpm.store.layout import ROOFS_FILE

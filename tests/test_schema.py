@@ -157,8 +157,8 @@ def test_a_table_written_with_time_ms_reads_as_step_ms(tmp_path, table):
 
 
 def test_bench_table_round_trip(tmp_path):
-    """A bench invocation's rows (`measure.bench.bench_rows`) write and read back through the schema unchanged."""
-    from medddpm.measure.bench import bench_rows
+    """A bench invocation's rows (`measure.timing.bench.bench_rows`) write and read back through the schema unchanged."""
+    from medddpm.measure.timing.bench import bench_rows
 
     doc = {"environment": {"gpu_name": "NVIDIA H200", "torch": "2.11", "cudnn": "91900", "git_commit": "abc",
                            "time_utc": "2026-11-29T16:57:12+00:00"},

@@ -1,4 +1,4 @@
-"""Allocator snapshots (`medddpm.measure.snapshot`, `python -m medddpm peak`): the replay against hand-made histories, and
+"""Allocator snapshots (`medddpm.measure.memory.snapshot`, `python -m medddpm peak`): the replay against hand-made histories, and
 an H200 snapshot of a checkpointed step (`bench --memory-snapshot`) against its bench's own peak."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from medddpm.measure import snapshot
+from medddpm.measure.memory import snapshot
 from medddpm.store import layout
 from medddpm.cli.main import main
 
@@ -171,8 +171,6 @@ def test_bench_writes_its_snapshot_with_the_sources(monkeypatch, tmp_path):
     lines named, written whole."""
     import torch
 
-    from medddpm.measure import bench
-
     line = next(i for i, s in enumerate((snapshot.PACKAGE / "model" / "group_norm.py").read_text().splitlines(), 1)
                 if s.startswith("def _group_stats"))
     snap = history()
@@ -183,7 +181,7 @@ def test_bench_writes_its_snapshot_with_the_sources(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **k: calls.append(k))
     monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda *a, **k: snap)
     path = tmp_path / layout.snapshot_name("best-ckpt", "0123456789")
-    bench.memory_snapshot(lambda: calls.append("step"), device=torch.device("cuda"), path=path)
+    snapshot.memory_snapshot(lambda: calls.append("step"), device=torch.device("cuda"), path=path)
     assert calls[1] == "step" and calls[-1] == {"enabled": None}  # the history is switched off again
     written = snapshot.load(path)
     assert written[snapshot.SOURCES][f"model/group_norm.py:{line + 1}"]["qualname"] == "_group_stats"
@@ -192,4 +190,4 @@ def test_bench_writes_its_snapshot_with_the_sources(monkeypatch, tmp_path):
     assert snapshot.read_summary(layout.snapshot_summary(path))["origin"].iloc[0] == \
         f"_group_stats (model/group_norm.py:{line + 1})"
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        bench.memory_snapshot(lambda: None, device=torch.device("cpu"), path=path)
+        snapshot.memory_snapshot(lambda: None, device=torch.device("cpu"), path=path)

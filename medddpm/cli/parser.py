@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from medddpm.analysis.ncu_table import COVERAGE
-from medddpm.measure.ncu import BOTH, PASSES
+from medddpm.measure.profile.ncu import BOTH, PASSES
 from medddpm.store.layout import PARTITION_FILE
 from medddpm.store.schema import PHASES
 from medddpm.cli.args import (DEVICE_HELP, PRESET_NAMES, WIDTH, add_config_args, add_device_arg, add_model_args,

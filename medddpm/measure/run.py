@@ -24,12 +24,12 @@ import torch
 from medddpm.store import schema
 from medddpm.store.layout import NCU_REPORTS, QUALITY_CACHE, RUN_FILE, run_folder, run_table
 from medddpm.store.schema import PHASES
-from medddpm.measure.bench import sample_step_summary, train_summary
+from medddpm.measure.timing.bench import sample_step_summary, train_summary
 from medddpm.configs import Config, get_config
 from medddpm.presets import REFERENCE_ACCUM, REFERENCE_STEPS, Preset, get_preset
 from medddpm.train.data import EMBEDDED, open_dataset
-from medddpm.measure.clocks import ClockMonitor
-from medddpm.measure.end_to_end import drift, loader_rate, time_end_to_end
+from medddpm.measure.timing.clocks import ClockMonitor
+from medddpm.measure.timing.end_to_end import drift, loader_rate, time_end_to_end
 from medddpm.train.engine import Engine
 from medddpm.measure.env import compile_cache_counts, environment, gpu_slug, host_name, pick_device
 from medddpm.model.flops import count
@@ -312,7 +312,7 @@ class Measurement:
 
     def counters(self) -> pd.DataFrame | None:
         """Nsight Compute on the kernels that make up most of a step (GPU only); the last phase."""
-        from medddpm.measure.ncu import run_ncu
+        from medddpm.measure.profile.ncu import run_ncu
 
         with self.phase("ncu", critical=False) as go:
             if not go:

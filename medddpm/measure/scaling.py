@@ -108,7 +108,7 @@ def _worker(argv: list[str] | None = None) -> int:
 
     from medddpm.train.timing import time_steps
     from medddpm.train.data import open_dataset
-    from medddpm.measure.distributed import cleanup, init_from_env
+    from medddpm.train.distributed import cleanup, init_from_env
     from medddpm.train.engine import Engine
     from medddpm.measure.env import environment, gpu_slug
     from medddpm.presets import get_preset

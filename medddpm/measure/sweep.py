@@ -18,7 +18,7 @@ type measured on another machine, else `<device-type>-<host>` (`machine_label`),
 type already in the data is measured beside those rows, never over them; `gpu_label` names it instead.
 Each run records its device type (`gpu_type`) and host apart from the label.
 
-A label's roofs (its DRAM bandwidth and dense matmul rates, `medddpm.measure.roofs`) are measured once, before
+A label's roofs (its DRAM bandwidth and dense matmul rates, `medddpm.measure.timing.roofs`) are measured once, before
 its first configuration, into ``data/<gpu-slug>/roofs.parquet``.
 """
 
@@ -40,7 +40,7 @@ from medddpm import REPO
 from medddpm.configs import Config, parse_config_list
 from medddpm.measure.env import device_type, gpu_slug, host_name, pick_device, tracked_by_git
 from medddpm.train.data import open_dataset
-from medddpm.measure import roofs as measure_roofs
+from medddpm.measure.timing import roofs as measure_roofs
 from medddpm.measure.run import write_failed_run
 from medddpm.presets import get_preset
 from medddpm.model.unet import parse_size
@@ -201,7 +201,7 @@ def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.P
     `group`: runs that belong together apart from the main ones, in ``data/<gpu-slug>/<group>/<run>/``
     (the ablation's). Each configuration's folder is locked for the whole sweep (`store.lock`): a second
     sweep of one of them fails at once, before any work, naming the first. `roofs`: measure the label's
-    bandwidth and matmul rates first where ``out/<label>/roofs.parquet`` does not exist (`measure.roofs.ensure`),
+    bandwidth and matmul rates first where ``out/<label>/roofs.parquet`` does not exist (`measure.timing.roofs.ensure`),
     while the device is idle.
 
     A run that git tracks (a committed row of `data/`) is replaced, by `force` or as a failed run measured again,

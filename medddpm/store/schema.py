@@ -221,7 +221,7 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "mask_channels": (I, "label channels (conditioning)"),
         "base_channels": (I, "U-Net base width"),
     },
-    # data/<gpu-slug>/roofs.parquet: the label's roofs, measured once by the sweep (`medddpm.measure.roofs`), a row
+    # data/<gpu-slug>/roofs.parquet: the label's roofs, measured once by the sweep (`medddpm.measure.timing.roofs`), a row
     # per roof; the roofline, the efficiency figures and the cross-card model read them
     "roofs": {
         "gpu_slug": (S, "the label of the folder data/<gpu-slug>/ the roofs belong to"),
@@ -260,7 +260,7 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "largest": (S, "the three largest shape and dtype groups: 'count x CxDxHxW dtype'"),
     },
     # memory-<config>-<commit>.parquet beside each allocator snapshot (`bench --memory-snapshot`): what is live at
-    # the peak of its trace, one row per allocating line (`medddpm.measure.snapshot`), read without unpickling
+    # the peak of its trace, one row per allocating line (`medddpm.measure.memory.snapshot`), read without unpickling
     "snapshot": {
         "snapshot": (S, "the snapshot pickle's file name"),
         "config": (S, "configuration, as the file name spells it"),

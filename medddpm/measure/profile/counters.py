@@ -2,11 +2,11 @@
 
 A sweep profiles with ncu last, in what is left of its time, so a slow configuration can end with
 counters for only part of its step (or none). Counting again needs no new timing: ncu runs its own
-process (`medddpm.measure.capture`) anyway, and the kernels to profile come from the run's `kernels.parquet`.
+process (`medddpm.measure.profile.capture`) anyway, and the kernels to profile come from the run's `kernels.parquet`.
 The new `ncu.parquet` replaces the old one only when it covers at least as much of the step (or
 with `force`), and the run row's `profilers` entry for ncu records the commit and time of the pass.
 With `merge`, the new launches are added to the run's counters instead (e.g. a library pass over a
-run whose counters came from one pass that missed cuDNN's launches: see `medddpm.measure.ncu.PASSES`); the
+run whose counters came from one pass that missed cuDNN's launches: see `medddpm.measure.profile.ncu.PASSES`); the
 entry then keeps the one before it under "merged". A merge profiles only what the run's counters lack:
 the kernels they do not cover, and the library launches after those their library passes reached, so
 that counters too slow for one lease add up over several.
@@ -26,7 +26,7 @@ from medddpm.configs import mismatch
 from medddpm.measure.env import device_name, git_commit, gpu_slug
 from medddpm.model.unet import format_size, parse_size
 from medddpm.analysis.ncu_table import COVERAGE, join_launches, profiled_coverage
-from medddpm.measure.ncu import PASSES, library_launches_done, run_ncu
+from medddpm.measure.profile.ncu import PASSES, library_launches_done, run_ncu
 
 
 class CountersError(ValueError):

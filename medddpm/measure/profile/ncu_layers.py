@@ -1,6 +1,6 @@
 """Layer ranges of an ncu report, read with Nsight Compute's Python report interface (`ncu_report`).
 
-`medddpm.measure.capture` names each convolution of an eager step with an NVTX push/pop range (`LAYER_PREFIX`,
+`medddpm.measure.profile.capture` names each convolution of an eager step with an NVTX push/pop range (`LAYER_PREFIX`,
 then the layer's channels, kernel, stride and input size), around its forward and around its backward. ncu
 records the ranges open at each launch; `with_layers` keeps them in the long table as one text row per launch
 (section `LAYER_SECTION` of `medddpm.analysis.ncu_table`), so that the same layer can be compared kernel

@@ -1,10 +1,10 @@
 """Nsight Compute (ncu) hardware counters for the kernels that make up most of a training step.
 
 The torch.profiler table picks the kernels (`select_kernels`); `ncu_command` profiles only those,
-only inside the NVTX range of `medddpm.measure.capture`'s one step, with the clocks left alone; the report is
+only inside the NVTX range of `medddpm.measure.profile.capture`'s one step, with the clocks left alone; the report is
 exported (`export_command`) and read into one long table (`medddpm.analysis.ncu_table`, which derives the
 per-kernel summary and the rules' priorities from it), with the layer range of each launch
-(`medddpm.measure.ncu_layers`). Kernels are named to ncu's filter by their token skeleton
+(`medddpm.measure.profile.ncu_layers`). Kernels are named to ncu's filter by their token skeleton
 (`medddpm.analysis.ncu_names`). `run_ncu` never raises for a profiler problem: it returns an empty table and
 says why.
 
@@ -32,7 +32,7 @@ from pathlib import Path
 import pandas as pd
 import psutil
 from medddpm import REPO
-from medddpm.measure.ncu_layers import with_layers
+from medddpm.measure.profile.ncu_layers import with_layers
 from medddpm.analysis.ncu_names import kernel_regex
 from medddpm.analysis.ncu_table import (COVERAGE, EXTRA_METRICS, SECTIONS, covered, empty_table, join_launches,
                                         parse_details_csv, profiled_coverage, profiled_names, select_kernels)
@@ -94,7 +94,7 @@ def ncu_command(*, name_regex: str, config: str, preset: str, report: Path, metr
                 size: int | str | None = None, batch: int = 1, launches_per_config: int | None = 1,
                 launch_skip: int = 0, stop_after_s: float | None = None, from_backward: str | None = None,
                 python: str = sys.executable) -> list[str]:
-    """ncu over `medddpm.measure.capture`: one step (NVTX range), the launches whose name matches, clocks untouched.
+    """ncu over `medddpm.measure.profile.capture`: one step (NVTX range), the launches whose name matches, clocks untouched.
 
     `launches_per_config`: profile only the first N launches of each launch configuration (kernel,
     grid, block, shared memory); a layer repeated with the same shape is measured once, which keeps
@@ -104,7 +104,7 @@ def ncu_command(*, name_regex: str, config: str, preset: str, report: Path, metr
     a library pass goes on where an earlier one stopped.
     `stop_after_s`: the profiled program exits after that long, and ncu writes the launches done so far.
     `from_backward`: the step's range starts at the first layer's backward ('') or at the backward of the layer
-    range so named (eager configurations; `medddpm.measure.capture`), so that a pass spends its time on what a pass
+    range so named (eager configurations; `medddpm.measure.profile.capture`), so that a pass spends its time on what a pass
     before it did not reach.
     """
     sections = [a for s in SECTIONS for a in ("--section", s)]
@@ -115,7 +115,7 @@ def ncu_command(*, name_regex: str, config: str, preset: str, report: Path, metr
     nvtx = ["--nvtx", "--nvtx-include", f"{NVTX_RANGE}/", "--nvtx-include", NVTX_RANGE]
     per_config = (["--filter-mode", "per-launch-config", "--launch-count", str(launches_per_config)]
                   if launches_per_config else [])
-    target = [python, "-m", "medddpm.measure.capture", "--config", config, "--preset", preset]
+    target = [python, "-m", "medddpm.measure.profile.capture", "--config", config, "--preset", preset]
     skip = ["--launch-skip", str(launch_skip)] if launch_skip else []
     # application-only: ncu's default (all) also injects itself into every process the program starts, which
     # for a compiled configuration are Inductor's compile workers; the step runs in the program's own process.
@@ -277,7 +277,7 @@ def run_ncu(*, kernels_df: pd.DataFrame, config: str, preset: str, out_dir: Path
                     else f"no selected kernel left to profile in the {' and '.join(passes)} pass")
     metrics, status["dropped_metrics"] = split_available(EXTRA_METRICS, available_metrics(ncu))
     out_dir.mkdir(parents=True, exist_ok=True)
-    # capture runs as `python -m medddpm.measure.capture`: the package's parent must be importable
+    # capture runs as `python -m medddpm.measure.profile.capture`: the package's parent must be importable
     root = str(REPO)
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     start, tables = time.monotonic(), []

@@ -31,7 +31,7 @@ import pandas as pd
 import torch
 
 from medddpm.analysis.roofs import COMPUTE, UNITS
-from medddpm.measure.clocks import ClockMonitor
+from medddpm.measure.timing.clocks import ClockMonitor
 from medddpm.measure.env import device_name, device_type, environment, host_name, pick_device
 from medddpm.store import schema
 from medddpm.store.layout import ROOFS_FILE

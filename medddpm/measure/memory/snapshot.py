@@ -27,6 +27,7 @@ from typing import Callable
 import pandas as pd
 from medddpm import PACKAGE
 from medddpm.store.layout import parse_snapshot_name, snapshot_summary
+from medddpm.store.storage import atomic_write
 
 HELD = "held before the step"  # the origin of blocks allocated before the history began
 NO_FRAME = "inside torch"  # the origin of blocks allocated with no frame of this package
@@ -267,3 +268,27 @@ def describe(path: str | os.PathLike, *, top: int = 12, trust_pickle: bool = Fal
         lines.append(f"  {r.bytes / gib:7.3f} GiB  {r.blocks:4d} blocks (largest {r.largest / gib:.3f})  {r.origin}"
                      + (f"  {r.code}" if r.code else ""))
     return "\n".join(lines)
+
+
+def memory_snapshot(step: Callable[[], object], *, device: torch.device, path: str | Path) -> None:
+    """One more step with the CUDA caching allocator's history on, saved as a pickle that
+    https://pytorch.org/memory_viz reads (`torch.cuda.memory._dump_snapshot`): which tensors are live at
+    the peak, with the Python frames that allocated them, and summarised beside it (table `snapshot`,
+    `write_summary`). After the timing. A step replayed from a CUDA graph allocates nothing: take it from a
+    configuration with `cuda_graphs=false`."""
+    import torch
+
+    if device.type != "cuda":
+        raise ValueError(f"a memory snapshot needs a CUDA device, not {device}")
+    torch.cuda.synchronize(device)
+    torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
+    try:
+        step()
+        torch.cuda.synchronize(device)
+        snap = torch.cuda.memory._snapshot()  # what _dump_snapshot pickles
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    # the frames name functions and lines only: keep what they were at this commit (`sources`, read by `peak`)
+    snap[SOURCES] = sources(snap, package_source)
+    atomic_write(path, lambda f: pickle.dump(snap, f))
+    write_summary(snap, path)  # what `peak` and readers use, without unpickling

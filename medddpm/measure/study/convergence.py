@@ -35,7 +35,7 @@ import torch
 from tqdm import tqdm  # text bars: tqdm.auto draws ipywidgets bars, a message per update under papermill
 
 from medddpm.configs import get_config
-from medddpm.measure import sample_metrics as sm
+from medddpm.measure.study import sample_metrics as sm
 from medddpm.measure.env import environment, gpu_slug, pick_device
 from medddpm.measure.validate import check_label
 from medddpm.model.diffusion import TIMESTEPS
