@@ -1,6 +1,6 @@
 """medddpm: Med-DDPM's 3D diffusion U-Net trained and profiled under each precision, layout and fusion
 optimization. The folders are the pipeline: `configs` -> `model` -> `train` -> `measure` -> `store` -> `report`,
-and `cli` on top."""
+with `analysis` (the table analyses both measure and report read) beside `store`, and `cli` on top."""
 
 from pathlib import Path
 

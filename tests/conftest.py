@@ -140,19 +140,17 @@ def add_fake_gpu(data: Path) -> str:
     """Copy the first GPU folder with parquet files to `fake-gpu-x`, renamed in every table; returns the
     copied folder's name. The CPU's folder only where no GPU has one: its kernel and step times are no GPU's
     (the pages check a GPU's, e.g. the share of the step its kernels keep it busy)."""
-    from medddpm.measure.scaling import SCALING_DIR
-    from medddpm.store import convergence
+    from medddpm.store.layout import hidden, is_run, table_of
     from medddpm.store.schema import read_table, write_table
 
-    sources = sorted((p for p in data.iterdir() if p.is_dir() and not p.name.startswith(".") and any(p.glob("*/run.parquet"))),
+    sources = sorted((p for p in data.iterdir() if p.is_dir() and not hidden(p.name) and any(map(is_run, p.iterdir()))),
                      key=lambda p: (p.name == "cpu", p.name))
     assert sources, f"no <gpu>/<config>/run.parquet under {data}"
     src = sources[0]
     dst = data / FAKE_SLUG
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".*"))
     for path in dst.rglob("*.parquet"):  # runs, scaling tables, and runs kept in tuning/ or reference/
-        table = ("scaling" if path.parent.name == SCALING_DIR else  # scaling/<config>.parquet
-                 convergence.table_name(path) if path.parent.name == convergence.CONVERGENCE_DIR else path.stem)
+        table = table_of(path)
         df = read_table(path, table)
         if "run_id" in df:
             df["run_id"] = df["run_id"].str.replace(f"{src.name}/", f"{FAKE_SLUG}/", n=1, regex=False)

@@ -35,7 +35,7 @@ def real() -> report.Data:
 
 def _ncu_rows(run_id: str, names: list[str], config: str) -> pd.DataFrame:
     """Hand-made ncu rows: one launch per kernel, the headline metrics by raw name, one global rule."""
-    from medddpm.measure import ncu_table
+    from medddpm.analysis import ncu_table
 
     tc = {"baseline": 0.0, "opt1": 30.0, "opt2": 0.5, "opt12": 12.0}.get(config, 20.0)
     rows = []
@@ -311,7 +311,7 @@ def _bench_doc(phase: str | None = "train", **run) -> dict:
 
 
 def test_bench_tables_are_read_from_non_run_folders(real, tmp_path):
-    from medddpm.measure.bench import write_bench
+    from medddpm.measure.timing.bench import write_bench
 
     root = _tree(tmp_path)
     notes = root / "cpu" / "notes"
@@ -341,7 +341,7 @@ def test_bench_tables_are_read_from_non_run_folders(real, tmp_path):
 def test_the_bench_writes_its_table_beside_the_json(tmp_path):
     """`bench --out DIR`: DIR/bench.parquet, validated; a second invocation replaces the rows of its own source and
     keeps the others'; the summaries are those of the recorded steps under the run table's names."""
-    from medddpm.measure.bench import bench_rows, write_bench
+    from medddpm.measure.timing.bench import bench_rows, write_bench
 
     doc = _bench_doc()
     path = write_bench(tmp_path, doc, source="a")
@@ -422,10 +422,9 @@ def test_ncu_coverage_says_what_the_counters_stand_for(real):
     ncu_df = real.ncu[real.ncu["run_id"] == run_id]
     one = ncu_df[ncu_df["kernel"] == ncu_df["kernel"].iloc[0]]
     k = real.kernels[real.kernels["run_id"] == run_id]
-    from medddpm.analysis import ncu_names
-    from medddpm.measure import ncu
+    from medddpm.analysis import ncu_names, ncu_table
 
-    share = ncu.covered(k, ncu_names.match_kernel(one["kernel"].iloc[0], k["kernel"].unique().tolist()))
+    share = ncu_table.covered(k, ncu_names.match_kernel(one["kernel"].iloc[0], k["kernel"].unique().tolist()))
     less = report.ncu_coverage(report.Data(run=real.run, steps=real.steps, kernels=real.kernels, ncu=one, quality=real.quality))
     assert 0 < share < 1 and less["profiled"].iloc[0] == pytest.approx(share)
     assert less["profiled"].iloc[0] <= cov.loc[cov["config"] == one["config"].iloc[0], "profiled"].iloc[0]

@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 
 from medddpm import report
-from medddpm.measure import layers
-from medddpm.measure import ncu_table
+from medddpm.analysis import layers
+from medddpm.analysis import ncu_table
 from medddpm.store import schema
 from medddpm.report import claims
 from medddpm.cli.main import main

@@ -46,7 +46,7 @@ def test_the_reference_width_has_embedded_data(tmp_path):
     one label, for bench's batch and the sweep's and train's data alike; other widths are refused in one line."""
     import torch
 
-    from medddpm.measure.bench import real_batch
+    from medddpm.train.data import real_batch
     from medddpm.model.unet import ModelSpec
     from medddpm.train.data import DataError, open_dataset
 

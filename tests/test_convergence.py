@@ -12,11 +12,12 @@ import pandas as pd
 import pytest
 import torch
 
-from medddpm.measure import convergence as conv
-from medddpm.measure import sample_metrics as sm
+from medddpm.measure.study import convergence as conv
+from medddpm.measure.study import sample_metrics as sm
 from medddpm.model.diffusion import GaussianDiffusion
 from medddpm.report import convergence as rc
 from medddpm.store import convergence as store
+from medddpm.store import layout
 from medddpm.store import schema
 from medddpm.train.synthetic import make_mni_pair
 from medddpm.train.loop import read_loss_log, step_noise, train
@@ -256,7 +257,7 @@ def fake_study(folder: Path, slug: str = "gpu-x", dice: dict | None = None, w1: 
     store.write(folder, "losses", pd.concat(losses, ignore_index=True))
     store.write(folder, "samples", pd.DataFrame(samples))
     image, labels = make_mni_pair(100_000, size=16)
-    slices = folder / store.SLICES
+    slices = folder / layout.SLICES_DIR
     slices.mkdir(parents=True, exist_ok=True)
     (slices / store.slice_file("label", 0)).write_bytes(sm.slices_png(labels, labels=True))
     (slices / store.slice_file("sample", "bf16", 0, 0)).write_bytes(sm.slices_png(image))
@@ -268,7 +269,7 @@ REF = [0.70, 0.80, 0.75, 0.85, 0.78]
 
 def paired_of(tmp_path, cand: dict, **kw) -> pd.DataFrame:
     """Each candidate's verdict against opt1, the reference."""
-    fake_study(store.folder(tmp_path, "gpu-x"), dice={"opt1": REF, **cand}, **kw)
+    fake_study(layout.convergence_folder(tmp_path, "gpu-x"), dice={"opt1": REF, **cand}, **kw)
     v = rc.verdicts(rc.load_study(tmp_path))
     return v[v["reference"] == "opt1"].set_index("candidate")
 
@@ -339,7 +340,7 @@ def test_a_diverged_run_counts_as_a_failure_and_leaves_its_pair_out(tmp_path):
 
 
 def test_the_verdict_text_and_the_first_page_s_summary(tmp_path):
-    fake_study(store.folder(tmp_path, "gpu-x"))
+    fake_study(layout.convergence_folder(tmp_path, "gpu-x"))
     study = rc.load_study(tmp_path)
     text = rc.verdict_text(study, "gpu-x", {"opt1": 200.0, "bf16": 50.0, "fp16": 60.0})
     assert "real images score a mean label_dice of 0.850" in text
@@ -350,13 +351,13 @@ def test_the_verdict_text_and_the_first_page_s_summary(tmp_path):
 
 
 def test_one_seed_gives_no_interval(tmp_path):
-    fake_study(store.folder(tmp_path, "gpu-x"), dice={"opt1": [0.8], "bf16": [0.5]})
+    fake_study(layout.convergence_folder(tmp_path, "gpu-x"), dice={"opt1": [0.8], "bf16": [0.5]})
     p = rc.paired(rc.load_study(tmp_path))
     assert (p["verdict"] == "undecided").all() and p["low"].isna().all()
 
 
 def test_the_page_s_figures_and_gallery_draw_from_the_tables(tmp_path):
-    fake_study(store.folder(tmp_path, "gpu-x"))
+    fake_study(layout.convergence_folder(tmp_path, "gpu-x"))
     study = rc.load_study(tmp_path)
     binned = rc.loss_curves_binned(study, points=5)
     assert len(binned) == 9 * 5 and binned["step"].max() == 10
@@ -374,10 +375,10 @@ def test_the_page_s_figures_and_gallery_draw_from_the_tables(tmp_path):
 
 
 def test_a_study_of_another_gpu_in_a_folder_is_an_error(tmp_path):
-    fake_study(store.folder(tmp_path, "gpu-x"))
-    shutil.move(store.folder(tmp_path, "gpu-x"), tmp_path / "gpu-x" / "elsewhere")
+    fake_study(layout.convergence_folder(tmp_path, "gpu-x"))
+    shutil.move(layout.convergence_folder(tmp_path, "gpu-x"), tmp_path / "gpu-x" / "elsewhere")
     (tmp_path / "gpu-y").mkdir()
-    shutil.move(tmp_path / "gpu-x" / "elsewhere", store.folder(tmp_path, "gpu-y"))
+    shutil.move(tmp_path / "gpu-x" / "elsewhere", layout.convergence_folder(tmp_path, "gpu-y"))
     with pytest.raises(rc.DataError, match="another GPU"):
         rc.load_study(tmp_path)
 
@@ -419,7 +420,7 @@ def execute_page(data: Path) -> str:
 def small_data(tmp_path: Path) -> Path:
     """The committed run tables (what the page's other readers need), without any study."""
     data = tmp_path / "book-data"
-    shutil.copytree(REPO / "data", data, ignore=shutil.ignore_patterns(".*", store.CONVERGENCE_DIR))
+    shutil.copytree(REPO / "data", data, ignore=shutil.ignore_patterns(".*", layout.CONVERGENCE_DIR))
     return data
 
 
@@ -434,8 +435,8 @@ def test_the_study_end_to_end_at_a_tiny_size_then_the_page(tmp_path):
     out, work = tmp_path / "data", tmp_path / "work"
     settings = conv.Settings(size=16, base_channels=32, steps=3, pairs=2, samples=2, label_maps=1, sample_steps=4)
     tables = conv.study(["opt1", "bf16"], [0, 1], settings, out=out, work=work, device="cpu", progress=False)
-    folder = store.folder(out, "cpu")
-    for t in store.TABLES:
+    folder = layout.convergence_folder(out, "cpu")
+    for t in layout.CONVERGENCE_TABLES:
         schema.read_table(folder / f"{t}.parquet", store.table_name(t))  # on disk, schema-checked
     runs = tables["runs"]
     assert (runs["status"] == "ok").all(), runs["message"].tolist()
@@ -462,7 +463,7 @@ def test_the_study_end_to_end_at_a_tiny_size_then_the_page(tmp_path):
                    device="cpu", progress=False)
 
     data = small_data(tmp_path)
-    shutil.copytree(folder, store.folder(data, "cpu"))
+    shutil.copytree(folder, layout.convergence_folder(data, "cpu"))
     text = execute_page(data)
     assert "The study has not been run on `nvidia-h200` yet" in text
     assert "`bf16` is **" in text and "`opt1` over 2 paired seeds" in text  # the paired verdict
@@ -497,7 +498,7 @@ def test_the_tf32_claim_is_the_study_s_paired_verdict(tmp_path, dice, verdict):
 
     from medddpm.report import claims
 
-    fake_study(store.folder(tmp_path, "gpu-x"), dice=dice)
+    fake_study(layout.convergence_folder(tmp_path, "gpu-x"), dice=dice)
     v = claims.tf32_samples(SimpleNamespace(study=rc.load_study(tmp_path), slug="gpu-x"))
     assert v.verdict == {"holds": claims.HOLDS, "fails": claims.FAILS, "undecided": claims.UNDECIDED,
                          "na": claims.NA}[verdict], v.evidence

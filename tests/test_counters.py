@@ -10,11 +10,12 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from medddpm.measure import ncu, ncu_table
+from medddpm.analysis import ncu_table
+from medddpm.measure.profile import ncu
 
 from medddpm.store import schema
 from medddpm.cli.main import main
-from medddpm.measure.counters import CountersError, add_counters, check_run
+from medddpm.measure.profile.counters import CountersError, add_counters, check_run
 
 FIX = Path(__file__).parent / "fixtures"
 DETAILS = FIX / "h200/ncu-opt1-size32-details.csv.gz"
@@ -52,7 +53,7 @@ def fake_ncu(bin_dir: Path, details: Path) -> None:
 def stand_in(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:/usr/bin:/bin")
     monkeypatch.setattr(ncu, "_cuda_available", lambda: True)
-    monkeypatch.setattr("medddpm.measure.counters.NCU_REPORTS", tmp_path / "reports")
+    monkeypatch.setattr("medddpm.measure.profile.counters.NCU_REPORTS", tmp_path / "reports")
     monkeypatch.setenv("MEDDDPM_GIT_COMMIT", "c0ffee")
     return lambda details: fake_ncu(tmp_path / "bin", details)
 
@@ -202,7 +203,7 @@ def test_capture_names_every_convolution_forward_and_backward(monkeypatch, from_
     balanced on each thread; with --from-backward the step's range starts at the named layer's backward."""
     import torch
 
-    from medddpm.measure import capture
+    from medddpm.measure.profile import capture
 
     from medddpm.train import engine
 

@@ -43,7 +43,7 @@ def _worker(rank, port, out):
     os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                    "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank)}
     torch.set_num_threads(1)
-    from medddpm.measure import distributed
+    from medddpm.train import distributed
 
     r, world, _, device = distributed.init_from_env()
     assert (r, world, device.type) == (rank, WORLD, "cpu") and distributed.is_main() == (rank == 0)
@@ -142,7 +142,7 @@ def test_torchrun_entry_point_and_world_size_on_resume(tmp_path):
     torchrun = Path(sys.executable).with_name("torchrun")
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     cmd = [str(torchrun), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-           "-m", "medddpm.measure.distributed", "--steps", "2", "--log-every", "1", "--out", str(tmp_path),
+           "-m", "medddpm.cli.distributed", "--steps", "2", "--log-every", "1", "--out", str(tmp_path),
            "--size", "16", "--base-channels", "32", "--pairs", "2"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -173,7 +173,7 @@ def _refused_worker(rank, port, out):
     os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                    "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank)}
     torch.set_num_threads(1)
-    from medddpm.measure import distributed
+    from medddpm.train import distributed
 
     distributed.init_from_env()
     try:

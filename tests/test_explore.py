@@ -176,7 +176,7 @@ def data_root(tmp_path_factory) -> Path:
 
 def committed_stall_counters():
     """The first committed ncu.parquet that holds warp-stall counters (a real GPU's)."""
-    from medddpm.measure import ncu_table
+    from medddpm.analysis import ncu_table
     from medddpm.store.schema import read_table
 
     stall = ncu_table._stall_metric(ncu_table.STALL_REASONS[0])

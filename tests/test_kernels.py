@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from medddpm.train.engine import Engine
-from medddpm.measure.kernels import (CATEGORIES, COLUMNS, MAX_LABEL, categorize, kernel_rows_from_trace, op_rows_from_trace,
-                             profile_kernels, short_name, uses_tensor_cores)
+from medddpm.analysis.kernels import (CATEGORIES, COLUMNS, MAX_LABEL, categorize, kernel_rows_from_trace,
+                                      op_rows_from_trace, short_name, uses_tensor_cores)
+from medddpm.train.profiling import profile_kernels
 
 from conftest import random_batch
 

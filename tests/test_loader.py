@@ -375,8 +375,8 @@ def test_export_brats_round_trips(brats):
 # end-to-end timing in the measurement
 
 def test_end_to_end_timing_feeds_the_step(ref):
-    from medddpm.measure.clocks import ClockMonitor
-    from medddpm.measure.end_to_end import drift, loader_rate, time_end_to_end
+    from medddpm.measure.timing.clocks import ClockMonitor
+    from medddpm.measure.timing.end_to_end import drift, loader_rate, time_end_to_end
     from medddpm.model.unet import ModelSpec
     from medddpm.train.engine import Engine
 

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from medddpm import report
-from medddpm.store import schema
+from medddpm.store import layout, schema
 from medddpm.report import charts
 from medddpm.configs import CONFIGS
 
@@ -43,7 +43,7 @@ def gpu_runs(template, runs=RUNS) -> pd.DataFrame:
     rows = []
     for (preset, shape, params), config, batch, peak, reserved, ms in runs:
         r = template.copy()
-        folder = schema.run_folder(config, preset, batch)
+        folder = layout.run_folder(config, preset, batch)
         r[["run_id", "gpu_slug", "gpu_name", "config", "preset", "shape", "batch", "parameters", "folder"]] = [
             f"{GPU}/{folder}/x", GPU, "NVIDIA Test GPU", config, preset, shape, batch, params, f"{GPU}/{folder}"]
         for flag, value in CONFIGS[config].flags.items():

@@ -11,7 +11,8 @@ import pandas as pd
 import pytest
 
 from medddpm.analysis import ncu_names
-from medddpm.measure import ncu, ncu_layers, ncu_table
+from medddpm.analysis import ncu_table
+from medddpm.measure.profile import ncu, ncu_layers
 
 FIX = Path(__file__).parent / "fixtures"
 DETAILS = {name: FIX / f"h200/ncu-{name}-size32-details.csv.gz" for name in ("opt1", "bf16-cl")}
@@ -135,29 +136,29 @@ def kernels_frame(rows: list[tuple[str, float, str]]) -> pd.DataFrame:
 def test_select_kernels_coverage():
     k = kernels_frame([("a", 50, "convolution"), ("b", 30, "gemm"), ("c", 15, "elementwise"), ("d", 5, "other"),
                        ("Memcpy HtoD (Pageable -> Device)", 1000, "memcpy")])
-    assert ncu.select_kernels(k, coverage=0.8) == ["a", "b"]  # exactly 80%: the boundary counts
-    assert ncu.select_kernels(k, coverage=0.81) == ["a", "b", "c"]
-    assert ncu.select_kernels(k, coverage=0.5) == ["a"]
-    assert ncu.select_kernels(k, coverage=1.0) == ["a", "b", "c", "d"]
-    assert ncu.covered(k, ["a", "b"]) == pytest.approx(0.8)
+    assert ncu_table.select_kernels(k, coverage=0.8) == ["a", "b"]  # exactly 80%: the boundary counts
+    assert ncu_table.select_kernels(k, coverage=0.81) == ["a", "b", "c"]
+    assert ncu_table.select_kernels(k, coverage=0.5) == ["a"]
+    assert ncu_table.select_kernels(k, coverage=1.0) == ["a", "b", "c", "d"]
+    assert ncu_table.covered(k, ["a", "b"]) == pytest.approx(0.8)
 
 
 def test_select_kernels_sums_passes():
     # "c" appears in forward and backward: 25 + 25 outranks "a" (40)
     k = kernels_frame([("a", 40, "convolution"), ("c", 25, "elementwise"), ("c", 25, "elementwise"),
                        ("b", 10, "gemm")])
-    assert ncu.select_kernels(k, coverage=0.5) == ["c"]
-    assert ncu.select_kernels(k, coverage=0.9) == ["c", "a"]
-    assert ncu.select_kernels(kernels_frame([("m", 5, "memcpy")]), coverage=0.8) == []
+    assert ncu_table.select_kernels(k, coverage=0.5) == ["c"]
+    assert ncu_table.select_kernels(k, coverage=0.9) == ["c", "a"]
+    assert ncu_table.select_kernels(kernels_frame([("m", 5, "memcpy")]), coverage=0.8) == []
 
 
 def test_select_kernels_by_time_per_launch():
     # ncu replays every launch: "many" (300 launches, 45%) comes after the long-launch kernels
     k = kernels_frame([("many", 45, "layout"), ("conv", 35, "convolution"), ("norm", 20, "normalization")])
     k["calls"] = [300, 5, 2]
-    assert ncu.select_kernels(k, coverage=0.5) == ["norm", "conv"]
-    assert ncu.select_kernels(k, coverage=0.8) == ["norm", "conv", "many"]
-    assert ncu.select_kernels(k.drop(columns="calls"), coverage=0.4) == ["many"]
+    assert ncu_table.select_kernels(k, coverage=0.5) == ["norm", "conv"]
+    assert ncu_table.select_kernels(k, coverage=0.8) == ["norm", "conv", "many"]
+    assert ncu_table.select_kernels(k.drop(columns="calls"), coverage=0.4) == ["many"]
 
 
 # ------------------------------------------------------------------------------------------ command
@@ -187,11 +188,11 @@ def test_ncu_command(tmp_path):
     assert "--target-processes application-only" in joined  # not into Inductor's compile workers
     assert "--nvtx --nvtx-include medddpm_step/" in joined
     assert "--set" not in cmd and "full" not in cmd
-    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--section"] == list(ncu.SECTIONS)
+    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--section"] == list(ncu_table.SECTIONS)
     assert cmd[cmd.index("--metrics") + 1] == "a__b.sum,c__d.ratio"
     assert cmd[cmd.index("--kernel-name-base") + 1] == "demangled"
     assert cmd[cmd.index("-o") + 1:cmd.index("-o") + 3] == [str(report), "-f"]
-    assert cmd[-9:] == ["/usr/bin/python3", "-m", "medddpm.measure.capture", "--config", "opt1", "--preset", "paper",
+    assert cmd[-9:] == ["/usr/bin/python3", "-m", "medddpm.measure.profile.capture", "--config", "opt1", "--preset", "paper",
                         "--size", "64"]
     # a layer repeated with the same launch configuration is profiled once
     assert "--filter-mode per-launch-config --launch-count 1" in joined
@@ -478,12 +479,12 @@ def test_profiled_coverage_counts_only_what_ncu_profiled():
     k = kernels_frame([(conv, 60, "convolution"), ("void at::native::RowwiseMomentsCUDAKernel<float>(long)", 30, "reduction"),
                        ("void at::native::other_kernel<float>(int)", 10, "elementwise")])
     only_norm = pd.DataFrame({"kernel": ["void at::<unnamed>::RowwiseMomentsCUDAKernel<float>(long, T1)"]})
-    assert ncu.profiled_coverage(k, only_norm) == pytest.approx(0.3)
+    assert ncu_table.profiled_coverage(k, only_norm) == pytest.approx(0.3)
     # a different cuDNN algorithm for the same direction counts (the autotuner's choice moves under ncu)
     both = pd.DataFrame({"kernel": [only_norm.kernel[0], "cutlass__5x_cudnn::Kernel<cutlass_tensorop_s1688wgrad_optimized>"]})
-    assert ncu.profiled_coverage(k, both) == pytest.approx(0.9)
+    assert ncu_table.profiled_coverage(k, both) == pytest.approx(0.9)
     fprop = pd.DataFrame({"kernel": ["cudnn::detail::implicit_convolve_sgemm<float>"]})
-    assert ncu.profiled_coverage(k, fprop) == 0.0  # forward kernels do not stand in for weight gradients
+    assert ncu_table.profiled_coverage(k, fprop) == 0.0  # forward kernels do not stand in for weight gradients
 
 
 # ---------------------------------------------------------------------------- convolution directions
@@ -518,9 +519,9 @@ def test_legacy_gradient_engines_do_not_cover_the_forward_convolutions():
     k = kernels_frame([(fprop, 40, "convolution"), ("void at::native::RowwiseMomentsCUDAKernel<float>(long)", 60,
                                                     "reduction")])
     legacy = [n for n, d in CONV_NAMES.items() if d in ("dgrad", "wgrad") and "onvolve" in n]
-    assert legacy and ncu.profiled_coverage(k, pd.DataFrame({"kernel": legacy})) == 0.0
+    assert legacy and ncu_table.profiled_coverage(k, pd.DataFrame({"kernel": legacy})) == 0.0
     helper = [n for n in CONV_NAMES if "reduce_wgrad" in n or "sdpa" in n]
-    assert helper and ncu.profiled_coverage(k, pd.DataFrame({"kernel": helper})) == 0.0
+    assert helper and ncu_table.profiled_coverage(k, pd.DataFrame({"kernel": helper})) == 0.0
 
 
 # ------------------------------------------------------------------------------------------ layers

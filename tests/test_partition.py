@@ -1,4 +1,4 @@
-"""What a compiled step saves for its backward (medddpm.measure.partition), read from AOTAutograd's partition
+"""What a compiled step saves for its backward (medddpm.measure.memory.partition), read from AOTAutograd's partition
 on the CPU at the smoke size. The H200 measured what these tests check in miniature: `best-ckpt`
 keeps less than `best` (peaks at 128^3: 3.98 GiB against 6.86 GiB)."""
 
@@ -13,11 +13,11 @@ import torch
 
 from medddpm import report
 from medddpm.model import unet as model
-from medddpm.measure import partition
+from medddpm.measure.memory import partition
 from medddpm.cli.main import main
 from medddpm.configs import CONFIGS
 from medddpm.presets import get_preset
-from medddpm.measure.partition import activation_bytes, saved_tensors, summary
+from medddpm.measure.memory.partition import activation_bytes, saved_tensors, summary
 from medddpm.store.schema import read_table
 
 REPO = Path(__file__).resolve().parents[1]

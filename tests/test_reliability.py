@@ -28,7 +28,7 @@ from medddpm.measure import sweep as sw
 from medddpm.measure.env import environment
 from medddpm.measure.run import run_row
 from medddpm.report import loading
-from medddpm.store import identity, lock, schema, storage
+from medddpm.store import identity, layout, lock, schema, storage
 from medddpm.store.schema import read_table, write_table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -142,7 +142,7 @@ def test_a_real_kernel_killed_mid_run_leaves_no_table_of_its_own(tmp_path, monke
     assert "DeadKernelError" in message and message.endswith("the kernel last wrote: native: out of device memory")
     err = capfd.readouterr().err  # the kernel's own output stays out of the terminal; the error line quotes it
     assert err.count("native:") == err.count("the kernel last wrote: native:") == 1, err
-    assert "native: out of device memory" in (folder / sw.KERNEL_LOG).read_text()
+    assert "native: out of device memory" in (folder / layout.KERNEL_LOG).read_text()
     assert time.time() - t0 < 120
 
 

@@ -13,9 +13,10 @@ import torch
 
 from medddpm import report
 from medddpm.analysis import roofs as ar
-from medddpm.measure import roofs as mr
+from medddpm.measure.timing import roofs as mr
 from medddpm.report import counters
 from medddpm.store import schema
+from medddpm.store.layout import ROOFS_FILE
 
 TINY = mr.Sizes(copy_bytes=2**20, n={"fp32": 64, "bf16": 32, "fp16": 32}, warmup=1, repeats=3)
 
@@ -37,7 +38,7 @@ def test_a_cpu_measures_its_roofs_in_seconds_and_the_table_round_trips(tmp_path)
     assert df.set_index("roof").loc["dram", "size"] == 2**20 and df.set_index("roof").loc["fp32", "size"] == 64
     assert set(df["gpu_slug"]) == {"cpu-box"} and set(df["gpu_type"]) == {"cpu"}
     path = mr.write(df, tmp_path)
-    assert path == tmp_path / "cpu-box" / schema.ROOFS_FILE
+    assert path == tmp_path / "cpu-box" / ROOFS_FILE
     pd.testing.assert_frame_equal(schema.read_table(path), df)
     with pytest.raises(schema.SchemaError, match="roof"):
         schema.write_table(df.assign(roof="fp8"), tmp_path / "bad.parquet", "roofs")
@@ -69,7 +70,7 @@ def test_ensure_measures_a_label_once(tmp_path, monkeypatch):
         return made_up(label, "nvidia-h200", 0.9)
 
     monkeypatch.setattr(mr, "measure", fake)
-    assert mr.ensure(tmp_path, "nvidia-h200", "cpu") == tmp_path / "nvidia-h200" / schema.ROOFS_FILE
+    assert mr.ensure(tmp_path, "nvidia-h200", "cpu") == tmp_path / "nvidia-h200" / ROOFS_FILE
     assert mr.ensure(tmp_path, "nvidia-h200", "cpu") is None and calls == ["nvidia-h200"]
     assert not list((tmp_path / "nvidia-h200").glob(".*lock")), "the lock goes with its holder"
 
@@ -97,9 +98,9 @@ def test_the_sweep_measures_its_label_s_roofs_before_its_first_configuration(tmp
     sw.sweep("baseline,opt1", preset="smoke", out=tmp_path, device="cpu", gpu_label="lab")
     sw.sweep("baseline", preset="smoke", out=tmp_path, device="cpu", gpu_label="lab", force=True)
     assert order == ["roofs", "baseline", "opt1", "baseline"], "measured once, before the first configuration"
-    assert (tmp_path / "lab" / schema.ROOFS_FILE).is_file()
+    assert (tmp_path / "lab" / ROOFS_FILE).is_file()
     sw.sweep("baseline", preset="smoke", out=tmp_path, device="cpu", gpu_label="other", force=True, roofs=False)
-    assert not (tmp_path / "other" / schema.ROOFS_FILE).exists()
+    assert not (tmp_path / "other" / ROOFS_FILE).exists()
 
 
 def test_a_card_s_roofs_come_from_its_own_measurement_then_its_type_s_then_its_datasheet():
@@ -142,10 +143,10 @@ def test_pages_read_the_measured_roofs_and_say_the_datasheet_where_there_are_non
 def test_a_roofs_file_of_another_label_is_left_out_with_a_warning(tmp_path):
     (tmp_path / "nvidia-h200").mkdir()
     schema.write_table(made_up("nvidia-h100-80gb-hbm3", "nvidia-h100-80gb-hbm3"),
-                       tmp_path / "nvidia-h200" / schema.ROOFS_FILE, "roofs")
+                       tmp_path / "nvidia-h200" / ROOFS_FILE, "roofs")
     with pytest.warns(report.DataWarning, match="roofs of another label"):
         assert report.roofs_table(tmp_path).empty
-    schema.write_table(made_up("nvidia-h200", "nvidia-h200"), tmp_path / "nvidia-h200" / schema.ROOFS_FILE, "roofs")
+    schema.write_table(made_up("nvidia-h200", "nvidia-h200"), tmp_path / "nvidia-h200" / ROOFS_FILE, "roofs")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert len(report.roofs_table(tmp_path)) == 5

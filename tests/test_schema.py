@@ -3,7 +3,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from medddpm.store import schema
+from medddpm.store import layout, schema
 
 
 def _steps(**over):
@@ -157,8 +157,8 @@ def test_a_table_written_with_time_ms_reads_as_step_ms(tmp_path, table):
 
 
 def test_bench_table_round_trip(tmp_path):
-    """A bench invocation's rows (`measure.bench.bench_rows`) write and read back through the schema unchanged."""
-    from medddpm.measure.bench import bench_rows
+    """A bench invocation's rows (`measure.timing.bench.bench_rows`) write and read back through the schema unchanged."""
+    from medddpm.measure.timing.bench import bench_rows
 
     doc = {"environment": {"gpu_name": "NVIDIA H200", "torch": "2.11", "cudnn": "91900", "git_commit": "abc",
                            "time_utc": "2026-11-29T16:57:12+00:00"},
@@ -167,7 +167,7 @@ def test_bench_table_round_trip(tmp_path):
                      "backend_flags": {"cudnn_conv_fp32_precision": "tf32"}},
                     {"config": "reference-tf32", "step_ms": [20.0], "peak_mem_bytes": 6 * 2**30}]}
     rows = bench_rows(doc, source="compare run 1")
-    path = schema.write_table(rows, tmp_path / schema.BENCH_FILE, "bench")
+    path = schema.write_table(rows, tmp_path / layout.BENCH_FILE, "bench")
     back = schema.read_table(path)
     pd.testing.assert_frame_equal(back, rows)
     assert list(back["gpu_slug"]) == ["nvidia-h200"] * 2 and list(back["config"]) == ["best", "opt1"]
@@ -175,11 +175,3 @@ def test_bench_table_round_trip(tmp_path):
     assert back["sample_step_median_ms"].isna().all() and list(back["steps"]) == [3, 1]
     with pytest.raises(schema.SchemaError, match="bench table"):
         schema.write_table(rows.assign(steps="three"), tmp_path / "bad.parquet", "bench")
-
-
-@pytest.mark.parametrize("config, preset, batch, folder", [
-    ("best", "paper", 1, "best"), ("baseline", "smoke", 1, "baseline"), ("best", "brats", 1, "best@brats"),
-    ("best-ckpt", "brats", 2, "best-ckpt@brats-b2"), ("opt1", "paper", 2, "opt1@paper-b2"),
-])
-def test_run_folder(config, preset, batch, folder):
-    assert schema.run_folder(config, preset, batch) == folder

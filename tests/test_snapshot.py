@@ -1,4 +1,4 @@
-"""Allocator snapshots (`medddpm.measure.snapshot`, `python -m medddpm peak`): the replay against hand-made histories, and
+"""Allocator snapshots (`medddpm.measure.memory.snapshot`, `python -m medddpm peak`): the replay against hand-made histories, and
 an H200 snapshot of a checkpointed step (`bench --memory-snapshot`) against its bench's own peak."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from medddpm.measure import snapshot
+from medddpm.measure.memory import snapshot
+from medddpm.store import layout
 from medddpm.cli.main import main
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "snapshot"
@@ -98,11 +99,11 @@ def test_package_sources_name_the_models_functions():
      "memory-best-ckpt_narrow_checkpoints_false-0123456.pickle"),
     ("best", "unknown", "memory-best-unknown.pickle")])
 def test_snapshot_names_round_trip(config, commit, name):
-    assert snapshot.snapshot_name(config, commit) == name
+    assert layout.snapshot_name(config, commit) == name
     short = commit[:7] if commit != "unknown" else ""
-    assert snapshot.parse_name(name) == snapshot.parse_name(name + ".gz") == (snapshot.file_config(config), short)
+    assert layout.parse_snapshot_name(name) == layout.parse_snapshot_name(name + ".gz") == (layout.snapshot_config(config), short)
     with pytest.raises(ValueError, match="not a memory snapshot's name"):
-        snapshot.parse_name("best.pickle")
+        layout.parse_snapshot_name("best.pickle")
 
 
 def test_load_rejects_what_is_not_a_snapshot(tmp_path):
@@ -157,7 +158,7 @@ def test_peak_command(capsys, tmp_path):
 def test_a_summary_holds_the_peak_by_origin():
     """The committed H200 snapshot's summary (lab/scripts/summarise-snapshots.py wrote it) says what its pickle says."""
     p = snapshot.peak(snapshot.load(STORE_SKIP))
-    table = snapshot.read_summary(snapshot.summary_path(STORE_SKIP))
+    table = snapshot.read_summary(layout.snapshot_summary(STORE_SKIP))
     assert (table["peak_bytes"] == p.bytes).all() and table["bytes"].sum() == p.bytes
     assert (table["peak_event"] == 846).all() and (table["peak_phase"] == "backward").all()
     assert table[["origin", "blocks", "bytes", "largest"]].values.tolist() == \
@@ -170,8 +171,6 @@ def test_bench_writes_its_snapshot_with_the_sources(monkeypatch, tmp_path):
     lines named, written whole."""
     import torch
 
-    from medddpm.measure import bench
-
     line = next(i for i, s in enumerate((snapshot.PACKAGE / "model" / "group_norm.py").read_text().splitlines(), 1)
                 if s.startswith("def _group_stats"))
     snap = history()
@@ -181,14 +180,14 @@ def test_bench_writes_its_snapshot_with_the_sources(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **k: calls.append(k))
     monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda *a, **k: snap)
-    path = tmp_path / snapshot.snapshot_name("best-ckpt", "0123456789")
-    bench.memory_snapshot(lambda: calls.append("step"), device=torch.device("cuda"), path=path)
+    path = tmp_path / layout.snapshot_name("best-ckpt", "0123456789")
+    snapshot.memory_snapshot(lambda: calls.append("step"), device=torch.device("cuda"), path=path)
     assert calls[1] == "step" and calls[-1] == {"enabled": None}  # the history is switched off again
     written = snapshot.load(path)
     assert written[snapshot.SOURCES][f"model/group_norm.py:{line + 1}"]["qualname"] == "_group_stats"
     assert snapshot.peak(written).live.iloc[0]["origin"] == f"_group_stats (model/group_norm.py:{line + 1})"
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([path.name, snapshot.summary_path(path).name])
-    assert snapshot.read_summary(snapshot.summary_path(path))["origin"].iloc[0] == \
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([path.name, layout.snapshot_summary(path).name])
+    assert snapshot.read_summary(layout.snapshot_summary(path))["origin"].iloc[0] == \
         f"_group_stats (model/group_norm.py:{line + 1})"
     with pytest.raises(ValueError, match="needs a CUDA device"):
-        bench.memory_snapshot(lambda: None, device=torch.device("cpu"), path=path)
+        snapshot.memory_snapshot(lambda: None, device=torch.device("cpu"), path=path)

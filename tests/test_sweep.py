@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from medddpm.report import TABLES  # the per-run tables
+from medddpm.store.layout import RUN_TABLES
 from medddpm.store.schema import read_table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,7 +47,7 @@ def test_smoke_sweep_writes_every_table_for_the_paper_configurations(tmp_path):
         assert len(quality) == 3 and quality["rel_err"].notna().all()
         assert (folder / "produce.ipynb").exists(), "the executed notebook is stored next to its data"
         assert not (folder / "ncu.parquet").exists(), "no GPU, no counters"
-        assert set(TABLES) - {"ncu"} <= {f.stem for f in folder.glob("*.parquet")}
+        assert set(RUN_TABLES) - {"ncu"} <= {f.stem for f in folder.glob("*.parquet")}
     opt1 = read_table(tmp_path / "data" / "cpu" / "opt1" / "run.parquet")
     assert "precision" in opt1.loc[0, "not_applicable"] and opt1.loc[0, "precision_used"] == "fp32"
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import base64
 import html
 import json
-import os
 import re
 from pathlib import Path
 
@@ -31,6 +30,8 @@ from docutils.parsers.rst import directives
 from sphinx.application import Sphinx
 from sphinx.util import logging
 from sphinx.util.docutils import SphinxDirective
+
+from medddpm.store.layout import NOTEBOOK_FILE, data_root, hidden
 
 logger = logging.getLogger(__name__)
 
@@ -163,14 +164,10 @@ def _visit_displaymath(self, node: nodes.math_block) -> None:
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
-def data_root() -> Path:
-    return Path(os.environ.get("MEDDDPM_DATA") or REPO / "data")
-
-
 def producer_notebooks(root: Path) -> list[Path]:
     """``<root>/<gpu>/<config>/produce.ipynb``, hidden (in-progress) folders left out; GPUs before CPUs (a CPU's
     folder is ``cpu`` or ``cpu-<host>``), as every page lists devices."""
-    found = [p for p in root.glob("*/*/produce.ipynb") if not any(part.startswith(".") for part in p.relative_to(root).parts)]
+    found = [p for p in root.glob(f"*/*/{NOTEBOOK_FILE}") if not any(hidden(part) for part in p.relative_to(root).parts)]
     return sorted(found, key=lambda p: (bool(CPU_LABEL.match(p.relative_to(root).parts[0])), p.relative_to(root).parts))
 
 

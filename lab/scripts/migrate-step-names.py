@@ -4,7 +4,7 @@
    `time_ms` of `steps` and `scaling`, now `step_ms`) is read through the schema, which renames it, and written
    back through it: the same rows and values under the new name.
 2. The bench JSON files kept in DATA_DIR/<gpu>/reference/ become that folder's `bench.parquet` (table `bench`,
-   `measure.bench.bench_rows`: each summary recomputed from the run's recorded step times and checked against the
+   `measure.timing.bench.bench_rows`: each summary recomputed from the run's recorded step times and checked against the
    JSON's own median, p10 and p90), each file under a source a reader can name. With --write, the JSON files
    move to lab/tuning/<gpu>/reference/, where their every step stays on record.
 
@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from medddpm import REPO  # noqa: E402
-from medddpm.measure.bench import bench_rows  # noqa: E402
+from medddpm.measure.timing.bench import bench_rows  # noqa: E402
 from medddpm.store import schema  # noqa: E402
 
 # bench JSON file -> the source a reader sees (lab/notebook/reference.md tells what each run was)

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from medddpm.measure import ncu
+from medddpm.measure.profile import ncu
 
 from medddpm.store import schema
 

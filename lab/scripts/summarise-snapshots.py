@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from medddpm.measure import snapshot
+from medddpm.measure.memory import snapshot
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,5 +1,5 @@
 """A card's roofs: its DRAM bandwidth and its dense matmul rate in each precision, measured on the card where
-someone measured them (`medddpm.measure.roofs`, table ``roofs`` in ``data/<label>/roofs.parquet``), else from
+someone measured them (`medddpm.measure.timing.roofs`, table ``roofs`` in ``data/<label>/roofs.parquet``), else from
 its maker's datasheet, each value with where it comes from.
 
 Measured roofs are what a program reaches on random data (a device-to-device copy, a large matmul); datasheet

@@ -1,5 +1,5 @@
 """The command line's shared arguments and their parsers: used by `medddpm.cli.parser` and by the
-data-parallel worker (`medddpm.measure.distributed`), which takes the same model and configuration switches."""
+data-parallel training entry point (`medddpm.cli.distributed`), which takes the same model and configuration switches."""
 
 from __future__ import annotations
 

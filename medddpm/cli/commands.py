@@ -37,7 +37,7 @@ def cmd_info(args) -> None:
 
 def cmd_saved(args) -> None:
     from medddpm.measure.env import git_commit
-    from medddpm.measure.partition import activation_bytes, partition_row, record, saved_tensors, summary
+    from medddpm.measure.memory.partition import activation_bytes, partition_row, record, saved_tensors, summary
 
     spec = spec_from(args)
     configs = parse_config_list(args.configs)
@@ -61,7 +61,7 @@ def cmd_saved(args) -> None:
 
 
 def cmd_peak(args) -> None:
-    from medddpm.measure.snapshot import describe
+    from medddpm.measure.memory.snapshot import describe
 
     print("\n\n".join(describe(path, top=args.top, trust_pickle=args.trust_pickle) for path in args.snapshots))
 
@@ -183,9 +183,9 @@ def cmd_sample(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from medddpm.measure.bench import bench_sample, bench_train, write_bench
+    from medddpm.measure.timing.bench import bench_sample, bench_train, write_bench
     from medddpm.measure.env import environment, pick_device
-    from medddpm.measure.snapshot import snapshot_name
+    from medddpm.store.layout import BENCH_FILE, snapshot_name
 
     if args.reference and args.phase == "sample":
         raise ValueError("--reference times training steps only; drop it or use --phase train")
@@ -216,7 +216,7 @@ def cmd_bench(args) -> None:
                               kernels=args.kernels or 0, **({"snapshot": snapshot(c)} if args.memory_snapshot else {}))
             for c in configs]
     if args.reference:
-        from medddpm.measure.reference import bench_reference
+        from medddpm.measure.timing.reference import bench_reference
 
         jobs += [lambda p=p: bench_reference(args.reference, spec, precision=p, device=device, warmup=args.warmup,
                                              steps=args.steps, seed=args.seed)
@@ -239,7 +239,7 @@ def cmd_bench(args) -> None:
         print(f"{r['config']:<40}{median:>10.1f}{p10:>9.1f}{p90:>9.1f}{mem:>10.2f}"
               f"{(r['warmup_ms'] or [float('nan')])[0] / 1e3:>17.1f}")
     if args.out:
-        print(f"wrote {Path(args.out) / 'bench.parquet'} (source {source!r})")
+        print(f"wrote {Path(args.out) / BENCH_FILE} (source {source!r})")
     for r in results["runs"]:
         if "category_us" in r:
             cats = ", ".join(f"{k} {v / 1e3:.2f}" for k, v in r["category_us"].items())
@@ -249,7 +249,7 @@ def cmd_bench(args) -> None:
 
 
 def cmd_study(args) -> None:
-    from medddpm.measure.convergence import Settings, study, summary
+    from medddpm.measure.study.convergence import Settings, study, summary
 
     settings = Settings(size=args.size, base_channels=args.base_channels, steps=args.steps, pairs=args.pairs,
                         lr=args.lr, grad_accum=args.grad_accum, samples=args.samples, label_maps=args.label_maps,
@@ -351,7 +351,7 @@ def cmd_ablation(args) -> None:
 
 
 def cmd_roofs(args) -> None:
-    from medddpm.measure import roofs
+    from medddpm.measure.timing import roofs
     from medddpm.measure.env import gpu_slug, pick_device
     from medddpm.measure.sweep import machine_label
     from medddpm.measure.validate import check_label
@@ -379,9 +379,9 @@ def cmd_counters(args) -> None:
 
     from tqdm import tqdm
 
-    from medddpm.measure.counters import add_counters, check_run
+    from medddpm.measure.profile.counters import add_counters, check_run
     from medddpm.measure.run import NCU_MIN_S
-    from medddpm.measure.ncu import check_passes
+    from medddpm.measure.profile.ncu import check_passes
     from medddpm.measure.sweep import run_lock
 
     check_passes(tuple(args.passes))

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from medddpm.measure.ncu import BOTH, COVERAGE, PASSES
+from medddpm.analysis.ncu_table import COVERAGE
+from medddpm.measure.profile.ncu import BOTH, PASSES
+from medddpm.store.layout import PARTITION_FILE
 from medddpm.store.schema import PHASES
 from medddpm.cli.args import (DEVICE_HELP, PRESET_NAMES, WIDTH, add_config_args, add_device_arg, add_model_args,
                               fraction, phases_arg, positive, seeds_arg, size_arg)
@@ -129,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     p.add_argument("--configs", required=True, help="compiled configurations, e.g. best,best-ckpt+group_norm=fused")
     p.add_argument("--min-mib", type=float, default=64.0, help="list tensors of at least this size (MiB)")
-    p.add_argument("--write", nargs="?", const=str(Path("data") / "partition.parquet"), metavar="FILE",
+    p.add_argument("--write", nargs="?", const=str(Path("data") / PARTITION_FILE), metavar="FILE",
                    help="also record each in the partition table the memory page reads (default "
                         "data/partition.parquet), replacing its row for this torch version; needs --preset")
     p.set_defaults(func=cmd_saved)

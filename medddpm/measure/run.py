@@ -21,24 +21,21 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from medddpm import REPO
 from medddpm.store import schema
+from medddpm.store.layout import NCU_REPORTS, QUALITY_CACHE, RUN_FILE, run_folder, run_table
 from medddpm.store.schema import PHASES
-from medddpm.measure.bench import sample_step_summary, train_summary
+from medddpm.measure.timing.bench import sample_step_summary, train_summary
 from medddpm.configs import Config, get_config
 from medddpm.presets import REFERENCE_ACCUM, REFERENCE_STEPS, Preset, get_preset
 from medddpm.train.data import EMBEDDED, open_dataset
-from medddpm.measure.clocks import ClockMonitor
-from medddpm.measure.end_to_end import drift, loader_rate, time_end_to_end
+from medddpm.measure.timing.clocks import ClockMonitor
+from medddpm.measure.timing.end_to_end import drift, loader_rate, time_end_to_end
 from medddpm.train.engine import Engine
 from medddpm.measure.env import compile_cache_counts, environment, gpu_slug, host_name, pick_device
 from medddpm.model.flops import count
 from medddpm.model.unet import ModelSpec, format_size, parse_size
 from medddpm.store.storage import atomic_write
 from medddpm.train.timing import StepTimer, summarize, time_steps
-
-NCU_REPORTS = REPO / "runs" / "ncu"
-QUALITY_CACHE = REPO / "runs" / "quality"
 
 
 def _check(name: str, value, kind: type, *, minimum: int | None = None) -> None:
@@ -120,7 +117,7 @@ class Measurement:
         self.env = environment(self.device)
         self.gpu_name = self.env["gpu_name"]  # the device's own name; the label names its folder only
         self.slug = gpu_slug(gpu_label or self.gpu_name)
-        self.folder = schema.run_folder(self.config.name, self.preset.name, batch, self.mask_variant)
+        self.folder = run_folder(self.config.name, self.preset.name, batch, self.mask_variant)
         self.group = group
         self.final_dir = Path(out) / self.slug / group / self.folder
         self.dir = Path(stage) if stage else self.final_dir
@@ -165,7 +162,7 @@ class Measurement:
 
     def _write(self, table: str, df: pd.DataFrame) -> pd.DataFrame:
         df = df.assign(run_id=self.run_id)
-        schema.write_table(df, self.dir / f"{table}.parquet", table)
+        schema.write_table(df, run_table(self.dir, table), table)
         self.tables[table] = df
         return df
 
@@ -292,7 +289,7 @@ class Measurement:
 
     def kernels(self) -> pd.DataFrame | None:
         """torch.profiler over a few steps (separate from the timed steps)."""
-        from medddpm.measure.kernels import profile_kernels
+        from medddpm.train.profiling import profile_kernels
 
         with self.phase("torch", critical=False) as go:
             if not go:
@@ -315,7 +312,7 @@ class Measurement:
 
     def counters(self) -> pd.DataFrame | None:
         """Nsight Compute on the kernels that make up most of a step (GPU only); the last phase."""
-        from medddpm.measure.ncu import run_ncu
+        from medddpm.measure.profile.ncu import run_ncu
 
         with self.phase("ncu", critical=False) as go:
             if not go:
@@ -330,7 +327,7 @@ class Measurement:
                 return None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # the profiled program is another process on this GPU
-            # The report itself (tens of MB) stays out of the data tree, under runs/ncu/.
+            # The report itself (tens of MB) stays out of the data tree (`layout.NCU_REPORTS`).
             df, status = run_ncu(kernels_df=self.tables["kernels"], config=self.config.name, preset=self.preset.name,
                                  size=format_size(self.preset.size), batch=self.batch,
                                  out_dir=NCU_REPORTS / self.slug / self.folder, timeout_s=budget)
@@ -418,7 +415,7 @@ def run_row(config: Config, preset: str, *, env: dict, gpu_name: str, status: st
     missing value (NaN, -1 or ''), for phases that did not run. `label`: the folder's name under data/
     (default: the device type); `mask_variant`: label channels other than the data's own (`schema.run_folder`)."""
     now = dt.datetime.now(dt.timezone.utc)
-    folder = schema.run_folder(config.name, preset, batch, mask_variant)
+    folder = run_folder(config.name, preset, batch, mask_variant)
     slug = gpu_slug(label or gpu_name)
     row = {"run_id": f"{slug}/{group + '/' if group else ''}{folder}/{now.strftime('%Y%m%dT%H%M%SZ')}", "status": status,
            "message": message, **{k: env[k] for k in ("gpu_count", "driver", "cuda", "cudnn", "torch", "python",
@@ -439,7 +436,7 @@ def write_failed_run(config: Config, preset: str, folder: Path, *, device: torch
     env = environment(device)
     row = run_row(config, preset, env=env, gpu_name=env["gpu_name"], label=gpu_label, status="error", message=message,
                   batch=batch, group=group, mask_variant=mask_variant)
-    schema.write_table(pd.DataFrame([row]), Path(folder) / "run.parquet", "run")
+    schema.write_table(pd.DataFrame([row]), Path(folder) / RUN_FILE, "run")
 
 
 class Energy:

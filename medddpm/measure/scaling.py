@@ -24,9 +24,8 @@ import torch
 
 from medddpm import REPO
 from medddpm.store import schema
+from medddpm.store.layout import scaling_table
 from medddpm.configs import Config, get_config
-
-SCALING_DIR = "scaling"  # data/<gpu-slug>/scaling/<config>.parquet: not a run folder
 
 
 def parse_world_sizes(spec: str | list[int]) -> list[int]:
@@ -57,10 +56,6 @@ def check(config: Config, world_sizes: list[int], *, device: str) -> None:
             raise ValueError(f"world size {max(world_sizes)} needs that many GPUs; {have} visible")
     elif device != "cpu":
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
-
-
-def table_path(out: str | os.PathLike, slug: str, config: str) -> Path:
-    return Path(out) / slug / SCALING_DIR / f"{config}.parquet"
 
 
 def merge_rows(path: Path, rows: pd.DataFrame) -> pd.DataFrame:
@@ -104,7 +99,7 @@ def scale(config: str | Config, world_sizes: str | list[int], *, preset: str = "
         done = subprocess.run(cmd, env=env, timeout=timeout_s)
         if done.returncode != 0:
             raise RuntimeError(f"torchrun with {n} rank(s) exited {done.returncode}; rows of other world sizes are kept")
-    return table_path(out, slug, config.name)
+    return scaling_table(out, slug, config.name)
 
 
 def _worker(argv: list[str] | None = None) -> int:
@@ -113,7 +108,7 @@ def _worker(argv: list[str] | None = None) -> int:
 
     from medddpm.train.timing import time_steps
     from medddpm.train.data import open_dataset
-    from medddpm.measure.distributed import cleanup, init_from_env
+    from medddpm.train.distributed import cleanup, init_from_env
     from medddpm.train.engine import Engine
     from medddpm.measure.env import environment, gpu_slug
     from medddpm.presets import get_preset
@@ -152,7 +147,7 @@ def _worker(argv: list[str] | None = None) -> int:
                  "threads_per_rank": torch.get_num_threads(), "torch": env["torch"], "git_commit": env["git_commit"],
                  "start_time": start.isoformat(timespec="seconds")}
                 for r, part in enumerate(gathered) for i, timed, t in part])
-            path = table_path(args.out, slug, config.name)
+            path = scaling_table(args.out, slug, config.name)
             schema.write_table(merge_rows(path, rows), path, "scaling")
             print(f"scale: {world} rank(s) -> {path}", file=sys.stderr)
         dist.barrier()

@@ -18,7 +18,7 @@ type measured on another machine, else `<device-type>-<host>` (`machine_label`),
 type already in the data is measured beside those rows, never over them; `gpu_label` names it instead.
 Each run records its device type (`gpu_type`) and host apart from the label.
 
-A label's roofs (its DRAM bandwidth and dense matmul rates, `medddpm.measure.roofs`) are measured once, before
+A label's roofs (its DRAM bandwidth and dense matmul rates, `medddpm.measure.timing.roofs`) are measured once, before
 its first configuration, into ``data/<gpu-slug>/roofs.parquet``.
 """
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import glob
 import math
 import os
 import shutil
@@ -41,18 +40,20 @@ from medddpm import REPO
 from medddpm.configs import Config, parse_config_list
 from medddpm.measure.env import device_type, gpu_slug, host_name, pick_device, tracked_by_git
 from medddpm.train.data import open_dataset
-from medddpm.measure import roofs as measure_roofs
+from medddpm.measure.timing import roofs as measure_roofs
 from medddpm.measure.run import write_failed_run
 from medddpm.presets import get_preset
 from medddpm.model.unet import parse_size
 from medddpm.measure.validate import check_label, check_text
-from medddpm.store.identity import SEPARATOR, encode, folder_name, key, run_identity
+from medddpm.store.identity import encode, folder_name, key, run_identity
+from medddpm.store.layout import (KERNEL_LOG, NOTEBOOK_FILE, RUN_FILE, SEPARATOR, is_run, leftover_of, leftover_patterns,
+                                   old_folder, run_folder, run_lock_file, run_table, stage_folder)
 from medddpm.store.lock import output_lock
-from medddpm.store.schema import PHASES, read_table, run_folder, write_table
+from medddpm.store.schema import PHASES, read_table, write_table
 from medddpm.store.storage import Interrupted, publish_folder, recover_folder, storage_error
 
 ROOT = REPO
-NOTEBOOK = ROOT / "notebooks" / "produce.ipynb"
+NOTEBOOK = ROOT / "notebooks" / NOTEBOOK_FILE
 
 
 def _run_host(path: Path) -> str:
@@ -69,11 +70,8 @@ def machine_label(out: str | os.PathLike, device) -> str:
     rows of the type stay as measured and this machine's sit beside them, found again by a later sweep here."""
     kind, here = device_type(device), host_name()
     folder = Path(out) / kind
-    runs = [*folder.glob("*/run.parquet"), *folder.glob("*/*/run.parquet")]  # main runs, and groups (ablation/)
+    runs = [*folder.glob(f"*/{RUN_FILE}"), *folder.glob(f"*/*/{RUN_FILE}")]  # main runs, and groups (ablation/)
     return f"{kind}-{here}" if any(_run_host(p) != here for p in runs) else kind
-
-
-KERNEL_LOG = "kernel.log"  # what the producer's kernel process wrote outside its cells, kept with the run
 
 
 def _kernel_manager():
@@ -112,7 +110,7 @@ FAILED = ("error", "oom")  # statuses of a configuration that did not give its m
 def _recorded(final: Path) -> tuple[str, str] | None:
     """(identity, status) of the run in `final`, None where it holds none or an unreadable one."""
     try:
-        row = read_table(final / "run.parquet").iloc[0]
+        row = read_table(run_table(final, "run")).iloc[0]
     except (OSError, ValueError, IndexError):
         return None
     return str(row["identity"]), str(row["status"])
@@ -120,17 +118,14 @@ def _recorded(final: Path) -> tuple[str, str] | None:
 
 def _leftovers(root: Path, plain: str) -> list[Path]:
     """Staging and replaced folders of the runs named `plain` (`plain`, `plain~<key>`) left by a killed sweep."""
-    names = [*root.glob(f".{glob.escape(plain)}.stage-*"), *root.glob(f".{glob.escape(plain)}.old-*"),
-             *root.glob(f".{glob.escape(plain)}{SEPARATOR}*.stage-*"),
-             *root.glob(f".{glob.escape(plain)}{SEPARATOR}*.old-*")]
-    return sorted(p for p in names if p.is_dir())
+    return sorted(p for pattern in leftover_patterns(plain) for p in root.glob(pattern) if p.is_dir())
 
 
 def _clean(root: Path, plain: str) -> None:
     """Put back a result a crash took out of place, then remove every leftover: the caller holds the lock of
     `plain`, so no other sweep stages these folders now, whatever process or host left them."""
     leftovers = _leftovers(root, plain)
-    for final in {p.name[1:].rsplit(".", 1)[0] for p in leftovers if ".old-" in p.name}:
+    for final in {leftover_of(p.name) for p in leftovers if ".old-" in p.name}:
         recover_folder(root / final, [p for p in leftovers if p.name.startswith(f".{final}.old-")])
     for p in _leftovers(root, plain):
         shutil.rmtree(p, ignore_errors=True)
@@ -154,7 +149,7 @@ def run_lock(folder: str | os.PathLike, what: str):
     writer at a time, a sweep or `counters` (`store.lock.output_lock`)."""
     folder = Path(folder)
     plain = folder.name.split(SEPARATOR)[0]
-    return output_lock(folder.parent / plain, what=what, lock_file=folder.parent / f".{plain}.lock")
+    return output_lock(folder.parent / plain, what=what, lock_file=run_lock_file(folder.parent, plain))
 
 
 def _last_words(stage: Path) -> str:
@@ -180,7 +175,7 @@ def _run_notebook(pm, notebook: Path, stage: Path, parameters: dict, *, env: dic
     manager.output_log = stage / KERNEL_LOG
     try:
         os.environ.update(env)
-        pm.execute_notebook(str(notebook), str(stage / "produce.ipynb"), parameters=parameters,
+        pm.execute_notebook(str(notebook), str(stage / NOTEBOOK_FILE), parameters=parameters,
                             kernel_name="python3", progress_bar=False, cwd=str(ROOT), execution_timeout=timeout_s,
                             kernel_manager_class=manager)
     except Exception as e:  # noqa: BLE001 - one configuration's failure must not stop the sweep
@@ -206,7 +201,7 @@ def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.P
     `group`: runs that belong together apart from the main ones, in ``data/<gpu-slug>/<group>/<run>/``
     (the ablation's). Each configuration's folder is locked for the whole sweep (`store.lock`): a second
     sweep of one of them fails at once, before any work, naming the first. `roofs`: measure the label's
-    bandwidth and matmul rates first where ``out/<label>/roofs.parquet`` does not exist (`measure.roofs.ensure`),
+    bandwidth and matmul rates first where ``out/<label>/roofs.parquet`` does not exist (`measure.timing.roofs.ensure`),
     while the device is idle.
 
     A run that git tracks (a committed row of `data/`) is replaced, by `force` or as a failed run measured again,
@@ -287,14 +282,13 @@ def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.P
                           file=sys.stderr)
                     continue
                 print(f"[{i}/{len(plans)}] {config.name}: measuring into {final} ...", file=sys.stderr, flush=True)
-                stage = root / f".{final.name}.stage-{os.getpid()}"
-                old = root / f".{final.name}.old-{os.getpid()}"
+                stage, old = stage_folder(final, os.getpid()), old_folder(final, os.getpid())
                 t0 = time.perf_counter()
                 try:
                     _make_stage(stage)
                     error = _run_notebook(pm, notebook, stage, params | {"config": config.name, "stage": str(stage)},
                                           env=env, manager=manager, timeout_s=timeout_s)
-                    if error is not None and not (stage / "run.parquet").exists():
+                    if error is not None and not is_run(stage):
                         _discard_partial(stage)
                         why = f"{type(error).__name__}: " + (str(error).strip().splitlines() or [""])[-1] \
                             + _last_words(stage)
@@ -307,7 +301,7 @@ def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.P
                             continue
                         write_failed_run(config, preset, stage, device=dev, gpu_label=gpu_label, message=why,
                                          batch=batch, group=group, mask_variant=mask_variant)
-                    _stamp(stage / "run.parquet", ident)
+                    _stamp(run_table(stage, "run"), ident)
                     publish_folder(stage, final, old)
                 except BaseException:  # a full disk, an interrupt: the folder as it was, and no stage taking space
                     with contextlib.suppress(OSError):
@@ -316,7 +310,7 @@ def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.P
                     raise
                 for p in _leftovers(root, plain):
                     shutil.rmtree(p, ignore_errors=True)
-                run = read_table(final / "run.parquet").iloc[0]
+                run = read_table(run_table(final, "run")).iloc[0]
                 results.append({"config": config.name, "status": run["status"], "seconds": time.perf_counter() - t0,
                                 "folder": str(final)})
                 took = (f"{run['train_median_ms']:.1f} ms a training micro-step" if run["status"] == "ok"
@@ -348,8 +342,8 @@ def _committed(root: Path, configs: list[Config], finals: list[Path], idents: li
                named: tuple[str, ...]) -> set[Path]:
     """The folders among `finals` whose run git tracks; refuse (one line naming them) where the sweep would replace
     one whose configuration `named` does not hold."""
-    tracked = tracked_by_git(root, [f.absolute() / "run.parquet" for f in finals])
-    committed = {f for f in finals if (f.absolute() / "run.parquet") in tracked}
+    tracked = tracked_by_git(root, [run_table(f.absolute(), "run") for f in finals])
+    committed = {f for f in finals if run_table(f.absolute(), "run") in tracked}
     replaced = [c.name for c, f, ident in zip(configs, finals, idents)
                 if f in committed and not _skipped(_recorded(f), ident, force)]
     unnamed = [name for name in replaced if name not in named]
@@ -378,7 +372,7 @@ def _main_runs(folder: Path) -> list:
     configuration order."""
     from medddpm.configs import CONFIGS
 
-    rows = [read_table(p).iloc[0] for p in sorted(folder.glob("*/run.parquet")) if SEPARATOR not in p.parent.name]
+    rows = [read_table(p).iloc[0] for p in sorted(folder.glob(f"*/{RUN_FILE}")) if SEPARATOR not in p.parent.name]
     rows = [r for r in rows if run_folder(r["config"], r["preset"], max(int(r["batch"]), 1)) == r["config"]]
     order = {name: k for k, name in enumerate(CONFIGS)}
     return sorted(rows, key=lambda r: (order.get(r["config"], len(order)), r["config"]))

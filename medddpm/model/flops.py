@@ -1,6 +1,9 @@
-"""Counted work: parameters and FLOPs of one micro-step, on the meta device (no memory, no time)."""
+"""Counted work: parameters and FLOPs of one micro-step, the activations it keeps and the convolution layers it
+runs, on the meta device (no memory, no time)."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -50,3 +53,30 @@ def saved_activation_bytes(spec: ModelSpec, *, batch: int = 1, checkpointing: bo
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         model(x, t)
     return sum(saved.values())
+
+
+LAYER_PREFIX = "conv3d "  # every layer name starts so: the profilers' NVTX ranges are told apart from others
+
+
+def layer_name(conv: torch.nn.Conv3d, x: torch.Tensor) -> str:
+    """What identifies a convolution layer across configurations: its channels, kernel, stride and input size,
+    e.g. ``conv3d 64>128 k3 s2 @128x128x128`` (the NVTX range `measure.profile.capture` names it by)."""
+    k, s = (v[0] if len(set(v)) == 1 else "x".join(map(str, v)) for v in (conv.kernel_size, conv.stride))
+    return f"{LAYER_PREFIX}{conv.in_channels}>{conv.out_channels} k{k} s{s} @{'x'.join(map(str, x.shape[2:]))}"
+
+
+@functools.cache
+def conv_layers(spec: ModelSpec) -> dict[str, int]:
+    """Instances of each convolution layer (`layer_name`) in one forward of the model."""
+    seen: dict[str, int] = {}
+
+    def count(conv, args):
+        seen[layer_name(conv, args[0])] = seen.get(layer_name(conv, args[0]), 0) + 1
+
+    with torch.device("meta"):  # shapes only: no memory, no arithmetic
+        model = UNet3D(spec)
+        for m in model.modules():
+            if isinstance(m, torch.nn.Conv3d):
+                m.register_forward_pre_hook(count)
+        model(torch.empty(1, spec.in_channels, *spec.shape), torch.zeros(1, dtype=torch.long))
+    return seen

@@ -9,7 +9,7 @@ from functools import cached_property
 
 import pandas as pd
 
-from medddpm.measure import layers
+from medddpm.analysis import layers
 from medddpm.report.convergence import Study
 from medddpm.report.counters import ncu_by_run
 from medddpm.report.loading import Data, is_cpu

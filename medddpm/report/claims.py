@@ -11,7 +11,7 @@ measurable", and the headline counts GPUs only.
 Each claim is judged in one **scope** (`SCOPES`), and each figure of its evidence names the scope it is of:
 
 - *matched layer*: the TF32 claims compare the same convolution layer and direction in baseline and opt1, kernel
-  against kernel (`medddpm.measure.layers`), and judge the matched layer that carries the most of baseline's step;
+  against kernel (`medddpm.analysis.layers`), and judge the matched layer that carries the most of baseline's step;
   a band "up to X" is held against the largest value over the matched layers;
 - *step-weighted*: the channels-last claims, and the claims about the whole step, weight each kernel's counters by
   its share of the step (torch.profiler), not by the launches that happened to be profiled; kernel-time shares
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from medddpm.measure import ncu_table
+from medddpm.analysis import ncu_table
 from medddpm.report import equivalence
 # The page's matched-layer tables are evidence of one GPU: read here, the claims page has one module to call.
 from medddpm.report.claim_evidence import GPU, MATCHED_FORMATS, check_matched, matched_tables  # noqa: F401

@@ -23,6 +23,7 @@ import pandas as pd
 from medddpm.report import equivalence
 from medddpm.store import convergence as store
 from medddpm.store import schema
+from medddpm.store.layout import CONVERGENCE_DIR, CONVERGENCE_TABLES, SLICES_DIR
 from medddpm.report.loading import DataError, _sort, config_order, data_root
 
 FAIL_DICE = 0.6  # a run whose samples' mean label_dice is below this drew tissue in the wrong places
@@ -70,16 +71,16 @@ class Study:
 def load_study(root: str | os.PathLike | None = None) -> Study:
     """Every ``<root>/<gpu-slug>/convergence/`` with a runs table, validated: each row names its folder's GPU."""
     root = Path(root) if root is not None else data_root()
-    frames = {t: [] for t in store.TABLES}
+    frames = {t: [] for t in CONVERGENCE_TABLES}
     folders = {}
-    for folder in sorted(root.glob(f"*/{store.CONVERGENCE_DIR}")):
+    for folder in sorted(root.glob(f"*/{CONVERGENCE_DIR}")):
         slug = folder.parent.name
         if not (folder / "runs.parquet").is_file():
             if any(folder.glob("*.parquet")):
                 raise DataError(f"incomplete study {folder}: parquet files but no runs.parquet")
             continue
         try:
-            tables = {t: store.read(folder, t) for t in store.TABLES}
+            tables = {t: store.read(folder, t) for t in CONVERGENCE_TABLES}
         except (schema.SchemaError, OSError, ValueError) as e:
             raise DataError(f"{folder}: {str(e).splitlines()[0]}") from None
         if (tables["runs"]["gpu_slug"] != slug).any():
@@ -490,7 +491,7 @@ def gallery(study: Study, slug: str, *, seeds: int | None = None) -> str:
     from each seed; every image the middle axial, coronal and sagittal slices, with alt text saying what it is."""
     if slug not in study.folders:
         return ""
-    slices = study.folders[slug] / store.SLICES
+    slices = study.folders[slug] / SLICES_DIR
     runs = study.runs[(study.runs["gpu_slug"] == slug) & (study.runs["status"] == "ok")]
     samples = study.samples[(study.samples["gpu_slug"] == slug) & (study.samples["metric"] == "label_dice")
                             & (study.samples["tissue"] == "mean")]

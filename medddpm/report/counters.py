@@ -9,6 +9,7 @@ import re
 
 import pandas as pd
 
+from medddpm.analysis import layers, ncu_table
 from medddpm.analysis import roofs as ar
 from medddpm.report.loading import Data, _sort, gpu_types
 from medddpm.report.roofs import card_roofs
@@ -18,8 +19,7 @@ _WEIGHTED = ("tensor_pipe_pct", "sm_throughput_pct", "memory_throughput_pct", "d
 
 
 def ncu_kernels(ncu_df: pd.DataFrame) -> pd.DataFrame:
-    """`medddpm.measure.ncu_table.kernel_summary` for every run, with gpu_slug and config."""
-    from medddpm.measure import ncu_table
+    """`medddpm.analysis.ncu_table.kernel_summary` for every run, with gpu_slug and config."""
 
     if ncu_df.empty:
         return pd.DataFrame(columns=["gpu_slug", "config", "kernel_id", "kernel", "duration_ns", *_WEIGHTED])
@@ -31,12 +31,10 @@ def ncu_kernels(ncu_df: pd.DataFrame) -> pd.DataFrame:
 
 
 def ncu_by_run(ncu_df: pd.DataFrame, kernels: pd.DataFrame) -> pd.DataFrame:
-    """Per run, its step as the counters see it (`medddpm.layers.step_weighted`): utilizations, hit rates and
+    """Per run, its step as the counters see it (`medddpm.analysis.layers.step_weighted`): utilizations, hit rates and
     stalls of each kernel weighted by the kernel's share of the step (torch.profiler), not by the launches
     that happened to be profiled; executed thread instructions by class per step (each kernel's count per
     launch times its launches a step); `covered`, the share of the step whose kernels have counters."""
-    from medddpm.measure import layers
-    from medddpm.measure import ncu_table
 
     stalls = [f"stall_{r}" for r in ncu_table.STALL_REASONS]
     insts = [f"inst_{c}" for c in ncu_table.INST_CLASSES]
@@ -57,9 +55,8 @@ def ncu_coverage(data: Data) -> pd.DataFrame:
     """Per run with counters: the share of step time (torch.profiler) of the kernels chosen for ncu,
     and of those it actually profiled. They differ when a chosen kernel never ran under ncu (cuDNN's
     autotuner can pick other algorithms there): the counters stand for the second share only. The
-    chosen share is the one the run recorded: a run aims at `ncu.COVERAGE` unless told another share (some
+    chosen share is the one the run recorded: a run aims at `ncu_table.COVERAGE` unless told another share (some
     aimed at 80%)."""
-    from medddpm.measure import ncu
 
     aimed = {r["run_id"]: json.loads(r["profilers"] or "{}").get("ncu", {}).get("coverage", math.nan)
              for r in data.run[["run_id", "profilers"]].to_dict("records")}
@@ -69,17 +66,15 @@ def ncu_coverage(data: Data) -> pd.DataFrame:
         if k.empty:
             continue
         rows.append({"gpu_slug": g["gpu_slug"].iloc[0], "config": g["config"].iloc[0],
-                     "selected": aimed.get(run_id, math.nan), "profiled": ncu.profiled_coverage(k, g),
+                     "selected": aimed.get(run_id, math.nan), "profiled": ncu_table.profiled_coverage(k, g),
                      "launches": g["kernel_id"].nunique()})
     return _sort(pd.DataFrame(rows, columns=["gpu_slug", "config", "selected", "profiled", "launches"]))
 
 
 def ncu_sections() -> tuple[str, ...]:
-    """The Nsight Compute sections every counters pass collects (`medddpm.measure.ncu.SECTIONS`), for the
-    methodology page to list."""
-    from medddpm.measure import ncu
-
-    return tuple(ncu.SECTIONS)
+    """The Nsight Compute sections every counters pass collects (`medddpm.analysis.ncu_table.SECTIONS`), for
+    the methodology page to list."""
+    return tuple(ncu_table.SECTIONS)
 
 
 def uncounted_runs(data: Data) -> pd.DataFrame:
@@ -216,9 +211,8 @@ def flop_count_check(data: Data) -> pd.DataFrame:
 
 
 def ncu_priorities(data: Data, n: int = 10) -> pd.DataFrame:
-    """`medddpm.measure.ncu_table.priorities` per run (share of step x a rule's estimated global speedup), top n
+    """`medddpm.analysis.ncu_table.priorities` per run (share of step x a rule's estimated global speedup), top n
     each."""
-    from medddpm.measure import ncu_table
 
     if data.ncu.empty:
         return pd.DataFrame(columns=["gpu_slug", "config", "kernel", "rule", "section", "share", "speedup_pct",

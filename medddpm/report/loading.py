@@ -3,7 +3,7 @@
 A *run* is a folder ``data/<gpu-slug>/<run>/`` holding ``run.parquet`` (written last by the
 producer, so its presence marks a finished measurement). ``<run>`` is the configuration's name for
 the device's main preset at batch 1 (what every page compares), and ``<config>@<preset>[-b<batch>]``
-for a *variant* (another model, such as the BraTS one, or another batch; `schema.run_folder`): only
+for a *variant* (another model, such as the BraTS one, or another batch; `layout.run_folder`): only
 the memory page reads those (``variants=True``). Two folders of a GPU hold runs that belong together
 apart from the main ones: ``ablation/`` (`python -m medddpm ablation`) and ``scaling/`` (data-parallel
 tables). Folders that hold no parquet but a ``bench.parquet`` (``reference/`` with the bench timings of ours
@@ -30,14 +30,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from medddpm import REPO
 from medddpm.store import identity, schema
-from medddpm.store.convergence import CONVERGENCE_DIR
+from medddpm.store.layout import (ABLATION_DIR, BENCH_FILE, NOT_RUNS, ROOFS_FILE, RUN_FILE, RUN_TABLES, SCALING_DIR,
+                                  data_root, hidden, is_run, run_folder, run_table)
 from medddpm.configs import CONFIGS
-from medddpm.measure.scaling import SCALING_DIR
-
-ABLATION_DIR = "ablation"  # data/<gpu>/ablation/<run>/: `python -m medddpm ablation`
-TABLES = ("run", "steps", "kernels", "ncu", "quality")  # one file each in every run folder
 
 HOLDS, FAILS, NA = "holds", "does not hold", "not measurable"
 MAGNITUDE = "direction holds, magnitude differs"  # the effect goes the paper's way, its size lies outside the paper's
@@ -59,10 +55,6 @@ def _leave_out(why: str) -> None:
     if os.environ.get("MEDDDPM_STRICT_DATA") == "1":
         raise DataError(why)
     warnings.warn(f"left out of the data: {why}", DataWarning, stacklevel=3)
-
-
-def data_root() -> Path:
-    return Path(os.environ.get("MEDDDPM_DATA", REPO / "data"))
 
 
 def config_order(names=()) -> list[str]:
@@ -110,13 +102,13 @@ def scan(root: str | os.PathLike | None = None) -> Scan:
     if not root.is_dir():
         raise DataError(f"no data tree at {root} (set MEDDDPM_DATA or run `python -m medddpm sweep`)")
     runs, not_runs = [], []
-    for gpu in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        for folder in sorted(p for p in gpu.iterdir() if p.is_dir() and not p.name.startswith(".")):
-            if folder.name in (SCALING_DIR, ABLATION_DIR, CONVERGENCE_DIR):  # convergence: `report.convergence`
-                continue  # data-parallel scaling tables (`scaling`) and the ablation's runs (`ablation_runs`)
-            if (folder / "run.parquet").is_file():
+    for gpu in sorted(p for p in root.iterdir() if p.is_dir() and not hidden(p.name)):
+        for folder in sorted(p for p in gpu.iterdir() if p.is_dir() and not hidden(p.name)):
+            if folder.name in NOT_RUNS:  # `scaling_runs`, `ablation_runs`, and the study's `report.convergence`
+                continue
+            if is_run(folder):
                 runs.append(folder)
-            elif any(p.name != schema.BENCH_FILE for p in folder.glob("*.parquet")):
+            elif any(p.name != BENCH_FILE for p in folder.glob("*.parquet")):
                 _leave_out(f"incomplete run {folder}: parquet files but no run.parquet "
                            "(re-run the sweep for it, or remove the folder)")
             else:
@@ -146,8 +138,8 @@ def _run_folder(r: pd.Series, found: str) -> str:
     the identity the row records (``~<key>``: another identity than the folder name's default)."""
     batch = int(r["batch"])  # -1: a run that failed before recording it (older rows), batch 1 then
     plain, suffix = identity.split_folder(found)
-    name = schema.run_folder(r["config"], r["preset"], batch if batch > 0 else 1)
-    narrow = schema.run_folder(r["config"], r["preset"], batch if batch > 0 else 1, int(r["mask_channels"]))
+    name = run_folder(r["config"], r["preset"], batch if batch > 0 else 1)
+    narrow = run_folder(r["config"], r["preset"], batch if batch > 0 else 1, int(r["mask_channels"]))
     name = narrow if plain == narrow else name
     if suffix and r["identity"] and suffix == identity.key(r["identity"]):
         return f"{name}{identity.SEPARATOR}{suffix}"
@@ -158,7 +150,7 @@ def _checked_run(folder: Path, parent: str) -> pd.DataFrame | None:
     """The run row of `folder`, or None (with a warning naming it) where it does not read or names another
     folder than its own."""
     try:
-        df = _read_run(folder / "run.parquet")
+        df = _read_run(run_table(folder, "run"))
     except DataError as e:
         _leave_out(str(e))
         return None
@@ -199,7 +191,7 @@ def ablation_runs(root: str | os.PathLike | None = None, *, variants: bool = Fal
     compares one identity per configuration."""
     root = Path(root) if root is not None else data_root()
     frames = []
-    for path in sorted(root.glob(f"*/{ABLATION_DIR}/*/run.parquet")):
+    for path in sorted(root.glob(f"*/{ABLATION_DIR}/*/{RUN_FILE}")):
         folder = path.parent
         if not variants and identity.SEPARATOR in folder.name:
             continue
@@ -221,7 +213,7 @@ def load(table: str, root: str | os.PathLike | None = None, *, variants: bool = 
         return run
     frames = []
     for folder in run["folder"]:
-        path = root / folder / f"{table}.parquet"
+        path = run_table(root / folder, table)
         if not path.is_file():
             continue  # a phase that did not run (a CPU has no ncu table; a failed run has few tables)
         try:
@@ -261,7 +253,7 @@ class Data:
 
 
 def load_all(root: str | os.PathLike | None = None) -> Data:
-    return Data(**{t: load(t, root) for t in TABLES}, bench=bench_runs(root), scaling=scaling_runs(root),
+    return Data(**{t: load(t, root) for t in RUN_TABLES}, bench=bench_runs(root), scaling=scaling_runs(root),
                 roofs=roofs_table(root))
 
 
@@ -270,7 +262,7 @@ def roofs_table(root: str | os.PathLike | None = None) -> pd.DataFrame:
     whose rows name another label than its folder is left out with a warning."""
     root = Path(root) if root is not None else data_root()
     frames = []
-    for path in sorted(root.glob(f"*/{schema.ROOFS_FILE}")):
+    for path in sorted(root.glob(f"*/{ROOFS_FILE}")):
         try:
             df = _read(path, "roofs")
         except DataError as e:
@@ -324,7 +316,7 @@ def bench_runs(root: str | os.PathLike | None = None, *, phase: str | None = "tr
     root = Path(root) if root is not None else data_root()
     frames = []
     for folder in scan(root).not_runs:
-        path = folder / schema.BENCH_FILE
+        path = folder / BENCH_FILE
         if not path.is_file():
             continue
         try:

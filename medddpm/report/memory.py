@@ -14,6 +14,7 @@ import pandas as pd
 from torch.torch_version import TorchVersion
 
 from medddpm.store import schema
+from medddpm.store.layout import PARTITION_FILE
 from medddpm.configs import CONFIGS, get_config
 from medddpm.report import tables
 from medddpm.report.loading import FAILS, HOLDS, NOT_MEASURED, NOT_YET, DataError, _GIB, _read, _sort, data_root
@@ -335,9 +336,7 @@ def compiled_saved(preset: str = "paper", configs=COMPILED_SAVED, root: str | os
     partition traced at full size on the CPU and stored in ``data/partition.parquet`` (`partition.record`;
     counted, not measured), one row per configuration and tracing torch version: the activations in GiB,
     how much of it is float32, the largest shapes, and `current` (traced under today's definition)."""
-    from medddpm.measure.partition import TABLE_FILE
-
-    path = (Path(root) if root is not None else data_root()) / TABLE_FILE
+    path = (Path(root) if root is not None else data_root()) / PARTITION_FILE
     if not path.is_file():
         raise DataError(f"missing data file {path}: record it with `python -m medddpm saved --preset {preset} "
                         f"--configs {','.join(configs)} --write`")

@@ -1,5 +1,5 @@
 """The roofs every page reads: each card's DRAM bandwidth and dense matmul rates, measured on it where its label
-has a ``roofs.parquet`` (`medddpm.measure.roofs`), else its datasheet's, and always labelled with which.
+has a ``roofs.parquet`` (`medddpm.measure.timing.roofs`), else its datasheet's, and always labelled with which.
 
 Pages never type a peak in: the floors of the step-time pages, the efficiency of the first page, the roofline
 and the cross-card model take their roofs from `card_roofs` here, so a user's GPU gets its roofs from its own

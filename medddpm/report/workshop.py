@@ -158,7 +158,7 @@ def profile_conv_layouts(*, channels: int | None = None, size: int | None = None
                          steps: int = 2) -> pd.DataFrame:
     """torch.profiler rows of one Conv3d forward + backward, once with NCDHW tensors and once with
     channels-last (NDHWC) ones; `memory_format` says which. Kernels on a GPU, aten operators on a CPU."""
-    from medddpm.measure.kernels import profile_kernels
+    from medddpm.train.profiling import profile_kernels
 
     device = _device(device)
     cuda = device.type == "cuda"
@@ -227,7 +227,7 @@ def reading(dominant: str, dram_pct: float, occupancy_pct: float) -> str:
 def stall_table(ncu_df: pd.DataFrame, *, top: int = 8) -> pd.DataFrame:
     """Per run and kernel (by short name, launches weighted by duration), the `top` kernels by profiled
     time: stall cycles per issued instruction by reason, their sum, the dominant reason and a reading."""
-    from medddpm.measure.kernels import categorize, short_name
+    from medddpm.analysis.kernels import categorize, short_name
 
     k = report.ncu_kernels(ncu_df)
     stalls = [c for c in k.columns if c.startswith("stall_")]

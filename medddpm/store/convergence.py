@@ -1,4 +1,5 @@
-"""The convergence study's folder, ``data/<gpu-slug>/convergence/`` (`python -m medddpm study`):
+"""The convergence study's folder, ``data/<gpu-slug>/convergence/`` (`python -m medddpm study`; its names are
+`medddpm.store.layout`'s):
 
 - ``runs.parquet`` (table ``convergence_runs``): one row per (configuration, seed), written last for it: a row
   with status ok marks that run finished, and a re-run skips it;
@@ -20,10 +21,8 @@ from pathlib import Path
 import pandas as pd
 
 from medddpm.store import schema
+from medddpm.store.layout import CONVERGENCE_DIR, CONVERGENCE_TABLES
 
-CONVERGENCE_DIR = "convergence"
-TABLES = ("runs", "losses", "samples")  # file stems; the schema's tables are convergence_<stem>
-SLICES = "slices"
 DONE = ("ok", "diverged")  # run statuses that are results: a re-run skips them (an error is measured again)
 REAL = "real"  # the configuration name of the held-out subjects' own images in samples.parquet
 
@@ -31,23 +30,19 @@ REAL = "real"  # the configuration name of the held-out subjects' own images in 
 def table_name(path: str | os.PathLike) -> str:
     """The schema table of data/<gpu-slug>/convergence/<stem>.parquet."""
     stem = Path(path).name.removesuffix(".parquet")
-    if stem not in TABLES:
-        raise schema.SchemaError(f"{path}: not a convergence table (one of {', '.join(TABLES)})")
+    if stem not in CONVERGENCE_TABLES:
+        raise schema.SchemaError(f"{path}: not a convergence table (one of {', '.join(CONVERGENCE_TABLES)})")
     return f"{CONVERGENCE_DIR}_{stem}"
 
 
-def folder(root: str | os.PathLike, slug: str) -> Path:
-    return Path(root) / slug / CONVERGENCE_DIR
-
-
-def read(folder_: str | os.PathLike, stem: str) -> pd.DataFrame:
+def read(folder: str | os.PathLike, stem: str) -> pd.DataFrame:
     """One table of a study folder, validated; an empty table where the file is missing."""
-    path = Path(folder_) / f"{stem}.parquet"
+    path = Path(folder) / f"{stem}.parquet"
     return schema.read_table(path, table_name(path)) if path.is_file() else schema.empty(table_name(path))
 
 
-def write(folder_: str | os.PathLike, stem: str, df: pd.DataFrame) -> Path:
-    path = Path(folder_) / f"{stem}.parquet"
+def write(folder: str | os.PathLike, stem: str, df: pd.DataFrame) -> Path:
+    path = Path(folder) / f"{stem}.parquet"
     return schema.write_table(df.reset_index(drop=True), path, table_name(path))
 
 

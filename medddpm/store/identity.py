@@ -19,7 +19,7 @@ import json
 import os
 from pathlib import Path
 
-SEPARATOR = "~"  # <folder>~<key>: a run of another identity than its folder name's default
+from medddpm.store.layout import SEPARATOR
 
 
 def data_fingerprint(source: str) -> str:

@@ -1,13 +1,10 @@
 """The tables every measurement writes, documented in one place and checked on write and on read.
 
-Layout: ``data/<gpu-slug>/<run>/{run,steps,kernels,ncu,quality}.parquet`` plus the executed
-producer notebook, where ``<run>`` is the configuration's name for the main presets (smoke, paper)
-at batch 1, and ``<config>@<preset>[-b<batch>][-m<label channels>]`` otherwise (`run_folder`). ``run.parquet`` is
-written last: its presence marks a finished run. ``data/<gpu-slug>/scaling/<config>.parquet`` holds every
-rank's step times (`python -m medddpm scale`), ``data/<gpu-slug>/reference/bench.parquet`` the bench timings of
-ours and the reference implementation (`python -m medddpm bench --out`), ``data/<gpu-slug>/roofs.parquet`` the
-label's measured bandwidth and matmul rates (`medddpm.measure.roofs`), and ``data/partition.parquet`` what
-compiled steps save for their backward, traced on a CPU (`partition.record`): counted, not measured.
+Each table is a parquet file whose place in the data tree `medddpm.store.layout` names: a run folder's
+``run``, ``steps``, ``kernels``, ``ncu`` and ``quality``; a label's ``roofs``, ``scaling`` and ``bench``; the
+study's ``convergence_*``; the data root's ``partition``; and the ``snapshot`` summary beside an allocator
+snapshot. A column renamed (`RENAMED`), retired (`RETIRED`) or added (`ADDED`) since a committed table was
+written is read under today's schema, so that every table of the tree reads, whenever it was written.
 """
 
 from __future__ import annotations
@@ -22,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from medddpm.configs import Config, switch_kind, switches
+from medddpm.store.layout import table_of
 from medddpm.store.storage import atomic_write
 
 S, I, F, B = pa.string(), pa.int64(), pa.float64(), pa.bool_()
@@ -223,7 +221,7 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "mask_channels": (I, "label channels (conditioning)"),
         "base_channels": (I, "U-Net base width"),
     },
-    # data/<gpu-slug>/roofs.parquet: the label's roofs, measured once by the sweep (`medddpm.measure.roofs`), a row
+    # data/<gpu-slug>/roofs.parquet: the label's roofs, measured once by the sweep (`medddpm.measure.timing.roofs`), a row
     # per roof; the roofline, the efficiency figures and the cross-card model read them
     "roofs": {
         "gpu_slug": (S, "the label of the folder data/<gpu-slug>/ the roofs belong to"),
@@ -262,7 +260,7 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "largest": (S, "the three largest shape and dtype groups: 'count x CxDxHxW dtype'"),
     },
     # memory-<config>-<commit>.parquet beside each allocator snapshot (`bench --memory-snapshot`): what is live at
-    # the peak of its trace, one row per allocating line (`medddpm.measure.snapshot`), read without unpickling
+    # the peak of its trace, one row per allocating line (`medddpm.measure.memory.snapshot`), read without unpickling
     "snapshot": {
         "snapshot": (S, "the snapshot pickle's file name"),
         "config": (S, "configuration, as the file name spells it"),
@@ -376,27 +374,9 @@ RENAMED: dict[str, dict[str, str]] = {
     "scaling": {"time_ms": "step_ms"},
 }
 
-BENCH_FILE = "bench.parquet"  # table bench: `python -m medddpm bench --out DIR` writes DIR/bench.parquet
-ROOFS_FILE = "roofs.parquet"  # table roofs: data/<gpu-slug>/roofs.parquet, beside the label's run folders
-
-MAIN_PRESETS = ("smoke", "paper")  # a device's own preset: its runs sit in data/<gpu>/<config>/
-
-
 # The phases of a run after its timed training steps, in the order they run (training always runs; a sweep
 # that needs step times only, such as the ablation, runs none of them). `profilers` records each one's status.
 PHASES = ("sample", "torch", "quality", "ncu")
-
-
-def run_folder(config: str, preset: str, batch: int = 1, mask_channels: int | None = None) -> str:
-    """Folder name of a run under data/<gpu-slug>/: the configuration for the main presets at batch 1
-    (the layout every page reads), ``<config>@<preset>`` and ``-b<batch>`` otherwise, so that one
-    device can hold the same configuration measured on another model or batch beside it. `mask_channels`:
-    a model narrower or wider than its data's own label channels (the reference's whole-head width, 2, on
-    the 3-tissue embedded data) adds ``-m<mask_channels>``."""
-    if preset in MAIN_PRESETS and batch == 1 and mask_channels is None:
-        return config
-    return (f"{config}@{preset}" + (f"-b{batch}" if batch != 1 else "")
-            + (f"-m{mask_channels}" if mask_channels is not None else ""))
 
 
 class SchemaError(ValueError):
@@ -522,11 +502,11 @@ def same_kind(got: pa.DataType, want: pa.DataType) -> bool:
 
 
 def read_table(path: str | os.PathLike, table: str | None = None) -> pd.DataFrame:
-    """Read a table and check it against its schema (the table name defaults to the file stem): a column renamed
-    since the file was written (`RENAMED`) reads under its new name, one the schema has retired (`RETIRED`) is
-    dropped, one added since (`ADDED`) is filled in."""
+    """Read a table and check it against its schema (the table name defaults to the one its place in the tree
+    says, `layout.table_of`): a column renamed since the file was written (`RENAMED`) reads under its new name,
+    one the schema has retired (`RETIRED`) is dropped, one added since (`ADDED`) is filled in."""
     path = Path(path)
-    table = table or path.name.removesuffix(".parquet")
+    table = table or table_of(path)
     if not path.is_file():
         raise FileNotFoundError(f"missing data file {path}")
     arrow = pq.read_table(path)

@@ -13,6 +13,8 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO, Callable
 
+from medddpm.store.layout import is_run
+
 _REASONS = {
     errno.ENOSPC: "the disk is full (no space left on device)",
     errno.EDQUOT: "the disk quota is exceeded",
@@ -133,10 +135,10 @@ def publish_folder(stage: str | os.PathLike, final: str | os.PathLike, old: str 
 
 def recover_folder(final: str | os.PathLike, leftovers: list[Path]) -> None:
     """After a crash while publishing `final`: where `final` is missing, the newest leftover that holds a
-    finished run (`run.parquet`) is the previous result and goes back in place."""
+    finished run (`layout.is_run`) is the previous result and goes back in place."""
     final = Path(final)
     if final.exists():
         return
-    done = [p for p in leftovers if (p / "run.parquet").is_file()]
+    done = [p for p in leftovers if is_run(p)]
     if done:
         os.rename(max(done, key=lambda p: p.stat().st_mtime), final)

@@ -8,7 +8,8 @@ The embedded data sets (``"mni"``, ``"mni-brats"``: `MNIPairs`, `MNIBratsCases`)
 `medddpm.train.synthetic` and cached on disk; user data in the Med-DDPM or the BraTS layout (`NiftiPairs`,
 `BratsCases`, in `medddpm.train.folders`) is checked and preprocessed once into a volume cache. `open_dataset`
 picks one by name or folder; bad data raises `DataError`, one line naming the file. Every data set also gives
-`raw(i)`, the item before one-hot encoding, which `medddpm.train.loader` feeds to the device.
+`raw(i)`, the item before one-hot encoding, which `medddpm.train.loader` feeds to the device. `real_batch` is a
+batch of embedded subjects for a model's shape and channels, what the bench and the profilers run a step on.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from torch.utils.data import Dataset
 from tqdm import tqdm  # text bars: tqdm.auto draws ipywidgets bars, a message per update under papermill
 
+from medddpm.model.unet import ModelSpec
 from medddpm.store.storage import atomic_write
 from medddpm.train.folders import BratsCases, NiftiPairs, brats_folders, default_cache_dir
 from medddpm.train.loader import one_hot_condition
@@ -32,7 +34,7 @@ from medddpm.train.synthetic import (BRATS_LABELS, BRATS_MODALITIES, BRATS_SHAPE
                                      MNI_VERSION, make_brats_case, make_mni_pair, mni_labels)
 
 __all__ = ["BratsCases", "DataError", "EMBEDDED", "MNIBratsCases", "MNIPairs", "NiftiPairs", "default_cache_dir",
-           "one_hot_condition", "open_dataset"]
+           "one_hot_condition", "open_dataset", "real_batch"]
 
 
 # data sets
@@ -188,3 +190,22 @@ def _open(source: str, *, size: int | tuple[int, int, int], n: int, cache_dir, s
         _no_resampling(source, resample_mask)
         return BratsCases(root, size=size, cache_dir=cache_dir)
     return NiftiPairs(root, size=size, cache_dir=cache_dir, resample_mask=resample_mask)
+
+
+def real_batch(spec: ModelSpec, *, seed: int = 0, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of embedded pairs (never zeros: they time faster than real data): whole-head MNI
+    pairs for a 1-image, 3-label model (CSF, grey and white matter) or a 1-image, 2-label one (the
+    reference's width: CSF and brain tissue), synthetic BraTS-like cases for a 4-image, 4-label one."""
+    def mni(seed: int, *, size):
+        image, labels = make_mni_pair(seed, size=size)
+        return image, mni_labels(labels, spec.mask_channels)
+
+    kinds = {(1, 3): mni, (1, 2): mni, (4, 4): make_brats_case}
+    make = kinds.get((spec.image_channels, spec.mask_channels))
+    if make is None:
+        raise ValueError(f"no embedded data for {spec.image_channels} image and {spec.mask_channels} label channels; "
+                         f"embedded: {', '.join(f'{i} image + {m} label' for i, m in kinds)}")
+    pairs = [make(seed + i, size=spec.size) for i in range(batch)]
+    image = torch.stack([torch.from_numpy(img).reshape(spec.image_channels, *spec.shape) for img, _ in pairs])
+    cond = torch.stack([one_hot_condition(lab, num_classes=spec.mask_channels) for _, lab in pairs])
+    return image, cond

@@ -109,7 +109,7 @@ class Engine:
             self.wrap_ddp()
 
     def wrap_ddp(self) -> torch.nn.parallel.DistributedDataParallel:
-        """Data parallelism over the initialised process group (`medddpm.distributed.init_from_env`).
+        """Data parallelism over the initialised process group (`medddpm.train.distributed.init_from_env`).
 
         The forward pass goes through DistributedDataParallel, which averages gradients over the ranks;
         the optimizer, the EMA and the checkpoints keep working on the underlying `self.model` (so

@@ -88,7 +88,7 @@ def train(spec: ModelSpec, config: Config | str, dataset, *, out_dir: str | os.P
     `loss.jsonl`; losses are fetched from the device every `log_every` steps, not every step. One training
     at a time writes into `out_dir` (`medddpm.store.lock`): a second fails at once, naming the first.
 
-    `ddp=True` (inside an initialised process group, see `medddpm.measure.distributed`): data parallelism.
+    `ddp=True` (inside an initialised process group, see `medddpm.train.distributed`): data parallelism.
     Each rank takes its own `grad_accum` micro-batches (global batch = world size x grad_accum,
     the same items a single process with world size x grad_accum micro-batches reads), gradients
     are averaged over the ranks, and only rank 0 writes the checkpoint, `loss.jsonl` (loss averaged

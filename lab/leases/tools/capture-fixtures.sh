@@ -6,10 +6,10 @@ out=${OUT:-fixtures-out}; mkdir -p "$out"
 ncu --version > "$out/ncu-version.txt" 2>&1
 ncu --list-sections >> "$out/ncu-version.txt" 2>&1
 for cfg in opt1 bf16-cl; do
-  python3 -m medddpm.measure.capture --config "$cfg" --size 32 --trace "$out/trace-$cfg.json" || echo "trace $cfg failed"
+  python3 -m medddpm.measure.profile.capture --config "$cfg" --size 32 --trace "$out/trace-$cfg.json" || echo "trace $cfg failed"
   ncu --clock-control none --nvtx --nvtx-include "medddpm_step/" --launch-count 12 --set full \
       --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active \
-      -o "$out/ncu-$cfg" -f python3 -m medddpm.measure.capture --config "$cfg" --size 32 > "$out/ncu-$cfg.log" 2>&1 || echo "ncu $cfg failed"
+      -o "$out/ncu-$cfg" -f python3 -m medddpm.measure.profile.capture --config "$cfg" --size 32 > "$out/ncu-$cfg.log" 2>&1 || echo "ncu $cfg failed"
   ncu -i "$out/ncu-$cfg.ncu-rep" --csv --page details --print-units base --print-rule-details > "$out/ncu-$cfg-details.csv" 2>&1
 done
 gzip -9 "$out"/trace-*.json

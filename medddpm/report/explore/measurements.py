@@ -28,7 +28,7 @@ VIEWS = {
 
 
 def _category_of(names: pd.Series) -> pd.Series:
-    from medddpm.measure.kernels import categorize
+    from medddpm.analysis.kernels import categorize
 
     return names.map({n: categorize(n) for n in names.unique()})
 

@@ -3,9 +3,10 @@
 ncu's report, exported with ``ncu -i REPORT --csv --page details --print-units base --print-rule-details``,
 is read into one long table of `COLUMNS` (`parse_details_csv`): a row per metric and per rule of each
 profiled launch (`kernel_id`), and a text row for the layer range a launch ran in (`LAYER_SECTION`, written by
-`medddpm.measure.ncu_layers`). From it come `kernel_summary` (one row per launch: the headline numbers) and
-`priorities` (rules weighted by the kernel's share of the step). `EXTRA_METRICS` are the raw metrics the
-summary reads beyond ncu's sections.
+`medddpm.measure.profile.ncu_layers`). It holds ncu's `SECTIONS` and the raw `EXTRA_METRICS` the summary reads
+beyond them. From it come `kernel_summary` (one row per launch: the headline numbers), `priorities` (rules
+weighted by the kernel's share of the step) and the share of the step the counters cover (`profiled_coverage`;
+`select_kernels` picks the kernels to profile from the torch.profiler table, longest launches first).
 """
 
 from __future__ import annotations
@@ -19,6 +20,13 @@ from typing import IO
 import pandas as pd
 
 from medddpm.analysis.ncu_names import conv_direction, match_kernel
+
+# Sections, not `--set full`: full also collects SourceCounters and PM sampling (55 MB for 12 kernels).
+SECTIONS = (
+    "SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "MemoryWorkloadAnalysis_Tables",
+    "WarpStateStats", "SchedulerStats", "InstructionStats", "Occupancy", "LaunchStats",
+    "SpeedOfLight_RooflineChart",
+)
 
 # Section identifier -> display name (`ncu --list-sections`, 2025.3). In the details CSV a metric row
 # names its section by display name, but a rule row by the identifier of the section file that holds
@@ -52,7 +60,8 @@ SECTION_NAMES = {
 }
 
 # Names as in Nsight Compute's own section files (ComputeWorkloadAnalysis, WarpStateStatistics,
-# SpeedOfLight_RooflineChart) and its nvprof transition table; `run_ncu` drops any the device lacks.
+# SpeedOfLight_RooflineChart) and its nvprof transition table; `measure.profile.ncu.run_ncu` drops any the device
+# lacks.
 TENSOR_PIPE_METRICS = (
     "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",  # warp MMA (Volta..Hopper)
     # Hopper: HMMA plus warpgroup HGMMA/QGMMA (an H200 lists no sm__pipe_tensor_op_gmma_cycles_active)
@@ -93,7 +102,7 @@ COLUMNS = {"kernel": "str", "kernel_id": "int64", "kind": "str", "section": "str
            "value": "float64", "unit": "str", "text": "str", "speedup_type": "str"}
 
 
-# The layer range each launch ran in, one text row per launch (`medddpm.measure.ncu_layers`).
+# The layer range each launch ran in, one text row per launch (`medddpm.measure.profile.ncu_layers`).
 LAYER_SECTION, LAYER_METRIC = "NVTX", "layer"
 
 
@@ -261,3 +270,55 @@ def priorities(kernels: pd.DataFrame, ncu: pd.DataFrame, *, include_local: bool 
     g["priority"] = g["share"] * g["speedup_pct"] / 100
     g = g.sort_values(["priority", "speedup_pct"], ascending=False, na_position="last")
     return g[cols].reset_index(drop=True)
+
+
+# ---------------------------------------------------------------------------------------- coverage
+
+NON_KERNEL_CATEGORIES = ("memcpy",)  # copies and fills (`analysis.kernels` files memsets here too): not kernels
+# Step time the selection aims at: 80% is what the counters must cover, and matching ncu's names back to
+# the profiler's loses a few points (cuDNN's dgrad launches, a few percent of sdpa's and graphs' steps)
+COVERAGE = 0.85
+
+
+def _kernel_times(kernels: pd.DataFrame) -> pd.Series:
+    """Summed device time per distinct kernel name, largest first (name breaks ties: deterministic)."""
+    k = kernels[~kernels["category"].isin(NON_KERNEL_CATEGORIES)]
+    t = k.groupby("kernel")["total_us"].sum()
+    return t.sort_index().sort_values(ascending=False, kind="stable")
+
+
+def select_kernels(kernels: pd.DataFrame, *, coverage: float = 0.8) -> list[str]:
+    """Distinct kernels whose summed time reaches `coverage` of all kernel time, taken by time per launch,
+    longest first (by total time where `calls` is absent).
+
+    Nsight Compute's cost grows with the launches it replays (seconds each at 128^3), so a
+    kernel of many short launches comes last: in data/nvidia-h200/opt1, layout conversions are 398
+    launches a step for 10% of its time; 80% by total time takes 698 launches a step, by time per launch 369.
+    """
+    t = _kernel_times(kernels)
+    total = t.sum()
+    if total <= 0:
+        return []
+    if "calls" in kernels:
+        calls = kernels[kernels["kernel"].isin(t.index)].groupby("kernel")["calls"].sum().reindex(t.index)
+        t = t.loc[(t / calls.clip(lower=1)).sort_values(ascending=False, kind="stable").index]
+    reached = t.cumsum() >= coverage * total * (1 - 1e-12)  # float sums must not miss an exact boundary
+    return t.index[: int(reached.to_numpy().argmax()) + 1].tolist()
+
+
+def covered(kernels: pd.DataFrame, names: list[str]) -> float:
+    """Fraction of all kernel time spent in `names`."""
+    t = _kernel_times(kernels)
+    return float(t[t.index.isin(names)].sum() / t.sum()) if t.sum() > 0 else 0.0
+
+
+def profiled_names(kernels: pd.DataFrame, ncu: pd.DataFrame) -> set[str]:
+    """The profiler's kernel names that ncu's table covers (names matched as in `match_kernel`)."""
+    names = _kernel_times(kernels).index.tolist()
+    return {n for k in ncu["kernel"].unique() for n in match_kernel(k, names)}
+
+
+def profiled_coverage(kernels: pd.DataFrame, ncu: pd.DataFrame) -> float:
+    """Fraction of the step's kernel time in kernels that ncu actually profiled: the selection aims at
+    `COVERAGE`, this says what the counters cover."""
+    return covered(kernels, sorted(profiled_names(kernels, ncu)))

@@ -2,11 +2,11 @@
 
 A sweep profiles with ncu last, in what is left of its time, so a slow configuration can end with
 counters for only part of its step (or none). Counting again needs no new timing: ncu runs its own
-process (`medddpm.measure.capture`) anyway, and the kernels to profile come from the run's `kernels.parquet`.
+process (`medddpm.measure.profile.capture`) anyway, and the kernels to profile come from the run's `kernels.parquet`.
 The new `ncu.parquet` replaces the old one only when it covers at least as much of the step (or
 with `force`), and the run row's `profilers` entry for ncu records the commit and time of the pass.
 With `merge`, the new launches are added to the run's counters instead (e.g. a library pass over a
-run whose counters came from one pass that missed cuDNN's launches: see `medddpm.measure.ncu.PASSES`); the
+run whose counters came from one pass that missed cuDNN's launches: see `medddpm.measure.profile.ncu.PASSES`); the
 entry then keeps the one before it under "merged". A merge profiles only what the run's counters lack:
 the kernels they do not cover, and the library launches after those their library passes reached, so
 that counters too slow for one lease add up over several.
@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 
 from medddpm.store import schema
+from medddpm.store.layout import NCU_REPORTS, RUN_FILE, is_run, run_table
 from medddpm.configs import mismatch
 from medddpm.measure.env import device_name, git_commit, gpu_slug
-from medddpm.measure.run import NCU_REPORTS
 from medddpm.model.unet import format_size, parse_size
-from medddpm.measure.ncu import COVERAGE, PASSES, library_launches_done, profiled_coverage, run_ncu
-from medddpm.measure.ncu_table import join_launches
+from medddpm.analysis.ncu_table import COVERAGE, join_launches, profiled_coverage
+from medddpm.measure.profile.ncu import PASSES, library_launches_done, run_ncu
 
 
 class CountersError(ValueError):
@@ -37,12 +37,12 @@ def check_run(run_dir: str | Path, *, device: torch.device | str = "cuda"):
     """The run's row, if `run_dir` is a finished run of this device's GPU under its configuration's
     current switches; else CountersError."""
     run_dir = Path(run_dir)
-    if not (run_dir / "run.parquet").is_file():
-        raise CountersError(f"{run_dir}: no run.parquet here (expected a run folder such as data/nvidia-h200/opt1)")
-    run = schema.read_table(run_dir / "run.parquet", "run").iloc[0]
+    if not is_run(run_dir):
+        raise CountersError(f"{run_dir}: no {RUN_FILE} here (expected a run folder such as data/nvidia-h200/opt1)")
+    run = schema.read_table(run_table(run_dir, "run"), "run").iloc[0]
     if run["status"] != "ok":
         raise CountersError(f"{run_dir}: the run's status is {run['status']!r}; counters need a measured step")
-    if not (run_dir / "kernels.parquet").is_file():
+    if not run_table(run_dir, "kernels").is_file():
         raise CountersError(f"{run_dir}: no kernels.parquet (the torch.profiler ranking picks the kernels to count)")
     if changed := mismatch(run):
         raise CountersError(f"{run_dir}: the run does not match {run['config']}'s switches "
@@ -64,8 +64,8 @@ def add_counters(run_dir: str | Path, *, timeout_s: int = 420, coverage: float =
     `kept` saying which table stayed."""
     run_dir = Path(run_dir)
     run = check_run(run_dir, device=device)
-    kernels = schema.read_table(run_dir / "kernels.parquet", "kernels")
-    old = run_dir / "ncu.parquet"
+    kernels = schema.read_table(run_table(run_dir, "kernels"), "kernels")
+    old = run_table(run_dir, "ncu")
     old_df = schema.read_table(old, "ncu") if old.is_file() else None
     had = profiled_coverage(kernels, old_df) if old_df is not None else 0.0
     recorded = json.loads(run["profilers"] or "{}")
@@ -86,8 +86,8 @@ def add_counters(run_dir: str | Path, *, timeout_s: int = 420, coverage: float =
         why = status["message"] if status["status"] != "ok" else f"covers {got:.2%}, the run's counters {had:.2%}"
         return status | {"kept": f"the run's counters ({why})"}
     # ncu.parquet first: a run row that names counters it does not have would be the worse half-state
-    schema.write_table(df.assign(run_id=run["run_id"]), run_dir / "ncu.parquet", "ncu")
-    row = schema.read_table(run_dir / "run.parquet", "run")
+    schema.write_table(df.assign(run_id=run["run_id"]), old, "ncu")
+    row = schema.read_table(run_table(run_dir, "run"), "run")
     row.loc[0, "profilers"] = json.dumps(recorded | {"ncu": status})
-    schema.write_table(row, run_dir / "run.parquet", "run")
+    schema.write_table(row, run_table(run_dir, "run"), "run")
     return status | {"kept": f"the new counters ({got:.2%} of the step; the run's covered {had:.2%})"}

@@ -1,10 +1,10 @@
 """Layer ranges of an ncu report, read with Nsight Compute's Python report interface (`ncu_report`).
 
-`medddpm.measure.capture` names each convolution of an eager step with an NVTX push/pop range (`LAYER_PREFIX`,
+`medddpm.measure.profile.capture` names each convolution of an eager step with an NVTX push/pop range (`LAYER_PREFIX`,
 then the layer's channels, kernel, stride and input size), around its forward and around its backward. ncu
 records the ranges open at each launch; `with_layers` keeps them in the long table as one text row per launch
-(section `LAYER_SECTION` of `medddpm.measure.ncu_table`), so that the same layer can be compared kernel
-against kernel across configurations (`medddpm.measure.layers`).
+(section `LAYER_SECTION` of `medddpm.analysis.ncu_table`), so that the same layer can be compared kernel
+against kernel across configurations (`medddpm.analysis.layers`).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from medddpm.measure.ncu_table import COLUMNS, LAYER_METRIC, LAYER_SECTION
+from medddpm.analysis.ncu_table import COLUMNS, LAYER_METRIC, LAYER_SECTION
 
-LAYER_PREFIX = "conv3d "  # medddpm.capture.LAYER_PREFIX (not imported: capture imports torch)
+LAYER_PREFIX = "conv3d "  # medddpm.model.flops.LAYER_PREFIX (not imported: the model imports torch)
 
 
 def report_module(ncu: str = "ncu"):

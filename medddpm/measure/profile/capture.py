@@ -1,6 +1,6 @@
 """Run training steps of one configuration for an outside profiler (Nsight Compute).
 
-`python -m medddpm.measure.capture --config opt1 --preset paper` runs warm-up steps, then one step inside the
+`python -m medddpm.measure.profile.capture --config opt1 --preset paper` runs warm-up steps, then one step inside the
 NVTX range `medddpm_step`, so that `ncu --nvtx --nvtx-include "medddpm_step/"` profiles exactly
 one training step and none of the warm-up (compilation, cuDNN autotuning).
 """
@@ -16,21 +16,14 @@ import time
 
 import torch
 
-from medddpm.measure.bench import real_batch
+from medddpm.train.data import real_batch
 from medddpm.train.engine import Engine
 from medddpm.presets import get_preset
+from medddpm.model.flops import layer_name
 from medddpm.model.unet import parse_size
 
 NVTX_RANGE = "medddpm_step"
-STOPPED = "medddpm.capture: stopped"  # medddpm.measure.ncu.STOPPED
-LAYER_PREFIX = "conv3d "  # medddpm.measure.ncu_layers.LAYER_PREFIX
-
-
-def layer_name(conv: torch.nn.Conv3d, x: torch.Tensor) -> str:
-    """What identifies a convolution layer across configurations: its channels, kernel, stride and input size,
-    e.g. ``conv3d 64>128 k3 s2 @128x128x128``."""
-    k, s = (v[0] if len(set(v)) == 1 else "x".join(map(str, v)) for v in (conv.kernel_size, conv.stride))
-    return f"{LAYER_PREFIX}{conv.in_channels}>{conv.out_channels} k{k} s{s} @{'x'.join(map(str, x.shape[2:]))}"
+STOPPED = "medddpm.capture: stopped"  # medddpm.measure.profile.ncu.STOPPED
 
 
 def name_layers(model: torch.nn.Module, *, on_backward=None) -> list:

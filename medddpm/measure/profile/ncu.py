@@ -1,10 +1,10 @@
 """Nsight Compute (ncu) hardware counters for the kernels that make up most of a training step.
 
 The torch.profiler table picks the kernels (`select_kernels`); `ncu_command` profiles only those,
-only inside the NVTX range of `medddpm.measure.capture`'s one step, with the clocks left alone; the report is
-exported (`export_command`) and read into one long table (`medddpm.measure.ncu_table`, which derives the
+only inside the NVTX range of `medddpm.measure.profile.capture`'s one step, with the clocks left alone; the report is
+exported (`export_command`) and read into one long table (`medddpm.analysis.ncu_table`, which derives the
 per-kernel summary and the rules' priorities from it), with the layer range of each launch
-(`medddpm.measure.ncu_layers`). Kernels are named to ncu's filter by their token skeleton
+(`medddpm.measure.profile.ncu_layers`). Kernels are named to ncu's filter by their token skeleton
 (`medddpm.analysis.ncu_names`). `run_ncu` never raises for a profiler problem: it returns an empty table and
 says why.
 
@@ -32,18 +32,12 @@ from pathlib import Path
 import pandas as pd
 import psutil
 from medddpm import REPO
-from medddpm.measure.ncu_layers import with_layers
-from medddpm.analysis.ncu_names import kernel_regex, match_kernel
-from medddpm.measure.ncu_table import EXTRA_METRICS, empty_table, join_launches, parse_details_csv
+from medddpm.measure.profile.ncu_layers import with_layers
+from medddpm.analysis.ncu_names import kernel_regex
+from medddpm.analysis.ncu_table import (COVERAGE, EXTRA_METRICS, SECTIONS, covered, empty_table, join_launches,
+                                        parse_details_csv, profiled_coverage, profiled_names, select_kernels)
 
 NVTX_RANGE = "medddpm_step"  # medddpm.capture.NVTX_RANGE (not imported: capture imports torch)
-
-# Sections, not `--set full`: full also collects SourceCounters and PM sampling (55 MB for 12 kernels).
-SECTIONS = (
-    "SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "MemoryWorkloadAnalysis_Tables",
-    "WarpStateStats", "SchedulerStats", "InstructionStats", "Occupancy", "LaunchStats",
-    "SpeedOfLight_RooflineChart",
-)
 
 STOP_MARGIN_S = 60  # for ncu to write and export the report after the profiled program stopped
 STOPPED = "medddpm.capture: stopped"  # what capture prints when --stop-after ends it
@@ -52,56 +46,6 @@ STOPPED = "medddpm.capture: stopped"  # what capture prints when --stop-after en
 # timeout that then kills ncu takes its report and log with it.
 KILL_MARGIN_S = 20
 KILLED = "medddpm.ncu: the profiled program was killed"  # what the log says then
-NON_KERNEL_CATEGORIES = ("memcpy",)  # copies and fills (medddpm.measure.kernels files memsets here too): not kernels
-# Step time the selection aims at: 80% is what the counters must cover, and matching ncu's names back to
-# the profiler's loses a few points (cuDNN's dgrad launches, a few percent of sdpa's and graphs' steps)
-COVERAGE = 0.85
-
-
-# ---------------------------------------------------------------------------------------- selection
-
-def _kernel_times(kernels: pd.DataFrame) -> pd.Series:
-    """Summed device time per distinct kernel name, largest first (name breaks ties: deterministic)."""
-    k = kernels[~kernels["category"].isin(NON_KERNEL_CATEGORIES)]
-    t = k.groupby("kernel")["total_us"].sum()
-    return t.sort_index().sort_values(ascending=False, kind="stable")
-
-
-def select_kernels(kernels: pd.DataFrame, *, coverage: float = 0.8) -> list[str]:
-    """Distinct kernels whose summed time reaches `coverage` of all kernel time, taken by time per launch,
-    longest first (by total time where `calls` is absent).
-
-    Nsight Compute's cost grows with the launches it replays (seconds each at 128^3), so a
-    kernel of many short launches comes last: in data/nvidia-h200/opt1, layout conversions are 398
-    launches a step for 10% of its time; 80% by total time takes 698 launches a step, by time per launch 369.
-    """
-    t = _kernel_times(kernels)
-    total = t.sum()
-    if total <= 0:
-        return []
-    if "calls" in kernels:
-        calls = kernels[kernels["kernel"].isin(t.index)].groupby("kernel")["calls"].sum().reindex(t.index)
-        t = t.loc[(t / calls.clip(lower=1)).sort_values(ascending=False, kind="stable").index]
-    reached = t.cumsum() >= coverage * total * (1 - 1e-12)  # float sums must not miss an exact boundary
-    return t.index[: int(reached.to_numpy().argmax()) + 1].tolist()
-
-
-def covered(kernels: pd.DataFrame, names: list[str]) -> float:
-    """Fraction of all kernel time spent in `names`."""
-    t = _kernel_times(kernels)
-    return float(t[t.index.isin(names)].sum() / t.sum()) if t.sum() > 0 else 0.0
-
-
-def profiled_names(kernels: pd.DataFrame, ncu: pd.DataFrame) -> set[str]:
-    """The profiler's kernel names that ncu's table covers (names matched as in `match_kernel`)."""
-    names = _kernel_times(kernels).index.tolist()
-    return {n for k in ncu["kernel"].unique() for n in match_kernel(k, names)}
-
-
-def profiled_coverage(kernels: pd.DataFrame, ncu: pd.DataFrame) -> float:
-    """Fraction of the step's kernel time in kernels that ncu actually profiled: the selection aims at
-    `COVERAGE`, this says what the counters cover."""
-    return covered(kernels, sorted(profiled_names(kernels, ncu)))
 
 
 # ------------------------------------------------------------------------------------------- passes
@@ -150,7 +94,7 @@ def ncu_command(*, name_regex: str, config: str, preset: str, report: Path, metr
                 size: int | str | None = None, batch: int = 1, launches_per_config: int | None = 1,
                 launch_skip: int = 0, stop_after_s: float | None = None, from_backward: str | None = None,
                 python: str = sys.executable) -> list[str]:
-    """ncu over `medddpm.measure.capture`: one step (NVTX range), the launches whose name matches, clocks untouched.
+    """ncu over `medddpm.measure.profile.capture`: one step (NVTX range), the launches whose name matches, clocks untouched.
 
     `launches_per_config`: profile only the first N launches of each launch configuration (kernel,
     grid, block, shared memory); a layer repeated with the same shape is measured once, which keeps
@@ -160,7 +104,7 @@ def ncu_command(*, name_regex: str, config: str, preset: str, report: Path, metr
     a library pass goes on where an earlier one stopped.
     `stop_after_s`: the profiled program exits after that long, and ncu writes the launches done so far.
     `from_backward`: the step's range starts at the first layer's backward ('') or at the backward of the layer
-    range so named (eager configurations; `medddpm.measure.capture`), so that a pass spends its time on what a pass
+    range so named (eager configurations; `medddpm.measure.profile.capture`), so that a pass spends its time on what a pass
     before it did not reach.
     """
     sections = [a for s in SECTIONS for a in ("--section", s)]
@@ -171,7 +115,7 @@ def ncu_command(*, name_regex: str, config: str, preset: str, report: Path, metr
     nvtx = ["--nvtx", "--nvtx-include", f"{NVTX_RANGE}/", "--nvtx-include", NVTX_RANGE]
     per_config = (["--filter-mode", "per-launch-config", "--launch-count", str(launches_per_config)]
                   if launches_per_config else [])
-    target = [python, "-m", "medddpm.measure.capture", "--config", config, "--preset", preset]
+    target = [python, "-m", "medddpm.measure.profile.capture", "--config", config, "--preset", preset]
     skip = ["--launch-skip", str(launch_skip)] if launch_skip else []
     # application-only: ncu's default (all) also injects itself into every process the program starts, which
     # for a compiled configuration are Inductor's compile workers; the step runs in the program's own process.
@@ -333,7 +277,7 @@ def run_ncu(*, kernels_df: pd.DataFrame, config: str, preset: str, out_dir: Path
                     else f"no selected kernel left to profile in the {' and '.join(passes)} pass")
     metrics, status["dropped_metrics"] = split_available(EXTRA_METRICS, available_metrics(ncu))
     out_dir.mkdir(parents=True, exist_ok=True)
-    # capture runs as `python -m medddpm.measure.capture`: the package's parent must be importable
+    # capture runs as `python -m medddpm.measure.profile.capture`: the package's parent must be importable
     root = str(REPO)
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     start, tables = time.monotonic(), []

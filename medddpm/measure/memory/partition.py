@@ -25,7 +25,6 @@ from medddpm.measure.env import git_commit
 from medddpm.model.unet import ModelSpec
 
 _GIB = 2**30
-TABLE_FILE = "partition.parquet"  # in the data root, beside the device folders
 KEY = ["preset", "config", "torch"]  # one row per model, configuration and tracing torch
 
 

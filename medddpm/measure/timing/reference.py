@@ -230,7 +230,8 @@ def count_parameters(module) -> int:
 def bench_reference(ref_root: str, spec, *, precision: str, device: torch.device, warmup: int = 5,
                     steps: int = 30, seed: int = 0, progress: bool = True) -> dict:
     """Time the reference's micro-step (forward + backward + Adam step) like `bench.bench_train`."""
-    from medddpm.measure.bench import real_batch, train_summary
+    from medddpm.measure.timing.bench import train_summary
+    from medddpm.train.data import real_batch
     from medddpm.train.timing import time_steps
     from medddpm.configs import set_precision_flags
 

@@ -31,9 +31,10 @@ import pandas as pd
 import torch
 
 from medddpm.analysis.roofs import COMPUTE, UNITS
-from medddpm.measure.clocks import ClockMonitor
+from medddpm.measure.timing.clocks import ClockMonitor
 from medddpm.measure.env import device_name, device_type, environment, host_name, pick_device
 from medddpm.store import schema
+from medddpm.store.layout import ROOFS_FILE
 from medddpm.store.lock import FolderInUse, output_lock
 
 
@@ -53,7 +54,7 @@ DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, 
 
 
 def path(out: str | Path, label: str) -> Path:
-    return Path(out) / label / schema.ROOFS_FILE
+    return Path(out) / label / ROOFS_FILE
 
 
 def _times_ms(fn, device: torch.device, warmup: int, repeats: int) -> list[float]:

@@ -5,7 +5,6 @@ profiler attached), and the `bench` table those timings make, one row a timed co
 from __future__ import annotations
 
 import math
-import pickle
 from pathlib import Path
 from typing import Callable
 
@@ -13,15 +12,14 @@ import pandas as pd
 import torch
 
 from medddpm.configs import Config, get_config
-from medddpm.train.data import one_hot_condition
-from medddpm.train.synthetic import make_brats_case, make_mni_pair, mni_labels
+from medddpm.train.data import real_batch
 from medddpm.model.diffusion import TIMESTEPS
 from medddpm.train.engine import Engine
 from medddpm.model.unet import ModelSpec
 from medddpm.measure.env import gpu_slug
-from medddpm.measure.snapshot import SOURCES, package_source, sources, write_summary
+from medddpm.measure.memory.snapshot import memory_snapshot
 from medddpm.store import schema
-from medddpm.store.storage import atomic_write
+from medddpm.store.layout import BENCH_FILE
 from medddpm.train.timing import summarize, time_steps
 
 REFERENCE = "reference (mobaidoctor/med-ddpm)"  # the bench table's implementation of the reference's runs
@@ -42,29 +40,10 @@ def sample_step_summary(step_ms: list[float]) -> dict[str, float]:
     return {"sample_step_median_ms": s["median"], "sample_step_p10_ms": s["p10"], "sample_step_p90_ms": s["p90"]}
 
 
-def real_batch(spec: ModelSpec, *, seed: int = 0, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch of embedded pairs (never zeros: they time faster than real data): whole-head MNI
-    pairs for a 1-image, 3-label model (CSF, grey and white matter) or a 1-image, 2-label one (the
-    reference's width: CSF and brain tissue), synthetic BraTS-like cases for a 4-image, 4-label one."""
-    def mni(seed: int, *, size):
-        image, labels = make_mni_pair(seed, size=size)
-        return image, mni_labels(labels, spec.mask_channels)
-
-    kinds = {(1, 3): mni, (1, 2): mni, (4, 4): make_brats_case}
-    make = kinds.get((spec.image_channels, spec.mask_channels))
-    if make is None:
-        raise ValueError(f"no embedded data for {spec.image_channels} image and {spec.mask_channels} label channels; "
-                         f"embedded: {', '.join(f'{i} image + {m} label' for i, m in kinds)}")
-    pairs = [make(seed + i, size=spec.size) for i in range(batch)]
-    image = torch.stack([torch.from_numpy(img).reshape(spec.image_channels, *spec.shape) for img, _ in pairs])
-    cond = torch.stack([one_hot_condition(lab, num_classes=spec.mask_channels) for _, lab in pairs])
-    return image, cond
-
-
 def kernel_summary(step: Callable[[], object], *, device: torch.device, top: int, steps: int = 2) -> dict:
     """Device time per step by kernel category and the `top` kernels, from `steps` more steps under
     torch.profiler (after the timing: profiling is kept apart from it). Microseconds per step."""
-    from medddpm.measure.kernels import profile_kernels
+    from medddpm.train.profiling import profile_kernels
 
     k = profile_kernels(step, device=device, steps=steps, warmup=0)
     per_kernel = (k.groupby(["short_name", "category"], as_index=False)[["calls", "total_us"]].sum()
@@ -73,28 +52,6 @@ def kernel_summary(step: Callable[[], object], *, device: torch.device, top: int
     by_category = (k.groupby("category")["total_us"].sum() / steps).sort_values(ascending=False)
     return {"kernel_us": float(k["total_us"].sum() / steps), "category_us": by_category.to_dict(),
             "top_kernels": per_kernel.head(top).to_dict("records")}
-
-
-def memory_snapshot(step: Callable[[], object], *, device: torch.device, path: str | Path) -> None:
-    """One more step with the CUDA caching allocator's history on, saved as a pickle that
-    https://pytorch.org/memory_viz reads (`torch.cuda.memory._dump_snapshot`): which tensors are live at
-    the peak, with the Python frames that allocated them, and summarised beside it (table `snapshot`,
-    `medddpm.measure.snapshot.write_summary`). After the timing. A step replayed from a CUDA
-    graph allocates nothing: take it from a configuration with `cuda_graphs=false`."""
-    if device.type != "cuda":
-        raise ValueError(f"a memory snapshot needs a CUDA device, not {device}")
-    torch.cuda.synchronize(device)
-    torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
-    try:
-        step()
-        torch.cuda.synchronize(device)
-        snap = torch.cuda.memory._snapshot()  # what _dump_snapshot pickles
-    finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
-    # the frames name functions and lines only: keep what they were at this commit (medddpm.measure.snapshot reads it)
-    snap[SOURCES] = sources(snap, package_source)
-    atomic_write(path, lambda f: pickle.dump(snap, f))
-    write_summary(snap, path)  # what `peak` and readers use, without unpickling
 
 
 def _result(engine: Engine, result: dict) -> dict:
@@ -182,7 +139,7 @@ def bench_rows(doc: dict, *, source: str) -> pd.DataFrame:
 def write_bench(out_dir: str | Path, doc: dict, *, source: str) -> Path:
     """Write `doc`'s rows (`bench_rows`) to OUT_DIR/bench.parquet, atomically and checked against the schema,
     in place of the rows of the same source; the file's other sources are kept."""
-    path = Path(out_dir) / schema.BENCH_FILE
+    path = Path(out_dir) / BENCH_FILE
     rows = bench_rows(doc, source=source)
     if path.is_file():
         kept = schema.read_table(path, "bench")

@@ -26,6 +26,8 @@ from typing import Callable
 
 import pandas as pd
 from medddpm import PACKAGE
+from medddpm.store.layout import parse_snapshot_name, snapshot_summary
+from medddpm.store.storage import atomic_write
 
 HELD = "held before the step"  # the origin of blocks allocated before the history began
 NO_FRAME = "inside torch"  # the origin of blocks allocated with no frame of this package
@@ -52,29 +54,6 @@ class Peak:
         out = pd.DataFrame({"code": g["code"].first(), "blocks": g.size(), "bytes": g["bytes"].sum(),
                             "largest": g["bytes"].max()}).reset_index()
         return out.sort_values(["bytes", "origin"], ascending=[False, True], ignore_index=True)
-
-
-def snapshot_name(config: str, commit: str) -> str:
-    """The bench's file name for a configuration's snapshot, e.g. ("best-ckpt+narrow_checkpoints=false",
-    "0123456789ab...") -> memory-best-ckpt_narrow_checkpoints_false-0123456.pickle (`parse_name` reads it back);
-    a commit that is not one: -unknown."""
-    head = commit.split("-")[0].lower()
-    short = head[:7] if re.fullmatch(r"[0-9a-f]{7,40}", head) else "unknown"
-    return f"memory-{file_config(config)}-{short}.pickle"
-
-
-def file_config(config: str) -> str:
-    """A configuration's name as a snapshot's file name spells it: letters, digits, '_', '.' and '-'."""
-    return re.sub(r"[^\w.-]", "_", config)
-
-
-def parse_name(name: str) -> tuple[str, str]:
-    """(the configuration as `snapshot_name` wrote it, the commit's first 7 digits or '') of a snapshot's file
-    name (.pickle or .pickle.gz)."""
-    m = re.fullmatch(r"memory-(.+?)(?:-([0-9a-f]{7}|unknown))?\.pickle(?:\.gz)?", name)
-    if not m:
-        raise ValueError(f"{name}: not a memory snapshot's name (memory-<config>-<commit>.pickle[.gz])")
-    return m.group(1), m.group(2) if m.group(2) and m.group(2) != "unknown" else ""
 
 
 class _PlainData(pickle.Unpickler):
@@ -238,16 +217,10 @@ def _row(address, size, name, code, callers, phase, event) -> dict:
             "phase": phase, "alloc_event": event}
 
 
-def summary_path(path: str | os.PathLike) -> Path:
-    """Where a snapshot's summary lies: memory-<config>-<commit>.parquet beside memory-<config>-<commit>.pickle[.gz]."""
-    path = Path(path)
-    return path.with_name(re.sub(r"\.pickle(\.gz)?$", "", path.name) + ".parquet")
-
-
 def summary(p: Peak, name: str) -> pd.DataFrame:
     """Table `snapshot` (`medddpm.store.schema`) of a peak: its live bytes by origin, the peak's figures repeated."""
     try:
-        config, commit = parse_name(name)
+        config, commit = parse_snapshot_name(name)
     except ValueError:  # a file renamed by hand
         config, commit = name, ""
     rows = p.by_origin()
@@ -256,11 +229,11 @@ def summary(p: Peak, name: str) -> pd.DataFrame:
 
 
 def write_summary(snap: dict, path: str | os.PathLike) -> Path:
-    """Summarise the snapshot that lies (or will lie) at `path` into its `summary_path`."""
+    """Summarise the snapshot that lies (or will lie) at `path` into its summary beside it (`layout.snapshot_summary`)."""
     from medddpm.store.schema import TABLES, write_table
 
     table = summary(peak(snap), Path(path).name)
-    return write_table(table[list(TABLES["snapshot"])], summary_path(path), "snapshot")
+    return write_table(table[list(TABLES["snapshot"])], snapshot_summary(path), "snapshot")
 
 
 def read_summary(path: str | os.PathLike) -> pd.DataFrame:
@@ -278,12 +251,12 @@ def describe(path: str | os.PathLike, *, top: int = 12, trust_pickle: bool = Fal
         name = table["snapshot"].iloc[0] if len(table) else path.name
     elif trust_pickle:
         table, name = summary(peak(load(path)), path.name), path.name
-    elif summary_path(path).is_file():
-        table, name = read_summary(summary_path(path)), path.name
+    elif snapshot_summary(path).is_file():
+        table, name = read_summary(snapshot_summary(path)), path.name
     elif not path.is_file():
         raise FileNotFoundError(f"no memory snapshot at {path}")
     else:
-        raise ValueError(f"{path}: a pickle, and no summary beside it ({summary_path(path).name}); --trust-pickle "
+        raise ValueError(f"{path}: a pickle, and no summary beside it ({snapshot_summary(path).name}); --trust-pickle "
                          "reads the pickle itself (as plain data only)")
     first = table.iloc[0] if len(table) else None
     if first is None:
@@ -295,3 +268,27 @@ def describe(path: str | os.PathLike, *, top: int = 12, trust_pickle: bool = Fal
         lines.append(f"  {r.bytes / gib:7.3f} GiB  {r.blocks:4d} blocks (largest {r.largest / gib:.3f})  {r.origin}"
                      + (f"  {r.code}" if r.code else ""))
     return "\n".join(lines)
+
+
+def memory_snapshot(step: Callable[[], object], *, device: torch.device, path: str | Path) -> None:
+    """One more step with the CUDA caching allocator's history on, saved as a pickle that
+    https://pytorch.org/memory_viz reads (`torch.cuda.memory._dump_snapshot`): which tensors are live at
+    the peak, with the Python frames that allocated them, and summarised beside it (table `snapshot`,
+    `write_summary`). After the timing. A step replayed from a CUDA graph allocates nothing: take it from a
+    configuration with `cuda_graphs=false`."""
+    import torch
+
+    if device.type != "cuda":
+        raise ValueError(f"a memory snapshot needs a CUDA device, not {device}")
+    torch.cuda.synchronize(device)
+    torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
+    try:
+        step()
+        torch.cuda.synchronize(device)
+        snap = torch.cuda.memory._snapshot()  # what _dump_snapshot pickles
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    # the frames name functions and lines only: keep what they were at this commit (`sources`, read by `peak`)
+    snap[SOURCES] = sources(snap, package_source)
+    atomic_write(path, lambda f: pickle.dump(snap, f))
+    write_summary(snap, path)  # what `peak` and readers use, without unpickling

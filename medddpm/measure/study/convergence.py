@@ -35,13 +35,14 @@ import torch
 from tqdm import tqdm  # text bars: tqdm.auto draws ipywidgets bars, a message per update under papermill
 
 from medddpm.configs import get_config
-from medddpm.measure import sample_metrics as sm
+from medddpm.measure.study import sample_metrics as sm
 from medddpm.measure.env import environment, gpu_slug, pick_device
 from medddpm.measure.validate import check_label
 from medddpm.model.diffusion import TIMESTEPS
 from medddpm.model.unet import ModelSpec
 from medddpm.store import convergence as store
 from medddpm.store import schema
+from medddpm.store.layout import CONVERGENCE_TABLES, SLICES_DIR, convergence_folder
 from medddpm.store.storage import atomic_write
 
 LABEL_SEED = 100_000  # the held-out subjects are mni:100000, mni:100001, ...: far from any training pair's seed
@@ -229,7 +230,7 @@ def run_one(job: Job) -> dict:
                         sources=s.label_sources)
         for i, image in enumerate(images):
             png = sm.slices_png(image)
-            atomic_write(Path(job.out) / store.SLICES / store.slice_file("sample", job.config, job.seed, i),
+            atomic_write(Path(job.out) / SLICES_DIR / store.slice_file("sample", job.config, job.seed, i),
                          lambda f: f.write(png))
     except Diverged as e:  # a result, not a fault: the configuration's numerics failed from this seed
         row |= {"status": "diverged", "message": str(e), "train_s": time.perf_counter() - t0}
@@ -331,8 +332,8 @@ def study(configs: list[str], seeds: list[int], settings: Settings = Settings(),
     env = environment(torch.device(devices[0]))
     slug = gpu_slug(gpu_label or env["gpu_name"])
     env["gpu_name"] = gpu_label or env["gpu_name"]
-    folder = store.folder(out, slug)
-    tables = {t: store.read(folder, t) for t in store.TABLES}
+    folder = convergence_folder(out, slug)
+    tables = {t: store.read(folder, t) for t in CONVERGENCE_TABLES}
     done = tables["runs"][tables["runs"]["status"].isin(store.DONE)]
     _check_settings(done, settings, folder)
     todo = [(c, s) for s in seeds for c in names if force or not ((done["config"] == c) & (done["seed"] == s)).any()]
@@ -344,7 +345,7 @@ def study(configs: list[str], seeds: list[int], settings: Settings = Settings(),
     reference, labels, real = prepare_data(settings, processes=os.cpu_count() or 1, progress=progress)
     real_rows = score(np.stack(real), labels, list(range(len(real))), reference, config=store.REAL, seed=0,
                       sources=settings.label_sources, pairs=False)
-    slices = folder / store.SLICES
+    slices = folder / SLICES_DIR
     for i, (lab, img) in enumerate(zip(labels, real)):
         for kind, png in (("label", sm.slices_png(lab, labels=True)), ("real", sm.slices_png(img))):
             atomic_write(slices / store.slice_file(kind, i), lambda f, png=png: f.write(png))

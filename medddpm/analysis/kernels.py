@@ -1,30 +1,25 @@
-"""Which kernels a training step runs, in which pass, and for how long (torch.profiler / Kineto).
+"""Which kernels a training step ran, in which pass, and for how long: the kernel table of a torch.profiler
+(Kineto) trace, its categories and readable names.
 
-`profile_kernels(step, device=...)` profiles a few calls of `step` and returns one row per
-(kernel, pass, operator that launched it): device time, launches, share of the profiled time, a
-category and whether the name says tensor cores. Passes come from the `record_function` ranges
-"forward", "backward" and "optimizer" that `Engine._step` opens; a kernel belongs to the range its
-*launch* (the CPU-side runtime call, linked to the kernel by its CUPTI correlation id) falls in, by
-time, on any thread: autograd launches backward kernels from its own device thread, so nesting under
-the range's operator tree would miss them. Kernels replayed by a CUDA graph carry the correlation id of their
-`cudaGraphLaunch` and get the pass "graph". On a CPU there are no kernels: the rows are aten
-operators with their self CPU time, attributed the same way.
+A trace becomes one row per (kernel, pass, operator that launched it): device time, launches, share of the
+profiled time, a category and whether the name says tensor cores. Passes come from the `record_function`
+ranges "forward", "backward" and "optimizer" that `Engine._step` opens; a kernel belongs to the range its
+*launch* (the CPU-side runtime call, linked to the kernel by its CUPTI correlation id) falls in, by time, on any
+thread: autograd launches backward kernels from its own device thread, so nesting under the range's operator
+tree would miss them. Kernels replayed by a CUDA graph carry the correlation id of their `cudaGraphLaunch` and
+get the pass "graph". On a CPU there are no kernels: the rows are aten operators with their self CPU time,
+attributed the same way.
 
-The work happens on the exported Kineto trace (plain JSON), in pure functions that tests can feed
-with hand-made traces: `kernel_rows_from_trace` (GPU) and `op_rows_from_trace` (CPU).
+Pure functions of names and of the exported trace (plain JSON), which tests feed with hand-made traces:
+`kernel_rows_from_trace` (GPU), `op_rows_from_trace` (CPU), `categorize`, `short_name`. The profiling pass
+that makes the trace is `medddpm.train.profiling.profile_kernels`.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import tempfile
-from typing import Callable
 
 import pandas as pd
-import torch
-from torch.profiler import ProfilerActivity, profile
 
 CATEGORIES = ("convolution", "gemm", "attention", "elementwise", "normalization", "reduction", "layout", "fused",
               "memcpy", "optimizer", "other")
@@ -271,32 +266,3 @@ def op_rows_from_trace(trace: dict, *, steps: int) -> pd.DataFrame:
     ops = cpu[aten]
     return _rows(pd.DataFrame({"kernel": ops.name, "pass": _passes(ev, ops.ts), "op": _launching_ops(ev, ops.ts, ops.tid),
                                "us": self_us[aten]}), steps=steps, device_type="cpu")
-
-
-# ------------------------------------------------------------------------------------ profiling
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def profile_kernels(step: Callable[[], object], *, device: torch.device | str, steps: int = 2,
-                    warmup: int = 1) -> pd.DataFrame:
-    """Call `step` `warmup` times, then `steps` times under torch.profiler; one row per (kernel, pass)."""
-    device = torch.device(device)
-    cuda = device.type == "cuda"
-    for _ in range(warmup):  # compilation, cuDNN autotuning and graph capture stay out of the profile
-        step()
-    _sync(device)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        for _ in range(steps):
-            step()
-        _sync(device)  # every kernel has finished, so CUPTI has recorded it
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            trace = json.load(f)
-    return (kernel_rows_from_trace if cuda else op_rows_from_trace)(trace, steps=steps)

@@ -4,9 +4,9 @@ Nsight Compute profiles launches, and two configurations' profiled launch sets d
 are mostly cuDNN convolutions, TF32's also GroupNorm and element-wise kernels. An average over "whatever was
 profiled" then compares different work. Two comparisons do not:
 
-- **Matched layers** (`matched_layers`): `medddpm.measure.capture` names each convolution of an eager step with an
-  NVTX range (`conv3d 64>64 k3 s1 @128x128x128`: channels, kernel, stride, input size), which ncu keeps per
-  launch (`medddpm.measure.ncu_layers.with_layers`). A layer's forward (`fprop`), input gradient (`dgrad`) and weight
+- **Matched layers** (`matched_layers`): `medddpm.measure.profile.capture` names each convolution of an eager step
+  with an NVTX range (`conv3d 64>64 k3 s1 @128x128x128`: channels, kernel, stride, input size,
+  `medddpm.model.flops.layer_name`), which ncu keeps per launch (`medddpm.measure.profile.ncu_layers.with_layers`). A layer's forward (`fprop`), input gradient (`dgrad`) and weight
   gradient (`wgrad`) each run one main kernel; the same layer and direction in two configurations is the same
   arithmetic, so their counters compare kernel against kernel. Layers are ranked by the time they carry in
   the first configuration's step: their instances in the model (`layer_counts`) times the kernel's duration.
@@ -17,14 +17,12 @@ profiled" then compares different work. Two comparisons do not:
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
 import pandas as pd
 
-from medddpm.analysis import ncu_names
-from medddpm.measure import ncu_table
+from medddpm.analysis import ncu_names, ncu_table
 
 # Per-launch counters compared across configurations: (column of `ncu_table.kernel_summary`, what it is)
 LAYER_METRICS = {
@@ -59,33 +57,13 @@ def layer_kernels(ncu_df: pd.DataFrame) -> pd.DataFrame:
     return main.sort_values(["layer", "direction"]).reset_index(drop=True)[cols]
 
 
-@functools.cache
-def _counts(spec) -> dict[str, int]:
-    import torch
-
-    from medddpm.measure.capture import layer_name
-    from medddpm.model.unet import UNet3D
-
-    seen: dict[str, int] = {}
-
-    def count(conv, args):
-        seen[layer_name(conv, args[0])] = seen.get(layer_name(conv, args[0]), 0) + 1
-
-    with torch.device("meta"):  # shapes only: no memory, no arithmetic
-        model = UNet3D(spec)
-        for m in model.modules():
-            if isinstance(m, torch.nn.Conv3d):
-                m.register_forward_pre_hook(count)
-        d, h, w = spec.shape
-        model(torch.empty(1, spec.in_channels, d, h, w), torch.zeros(1, dtype=torch.long))
-    return seen
-
-
 def layer_counts(run: pd.Series) -> pd.Series:
     """Instances of each convolution layer in one step of the run's model (layer range name -> count), from a
-    forward pass on the meta device."""
-    from medddpm.presets import get_preset
+    forward pass on the meta device (`model.flops.conv_layers`: torch, imported here alone, so that the table
+    analyses above load without it)."""
+    from medddpm.model.flops import conv_layers
     from medddpm.model.unet import ModelSpec, parse_size
+    from medddpm.presets import get_preset
 
     try:
         preset = get_preset(run["preset"])
@@ -95,7 +73,7 @@ def layer_counts(run: pd.Series) -> pd.Series:
                      image_channels=int(run["image_channels"]), base_channels=preset.base_channels,
                      channel_mult=preset.channel_mult, num_res_blocks=int(run["num_res_blocks"]),
                      attention_ds=preset.attention_ds)
-    return pd.Series(_counts(spec), dtype="int64")
+    return pd.Series(conv_layers(spec), dtype="int64")
 
 
 def matched_layers(a: pd.DataFrame, b: pd.DataFrame, counts: pd.Series) -> pd.DataFrame:
