@@ -26,7 +26,7 @@ class Preset:
     mask_channels: int | None = None  # None: the data set's label classes
     data: str = "mni"  # the embedded data set used when none is named
     warmup: int = 5
-    steps: int = 30
+    micro_steps: int = 30  # timed training micro-steps (forward + backward + Adam of one micro-batch)
     profile_steps: int = 2
     quality_steps: int = 20
     sample_steps: int = 250  # denoising steps of the timed sample (the schedule's T)
@@ -46,7 +46,7 @@ class Preset:
 
 PRESETS = {
     # Every configuration on a 2-core CPU in a few minutes: the model's shape, tiny.
-    "smoke": Preset("smoke", size=16, base_channels=32, channel_mult=(1, 2), attention_ds=(2,), warmup=1, steps=3,
+    "smoke": Preset("smoke", size=16, base_channels=32, channel_mult=(1, 2), attention_ds=(2,), warmup=1, micro_steps=3,
                     profile_steps=1, quality_steps=3, sample_steps=250,
                     description="the whole-head model's shape at 16^3 with 32 base channels (CPU)"),
     # The study's setting: whole-head Med-DDPM at 128^3, batch 1.
@@ -56,7 +56,7 @@ PRESETS = {
     # parameters, 21.26 TFLOP forward. Its phases are short (a step takes seconds in FP32); the timed
     # sample runs 20 denoising steps: a full one is 250 times sample_step_median_ms.
     "brats": Preset("brats", size=(192, 192, 144), channel_mult=(1, 1, 2, 3, 4), attention_ds=(), num_res_blocks=2,
-                    image_channels=4, mask_channels=4, data="mni-brats", warmup=2, steps=10, profile_steps=1,
+                    image_channels=4, mask_channels=4, data="mni-brats", warmup=2, micro_steps=10, profile_steps=1,
                     quality_steps=3, sample_steps=20,
                     description="BraTS Med-DDPM, 192x192x144, 4 labels in, 4 modalities out (T1, T1ce, T2, FLAIR)"),
 }

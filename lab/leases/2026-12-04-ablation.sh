@@ -15,7 +15,7 @@ nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw,power.lim
   --format=csv > "$out/gpu-state-$(date +%H%M).csv"
 if [ ! -f runs/inductor/.warm ]; then
   python3 -c "from medddpm.configs import ablation; [print(c.name) for c in ablation() if c.compile]" > runs/variants.txt
-  timeout 330 xargs -P 6 -I{} sh -c 'python3 -m medddpm bench --size 128 --mask-channels 3 --warmup 1 --steps 1 \
+  timeout 330 xargs -P 6 -I{} sh -c 'python3 -m medddpm bench --size 128 --mask-channels 3 --warmup 1 --micro-steps 1 \
     --configs "{}" > "runs/warm-{}.log" 2>&1; echo "warm {}: exit $? at $(date +%T)"' < runs/variants.txt
   echo "warm-up done at $SECONDS s"
   touch runs/inductor/.warm

@@ -11,7 +11,7 @@ nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw,power.lim
 timeout 215 python3 -m medddpm counters data/nvidia-h200/opt1 --passes both --merge --coverage 0.9 --timeout 200 \
   --from-backward "conv3d 128>128 k3 s2 @32x32x32" 2>&1 | tail -3 | tee "$out/opt1.log"
 tar czf "$out/opt1.tgz" data/nvidia-h200/opt1/run.parquet data/nvidia-h200/opt1/ncu.parquet
-bash lab/leases/tools/device-bench.sh $((415 - SECONDS)) warm --size 128 --mask-channels 3 --warmup 2 --steps 3 \
+bash lab/leases/tools/device-bench.sh $((415 - SECONDS)) warm --size 128 --mask-channels 3 --warmup 2 --micro-steps 3 \
   --configs best-ckpt 2>&1 | tail -4
 COUNTERS_ARGS="--passes both" bash lab/leases/tools/device-counters.sh $((575 - SECONDS)) data/nvidia-h200/best-ckpt 2>&1 \
   | tail -3 | tee "$out/best-ckpt.log"

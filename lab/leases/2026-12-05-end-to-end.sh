@@ -34,7 +34,7 @@ du -sh runs/heads runs/brats | tee "$out/folders.txt"
 sweep() {  # preset folder
   local left=$((deadline - SECONDS - 40))
   [ "$left" -lt 120 ] && { echo "sweep $1: not started, $left s left"; return 0; }
-  timeout -k 10 "$left" python3 -m medddpm sweep --configs best --preset "$1" --data "$2" --steps 200 --warmup 20 \
+  timeout -k 10 "$left" python3 -m medddpm sweep --configs best --preset "$1" --data "$2" --micro-steps 200 --warmup 20 \
     --phases '' 2>&1 | grep -v "it/s\]" | tail -20 | tee "$out/sweep-$1.log"
 }
 sweep paper runs/heads

@@ -24,7 +24,7 @@ import pandas as pd
 CATEGORIES = ("convolution", "gemm", "attention", "elementwise", "normalization", "reduction", "layout", "fused",
               "memcpy", "optimizer", "other")
 PASSES = ("forward", "backward", "optimizer")
-COLUMNS = ("kernel", "short_name", "category", "pass", "op", "calls", "total_us", "steps", "share", "tensor_cores",
+COLUMNS = ("kernel", "short_name", "category", "pass", "op", "calls", "total_us", "micro_steps", "share", "tensor_cores",
            "device_type")
 
 # ------------------------------------------------------------------------------------ categories
@@ -211,7 +211,7 @@ def _rows(df: pd.DataFrame, *, steps: int, device_type: str) -> pd.DataFrame:
         "op": g["op"].astype(str),
         "calls": g.calls.astype("int64"),
         "total_us": g.total_us.astype("float64"),
-        "steps": pd.Series(steps, index=g.index, dtype="int64"),
+        "micro_steps": pd.Series(steps, index=g.index, dtype="int64"),
         "share": (g.total_us / total if total > 0 else g.total_us * 0.0).astype("float64"),
         # CPU operator names may say "flash" but run no tensor cores.
         "tensor_cores": (names.map(uses_tensor_cores) & (device_type == "cuda")).astype(bool),

@@ -105,7 +105,7 @@ def step_weighted(kernels: pd.DataFrame, ncu_df: pd.DataFrame, rates=STEP_RATES,
             **{f"w_{r}": w.where(s[r].notna(), 0) for r in rates}, **{c: s[c] for c in counts}}
     per = pd.DataFrame(cols).groupby("kernel").sum(min_count=1)
     g = kernels.groupby("kernel")
-    share, launches = g["share"].sum(), g["calls"].sum() / g["steps"].max().clip(lower=1)
+    share, launches = g["share"].sum(), g["calls"].sum() / g["micro_steps"].max().clip(lower=1)
     stands = [(p, k) for k in per.index for p in ncu_names.match_kernel(k, share.index.tolist())]
     if not stands:
         return nan

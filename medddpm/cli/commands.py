@@ -208,18 +208,19 @@ def cmd_bench(args) -> None:
     results = {"environment": environment(device), "spec": spec.__dict__ | {"mult": list(spec.mult)},
                "phase": args.phase, "runs": []}
     bench = bench_sample if args.phase == "sample" else bench_train
+    timed = {"steps" if args.phase == "sample" else "micro_steps": args.micro_steps}  # denoising steps or micro-steps
 
     def snapshot(c):  # memory-<config as letters, digits, '_', '.', '-'>-<commit>.pickle (`python -m medddpm peak` reads it)
         return Path(args.memory_snapshot) / snapshot_name(c.name, results["environment"]["git_commit"])
 
-    jobs = [lambda c=c: bench(spec, c, device=device, warmup=args.warmup, steps=args.steps, seed=args.seed,
+    jobs = [lambda c=c: bench(spec, c, device=device, warmup=args.warmup, **timed, seed=args.seed,
                               kernels=args.kernels or 0, **({"snapshot": snapshot(c)} if args.memory_snapshot else {}))
             for c in configs]
     if args.reference:
         from medddpm.measure.timing.reference import bench_reference
 
         jobs += [lambda p=p: bench_reference(args.reference, spec, precision=p, device=device, warmup=args.warmup,
-                                             steps=args.steps, seed=args.seed)
+                                             micro_steps=args.micro_steps, seed=args.seed)
                  for p in args.reference_precisions.split(",")]
     source = args.source or f"bench {results['environment']['time_utc']}"
     for job in jobs:
@@ -274,7 +275,7 @@ def cmd_scale(args) -> None:
     from medddpm.measure.scaling import scale
 
     path = scale(args.config, args.world_sizes, preset=args.preset, out=args.out, device=args.device,
-                 steps=args.steps, warmup=args.warmup)
+                 micro_steps=args.micro_steps, warmup=args.warmup)
     print(f"wrote {path}")
 
 
@@ -282,7 +283,7 @@ def cmd_sweep(args) -> None:
     from medddpm.measure.sweep import sweep
 
     configs = parse_config_list(args.configs)  # every name checked before any work
-    params = {k: getattr(args, k) for k in ("steps", "warmup", "sample_steps", "size", "batch", "mask_channels", "data",
+    params = {k: getattr(args, k) for k in ("micro_steps", "warmup", "sample_steps", "size", "batch", "mask_channels", "data",
                                             "ncu_timeout", "time_limit") if getattr(args, k) is not None}
     if "size" in params:  # as text: a papermill parameter and a command-line argument alike
         params["size"] = format_size(params["size"])
@@ -341,7 +342,7 @@ def cmd_ablation(args) -> None:
     from medddpm.measure.sweep import sweep
 
     configs = ablation(args.base)
-    params = {k: getattr(args, k) for k in ("steps", "warmup") if getattr(args, k) is not None} | {"phases": ""}
+    params = {k: getattr(args, k) for k in ("micro_steps", "warmup") if getattr(args, k) is not None} | {"phases": ""}
     results = sweep(configs, preset=args.preset, out=args.out, device=args.device, gpu_label=args.gpu_label,
                     force=args.force, params=params, group="ablation",
                     replace_committed=names(args.replace_committed))

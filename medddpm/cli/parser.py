@@ -34,6 +34,24 @@ class HelpFormatter(argparse.HelpFormatter):
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
+class MicroStepsOnly(argparse.Action):
+    """`--steps` given to a command that times micro-steps: one line naming `--micro-steps` (a step is an optimizer
+    step, as `train` and `study` count them; a timing loop times micro-steps, one micro-batch's forward, backward
+    and Adam each)."""
+
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, **kw | {"help": argparse.SUPPRESS})
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{parser.prog.split()[-1]} times micro-steps: use --micro-steps N in place of {option_string}")
+
+
+def add_micro_steps(p: argparse.ArgumentParser, default: int | None, help: str) -> None:
+    """`--micro-steps N` (dest micro_steps), and a hidden `--steps` that says to use it."""
+    p.add_argument("--micro-steps", type=positive, default=default, metavar="N", help=help)
+    p.add_argument("--steps", action=MicroStepsOnly, dest="_steps", metavar="N")
+
+
 class Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kw):
         super().__init__(*args, **{"formatter_class": HelpFormatter} | kw)
@@ -103,8 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "per configuration")
     add_model_args(p)
     p.add_argument("--configs", default="paper", help="paper, all, or comma-separated names")
-    p.add_argument("--warmup", type=positive, default=5, help="untimed steps first (default 5)")
-    p.add_argument("--steps", type=positive, default=30, help="timed steps (default 30)")
+    p.add_argument("--warmup", type=positive, default=5, help="untimed micro-steps (or denoising steps) first "
+                                                               "(default 5)")
+    add_micro_steps(p, 30, "timed micro-steps, or denoising steps with --phase sample (default 30)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the embedded batch (default 0)")
     add_device_arg(p)
     p.add_argument("--reference", help="path to a clone of the reference mobaidoctor/med-ddpm, timed alongside")
@@ -162,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mask-channels", type=positive, metavar="N",
                    help="label channels (default: the data's own, 3 on the embedded data; 2, the reference's "
                         "whole-head width, is kept in data/<gpu>/<config>@<preset>-m2/)")
-    p.add_argument("--steps", type=positive, help="timed micro-steps (default: the preset's)")
+    add_micro_steps(p, None, "timed micro-steps (default: the preset's)")
     p.add_argument("--warmup", type=positive, help="untimed micro-steps first (default: the preset's)")
     p.add_argument("--sample-steps", type=positive, metavar="N",
                    help="denoising steps of the timed sample (default: the preset's; the book takes a full sample as "
@@ -207,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated configurations whose runs git tracks that this ablation may replace")
     add_device_arg(p)
     p.add_argument("--gpu-label", metavar="LABEL", help=LABEL_HELP)
-    p.add_argument("--steps", type=positive, help="timed micro-steps (default: the preset's)")
+    add_micro_steps(p, None, "timed micro-steps (default: the preset's)")
     p.add_argument("--warmup", type=positive, help="untimed micro-steps first (default: the preset's)")
     p.set_defaults(func=cmd_ablation)
 
@@ -257,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=["smoke", "paper"], default="smoke", help="the model and sizes (default smoke)")
     p.add_argument("--out", default="data", help="writes OUT/<gpu-slug>/scaling/<config>.parquet")
     p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda if present (one GPU per rank)")
-    p.add_argument("--steps", type=positive, help="timed micro-steps per rank (default: the preset's)")
+    add_micro_steps(p, None, "timed micro-steps per rank (default: the preset's)")
     p.add_argument("--warmup", type=int, help="untimed warm-up micro-steps (default: the preset's)")
     p.set_defaults(func=cmd_scale)
 

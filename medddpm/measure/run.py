@@ -62,7 +62,7 @@ class Measurement:
     def __init__(self, config: str | Config, preset: str = "smoke", *, device: str | None = None,
                  gpu_label: str | None = None, size: int | str | tuple | None = None, data: str | None = None,
                  pairs: int = 16, batch: int = 1,
-                 steps: int | None = None, warmup: int | None = None, sample_steps: int | None = None,
+                 micro_steps: int | None = None, warmup: int | None = None, sample_steps: int | None = None,
                  out: str = "data",
                  stage: str | None = None, seed: int = 0, phases: tuple[str, ...] = PHASES, group: str = "",
                  ncu_timeout: int = 420, time_limit: int | None = None, mask_channels: int | None = None):
@@ -73,8 +73,8 @@ class Measurement:
             _check("mask_channels", mask_channels, int, minimum=1)
         for name, value, minimum in (("pairs", pairs, 1), ("batch", batch, 1), ("seed", seed, 0)):
             _check(name, value, int, minimum=minimum)
-        if steps is not None:
-            _check("steps", steps, int, minimum=1)
+        if micro_steps is not None:
+            _check("micro_steps", micro_steps, int, minimum=1)
         if size is not None:
             size = parse_size(size)
             if min(ModelSpec(size=size).shape) < 8:
@@ -94,7 +94,7 @@ class Measurement:
         if group and not re.fullmatch(r"[a-z][a-z0-9-]*", group):
             raise ValueError(f"parameter group must be a lower-case folder name, got {group!r}")
         self.device = pick_device(device)
-        self.steps = steps or self.preset.steps
+        self.micro_steps = micro_steps or self.preset.micro_steps
         self.warmup = self.preset.warmup if warmup is None else warmup
         self.sample_steps = sample_steps or self.preset.sample_steps
         self.batch, self.seed, self.phases = batch, seed, tuple(phases)
@@ -204,7 +204,7 @@ class Measurement:
             clocks = ClockMonitor(self.device)
             with Energy(self.device) as energy:
                 timing = time_steps(lambda: losses.append(engine.step((x0, cond))), device=self.device,
-                                    warmup=self.warmup, steps=self.steps, desc=f"train {self.config.name}",
+                                    warmup=self.warmup, steps=self.micro_steps, desc=f"train {self.config.name}",
                                     on_timed_start=lambda: (energy.start(), clocks.start()))
             clocks.stop()
             self.summary["compile_cache"] = dict(compile_cache_counts() - cache_before)
@@ -215,7 +215,7 @@ class Measurement:
             loss = torch.stack(losses).float().cpu().tolist()
             n_warm = len(timing["warmup_ms"])
             rows = pd.DataFrame({
-                "phase": "train", "step": range(n_warm + len(timing["step_ms"])),
+                "phase": "train", "micro_step": range(n_warm + len(timing["step_ms"])),
                 "timed": [False] * n_warm + [True] * len(timing["step_ms"]),
                 "step_ms": timing["warmup_ms"] + timing["step_ms"],
                 "dispatch_ms": [math.nan] * n_warm + timing["dispatch_ms"],
@@ -239,12 +239,12 @@ class Measurement:
             }
             self.summary["energy_100k_kwh"] = self.summary["energy_per_step_j"] * REFERENCE_STEPS * REFERENCE_ACCUM / 3.6e6
             if self.data_source.startswith("folder:") and self.batch == 1:  # the step as a user trains on files
-                e2e = time_end_to_end(engine, self.data, warmup=max(self.warmup, 2), steps=self.steps, seed=self.seed,
+                e2e = time_end_to_end(engine, self.data, warmup=max(self.warmup, 2), steps=self.micro_steps, seed=self.seed,
                                       desc=f"end to end {self.config.name}", on_timed_start=clocks.start)
                 clocks.stop()
                 self.summary |= {"e2e_median_ms": summarize(e2e["step_ms"])["median"], "e2e_drift": drift(e2e["step_ms"]),
                                  "loader_items_per_s": loader_rate(self.data, device=self.device, seed=self.seed,
-                                                                   items=max(8, min(self.steps, 4 * len(self.data))))}
+                                                                   items=max(8, min(self.micro_steps, 4 * len(self.data))))}
             self.summary |= clocks.summary()
             del engine
             self._steps = rows
@@ -279,7 +279,7 @@ class Measurement:
             peak, _ = self._peaks()
             # The first denoising step carries compilation and autotuning: it counts in the total
             # (a user waits for it) but is marked untimed, like a warm-up step.
-            rows = pd.DataFrame({"phase": "sample", "step": range(len(times)), "timed": [i > 0 for i in range(len(times))],
+            rows = pd.DataFrame({"phase": "sample", "micro_step": range(len(times)), "timed": [i > 0 for i in range(len(times))],
                                  "step_ms": times, "dispatch_ms": math.nan, "loss": math.nan, "peak_mem_bytes": peak})
             self.summary |= {"sample_steps": len(times),
                              "sample_step_median_ms": sample_step_summary(times[1:] or times)["sample_step_median_ms"],
@@ -402,7 +402,7 @@ class Measurement:
             "size": max(self.spec.shape), "shape": "x".join(map(str, self.spec.shape)), "batch": self.batch,
             "image_channels": self.spec.image_channels, "mask_channels": self.spec.mask_channels,
             "num_res_blocks": self.spec.num_res_blocks,
-            "warmup_steps": self.warmup, "timed_steps": self.steps, "profilers": json.dumps(self.profiler_status),
+            "warmup_steps": self.warmup, "timed_steps": self.micro_steps, "profilers": json.dumps(self.profiler_status),
             "start_time": self.start.isoformat(timespec="seconds"), "duration_s": time.perf_counter() - self._t0,
         } | {k: v for k, v in self.summary.items()
              if k not in ("not_applicable", "backend_flags", "precision_used", "compile_cache")}

@@ -63,11 +63,11 @@ def merge_rows(path: Path, rows: pd.DataFrame) -> pd.DataFrame:
     if path.is_file():
         old = schema.read_table(path, "scaling")
         rows = pd.concat([old[~old["world_size"].isin(rows["world_size"])], rows], ignore_index=True)
-    return rows.sort_values(["world_size", "rank", "step"], ignore_index=True)
+    return rows.sort_values(["world_size", "rank", "micro_step"], ignore_index=True)
 
 
 def scale(config: str | Config, world_sizes: str | list[int], *, preset: str = "smoke", out: str = "data",
-          device: str | None = None, steps: int | None = None, warmup: int | None = None,
+          device: str | None = None, micro_steps: int | None = None, warmup: int | None = None,
           timeout_s: int = 3600) -> Path:
     """Launch one torchrun per world size; returns the table's path."""
     from medddpm.measure.env import device_name, gpu_slug
@@ -78,9 +78,11 @@ def scale(config: str | Config, world_sizes: str | list[int], *, preset: str = "
     get_preset(preset)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     check(config, sizes, device=device)
-    for name, value in (("steps", steps), ("warmup", warmup)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < (1 if name == "steps" else 0)):
-            raise ValueError(f"{name} must be a {'positive' if name == 'steps' else 'non-negative'} int, got {value!r}")
+    for name, value in (("micro_steps", micro_steps), ("warmup", warmup)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < (1 if name == "micro_steps" else 0)):
+            positive = "positive" if name == "micro_steps" else "non-negative"
+            raise ValueError(f"{name} must be a {positive} int, got {value!r}")
     slug = gpu_slug(device_name(torch.device(device)))
     env = dict(os.environ)
     if device == "cpu":
@@ -94,7 +96,7 @@ def scale(config: str | Config, world_sizes: str | list[int], *, preset: str = "
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
                "-m", "medddpm.measure.scaling", "--config", config.name, "--preset", preset, "--out", str(out)]
-        cmd += [a for k, v in (("--steps", steps), ("--warmup", warmup)) if v is not None for a in (k, str(v))]
+        cmd += [a for k, v in (("--micro-steps", micro_steps), ("--warmup", warmup)) if v is not None for a in (k, str(v))]
         print(f"scale: {config.name} on {n} rank(s) ({device})", file=sys.stderr)
         done = subprocess.run(cmd, env=env, timeout=timeout_s)
         if done.returncode != 0:
@@ -117,12 +119,12 @@ def _worker(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True)
     p.add_argument("--preset", default="smoke")
     p.add_argument("--out", default="data")
-    p.add_argument("--steps", type=int)
+    p.add_argument("--micro-steps", type=int)
     p.add_argument("--warmup", type=int)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     config, preset = get_config(args.config), get_preset(args.preset)
-    steps = args.steps or preset.steps
+    micro_steps = args.micro_steps or preset.micro_steps
     warmup = preset.warmup if args.warmup is None else args.warmup
     rank, world, _, device = init_from_env()
     engine = None
@@ -131,7 +133,7 @@ def _worker(argv: list[str] | None = None) -> int:
         data = open_dataset("mni", size=preset.size, seed=args.seed)
         engine = Engine(preset.spec(mask_channels=data.mask_channels), config, device=device, seed=args.seed, ddp=True)
         x0, cond = (engine.prepare(t.unsqueeze(0)) for t in data[rank % len(data)])  # each rank its own pair
-        timing = time_steps(lambda: engine.step((x0, cond)), device=device, warmup=warmup, steps=steps,
+        timing = time_steps(lambda: engine.step((x0, cond)), device=device, warmup=warmup, steps=micro_steps,
                             desc=f"rank {rank}/{world}", progress=rank == 0)
         mine = [(i, i >= len(timing["warmup_ms"]), t) for i, t in enumerate(timing["warmup_ms"] + timing["step_ms"])]
         gathered = [None] * world if rank == 0 else None
@@ -142,7 +144,7 @@ def _worker(argv: list[str] | None = None) -> int:
             run_id = f"{slug}/{config.name}/scaling-{world}/{start.strftime('%Y%m%dT%H%M%SZ')}"
             rows = pd.DataFrame([
                 {"run_id": run_id, "gpu_name": env["gpu_name"], "gpu_slug": slug, "config": config.name,
-                 "preset": preset.name, "backend": dist.get_backend(), "world_size": world, "rank": r, "step": i,
+                 "preset": preset.name, "backend": dist.get_backend(), "world_size": world, "rank": r, "micro_step": i,
                  "timed": timed, "step_ms": t, "batch": 1, "size": preset.size,
                  "threads_per_rank": torch.get_num_threads(), "torch": env["torch"], "git_commit": env["git_commit"],
                  "start_time": start.isoformat(timespec="seconds")}

@@ -213,6 +213,8 @@ def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.P
     configs = parse_config_list(configs) if isinstance(configs, str) else configs
     spec_preset = get_preset(preset)
     params = dict(params or {})
+    if "steps" in params:  # a step is an optimizer step; the timing loop times micro-steps
+        raise ValueError("parameter steps: a sweep times micro-steps; name the count micro_steps")
     size = parse_size(params.get("size") or spec_preset.size)
     batch = params.get("batch", 1)
     if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
@@ -250,7 +252,8 @@ def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.P
     def identity(config: Config, given: dict, size_shape, data_source) -> str:
         return encode(run_identity(
             config=config.name, switches=config.flags, preset=preset, shape="x".join(map(str, size_shape)),
-            batch=batch, warmup=given.get("warmup", spec_preset.warmup), steps=given.get("steps") or spec_preset.steps,
+            batch=batch, warmup=given.get("warmup", spec_preset.warmup),
+            steps=given.get("micro_steps") or spec_preset.micro_steps,
             sample_steps=given.get("sample_steps") or spec_preset.sample_steps, data=data_source,
             mask_channels=mask_variant, label=slug, group=group))
 

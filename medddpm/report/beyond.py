@@ -69,7 +69,7 @@ def gpu_busy(data: Data) -> pd.DataFrame:
     ok = data.run[(data.run["status"] == "ok") & data.run["run_id"].isin(k["run_id"])].copy()
     if ok.empty:
         return pd.DataFrame(columns=cols)
-    per_step = k.groupby("run_id")["total_us"].sum() / k.groupby("run_id")["steps"].max() / 1e3
+    per_step = k.groupby("run_id")["total_us"].sum() / k.groupby("run_id")["micro_steps"].max() / 1e3
     ok["device"], ok["kernel_ms"] = device_label(ok), ok["run_id"].map(per_step)
     return _sort(ok.assign(busy=(ok["kernel_ms"] / ok["train_median_ms"]).clip(upper=1.0))[cols])
 

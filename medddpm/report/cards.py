@@ -58,7 +58,7 @@ def kernel_rates(data: Data, run_id: str) -> pd.DataFrame:
     k = data.kernels[data.kernels["run_id"] == run_id]
     if k.empty:
         return pd.DataFrame(columns=cols)
-    k = k.assign(ms=k["total_us"] / k["steps"].clip(lower=1) / 1e3)
+    k = k.assign(ms=k["total_us"] / k["micro_steps"].clip(lower=1) / 1e3)
     per = k.groupby("kernel", as_index=False).agg(category=("category", "first"), ms=("ms", "sum"))
     ncu = data.ncu[data.ncu["run_id"] == run_id] if not data.ncu.empty else data.ncu
     summary = ncu_kernels(ncu) if not ncu.empty else pd.DataFrame()
@@ -232,7 +232,7 @@ def category_ratios(data: Data, kernels: pd.DataFrame) -> pd.DataFrame:
         theirs = pd.Series(dtype=float)
         if len(other):
             kb = data.kernels[data.kernels["run_id"] == other["run_id"].iloc[0]]
-            theirs = (kb["total_us"] / kb["steps"].clip(lower=1) / 1e3).groupby(kb["category"]).sum()
+            theirs = (kb["total_us"] / kb["micro_steps"].clip(lower=1) / 1e3).groupby(kb["category"]).sum()
         for cat, g in k.groupby("category"):
             cov = g[g["covered"]]
             flops = (cov["flops_per_s"] * cov["ms"]).sum()
@@ -266,7 +266,7 @@ def misses(kernels: pd.DataFrame, data: Data, table: pd.DataFrame, n: int = 5) -
                     & (kernels["config"] == r.config)]
         other = runs[(runs["gpu_slug"] == r.card) & (runs["config"] == r.config)]
         kb = data.kernels[data.kernels["run_id"] == other["run_id"].iloc[0]]
-        theirs = (kb["total_us"] / kb["steps"].clip(lower=1) / 1e3).groupby(kb["kernel"]).sum()
+        theirs = (kb["total_us"] / kb["micro_steps"].clip(lower=1) / 1e3).groupby(kb["kernel"]).sum()
         k = k.assign(measured_ms=k["kernel"].map(theirs)).dropna(subset=["measured_ms"])
         k = k.assign(measured_factor=k["measured_ms"] / k["ms"], predicted_factor=k["factor_whole"],
                      error_ms=k["ms_whole"] - k["measured_ms"], from_card=r.from_card, card=r.card, config=r.config)

@@ -14,7 +14,7 @@ def _shares_by(kernels: pd.DataFrame, field: str) -> pd.DataFrame:
     """Share of profiled kernel time per (GPU, configuration, `field`); sums to 1 per run."""
     if kernels.empty:
         return pd.DataFrame(columns=["gpu_slug", "config", field, "share", "us_per_step"])
-    k = kernels.assign(us_per_step=kernels["total_us"] / kernels["steps"].clip(lower=1))
+    k = kernels.assign(us_per_step=kernels["total_us"] / kernels["micro_steps"].clip(lower=1))
     g = k.groupby(["gpu_slug", "config", field], as_index=False)[["total_us", "us_per_step"]].sum()
     g["share"] = g["total_us"] / g.groupby(["gpu_slug", "config"])["total_us"].transform("sum")
     return _sort(g.drop(columns="total_us"), field)
@@ -36,8 +36,8 @@ def top_kernels(kernels: pd.DataFrame, n: int = 12) -> pd.DataFrame:
             "us_per_step", "share", "tensor_cores"]
     if kernels.empty:
         return pd.DataFrame(columns=cols)
-    k = kernels.assign(us=kernels["total_us"] / kernels["steps"].clip(lower=1),
-                       cps=kernels["calls"] / kernels["steps"].clip(lower=1))
+    k = kernels.assign(us=kernels["total_us"] / kernels["micro_steps"].clip(lower=1),
+                       cps=kernels["calls"] / kernels["micro_steps"].clip(lower=1))
     g = (k.groupby(["gpu_slug", "config", "kernel"], as_index=False)
          .agg(short_name=("short_name", "first"), category=("category", "first"),
               passes=("pass", lambda s: ", ".join(sorted(set(s)))), calls_per_step=("cps", "sum"),
@@ -60,7 +60,7 @@ def launching_ops(kernels: pd.DataFrame, *, category: str = "layout", n: int = 5
     if k.empty:
         return pd.DataFrame(columns=cols)
     k = k.assign(op=k["op"].where(k["op"] != "", UNRECORDED_OP),
-                 us=k["total_us"] / k["steps"].clip(lower=1), cps=k["calls"] / k["steps"].clip(lower=1))
+                 us=k["total_us"] / k["micro_steps"].clip(lower=1), cps=k["calls"] / k["micro_steps"].clip(lower=1))
     g = k.groupby(["gpu_slug", "config", "op"], as_index=False).agg(calls_per_step=("cps", "sum"),
                                                                      us_per_step=("us", "sum"))
     g["share"] = g["us_per_step"] / g.groupby(["gpu_slug", "config"])["us_per_step"].transform("sum")
@@ -72,7 +72,7 @@ def launching_ops(kernels: pd.DataFrame, *, category: str = "layout", n: int = 5
 def step_curves(steps: pd.DataFrame, phase: str = "train") -> pd.DataFrame:
     """Per-step times of one phase (small: tens of rows a run), for spread charts."""
     s = steps[steps["phase"] == phase]
-    return _sort(s[["gpu_slug", "config", "step", "timed", "step_ms"]], "step")
+    return _sort(s[["gpu_slug", "config", "micro_step", "timed", "step_ms"]], "micro_step")
 
 
 def check_shares(kernels: pd.DataFrame) -> None:

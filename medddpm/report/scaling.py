@@ -20,7 +20,7 @@ def scaling_summary(df: pd.DataFrame) -> pd.DataFrame:
     if t.empty:
         return pd.DataFrame(columns=cols)
     keys = ["gpu_slug", "config", "backend", "world_size"]
-    step = t.groupby([*keys, "step"])["step_ms"].max().groupby(keys).median().rename("step_median_ms")
+    step = t.groupby([*keys, "micro_step"])["step_ms"].max().groupby(keys).median().rename("step_median_ms")
     per_rank = t.groupby([*keys, "rank"])["step_ms"].median().groupby(keys).agg(rank_min_ms="min", rank_max_ms="max")
     batch = t.groupby(keys)["batch"].first()
     out = pd.concat([step, per_rank, batch], axis=1).reset_index()

@@ -115,13 +115,13 @@ def bench_table(bench: pd.DataFrame) -> pd.DataFrame:
     """The bench timings (table ``bench``, training micro-steps) as one row per GPU and configuration: each
     implementation's median micro-step, the median over its bench runs; how many runs timed it; and, where the
     reference implementation was timed too, ours against it (`ours_faster`: reference / ours - 1)."""
-    cols = ["gpu_slug", "config", "ours_ms", "reference_ms", "ours_faster", "runs", "steps"]
+    cols = ["gpu_slug", "config", "ours_ms", "reference_ms", "ours_faster", "runs", "timed_steps"]
     if bench.empty:
         return pd.DataFrame(columns=cols)
     b = bench.assign(impl=bench["implementation"].map(lambda i: "ours" if i == "ours" else "reference"))
     ms = b.pivot_table(index=["gpu_slug", "config"], columns="impl", values="train_median_ms", aggfunc="median")
     ms = ms.reindex(columns=["ours", "reference"]).rename(columns={"ours": "ours_ms", "reference": "reference_ms"})
-    extra = b.groupby(["gpu_slug", "config"]).agg(runs=("source", "nunique"), steps=("steps", "max"))
+    extra = b.groupby(["gpu_slug", "config"]).agg(runs=("source", "nunique"), timed_steps=("timed_steps", "max"))
     out = ms.join(extra).reset_index()
     out["ours_faster"] = out["reference_ms"] / out["ours_ms"] - 1
     return _sort(out[cols])
@@ -166,7 +166,7 @@ SUMMARY_COLUMNS = {"gpu_slug": "device", "config": "configuration", "precision_u
                    "speedup": "speedup (x)", "achieved_tflops": "TFLOP/s"}
 BENCH_COLUMNS = {"gpu_slug": "device", "config": "configuration", "ours_ms": "ours, ms",
                  "reference_ms": "reference, ms", "ours_faster": "ours against the reference", "runs": "bench runs",
-                 "steps": "timed steps"}
+                 "timed_steps": "timed steps"}
 BENCH_APART = 0.10  # a bench timing this far from the sweep's times the configuration as it was defined then
 
 

@@ -146,7 +146,7 @@ def channels_last_pairs(run: pd.DataFrame) -> pd.DataFrame:
 def layout_share(kernels: pd.DataFrame) -> pd.DataFrame:
     """Per run: share of profiled kernel time in the `layout` category and its launches per step."""
     k = kernels.assign(layout=kernels["category"] == "layout",
-                       cps=kernels["calls"] / kernels["steps"].clip(lower=1))
+                       cps=kernels["calls"] / kernels["micro_steps"].clip(lower=1))
     g = k.groupby(["run_id", "gpu_slug", "config"], as_index=False).apply(
         lambda d: pd.Series({"layout_share": d.loc[d["layout"], "share"].sum(),
                              "layout_calls_per_step": d.loc[d["layout"], "cps"].sum(),
@@ -397,7 +397,7 @@ def layout_text(kernels: pd.DataFrame, gpu_layout: pd.DataFrame) -> str:
     lines = []
     for r in gpu_layout.sort_values("layout_share", ascending=False).itertuples():
         k = kernels[(kernels["run_id"] == r.run_id) & (kernels["category"] == "layout")]
-        top = (k.assign(us=k["total_us"] / k["steps"].clip(lower=1)).groupby("short_name")["us"].sum()
+        top = (k.assign(us=k["total_us"] / k["micro_steps"].clip(lower=1)).groupby("short_name")["us"].sum()
                .sort_values(ascending=False))
         assert len(top), r
         lines.append(f"- **{r.gpu_slug}** `{r.config}`: {r.layout_share:.0%} of the kernel time, "

@@ -1,14 +1,14 @@
 """A run's identity: everything that defines what it measured, recorded in its row (`run.identity`).
 
 The identity is a JSON object of the configuration and its switches, the preset, the input shape, the
-batch, the warm-up, timed and denoising steps, the data source and a fingerprint of it, the label
+batch, the warm-up and timed micro-steps and the denoising steps, the data source and a fingerprint of it, the label
 channels, the device label and the group. Two runs of one identity measure the same thing: a sweep skips
 a configuration whose folder holds its identity, and measures any other identity beside it, in
 ``<folder>~<key>`` (`folder_name`), never over it. What runs after the training steps (the phases, Nsight
 Compute's time) is not part of it: it decides which tables a run has, not what they measure.
 
 A row written before identities were recorded holds ''; it counts as the default identity of its folder
-name (the preset's size, steps and data, the configuration's switches as they are now), which is what
+name (the preset's size, micro-steps and data, the configuration's switches as they are now), which is what
 every such row measured: no sweep before then changed them for the main runs.
 """
 
@@ -44,7 +44,8 @@ def data_fingerprint(source: str) -> str:
 
 def run_identity(*, config: str, switches: dict, preset: str, shape: str, batch: int, warmup: int, steps: int,
                  sample_steps: int, data: str, mask_channels: int | None, label: str, group: str = "") -> dict:
-    """The identity of a run as a plain dict (`encode` makes it the row's text)."""
+    """The identity of a run as a plain dict (`encode` makes it the row's text). `warmup` and `steps` count training
+    micro-steps; the key stays `steps`, as every recorded identity spells it."""
     embedded = not Path(data).is_dir()
     return {"config": config, "switches": dict(sorted(switches.items())), "preset": preset, "shape": shape,
             "batch": int(batch), "warmup": int(warmup), "steps": int(steps), "sample_steps": int(sample_steps),

@@ -136,7 +136,8 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
     "steps": {
         "run_id": (S, "run"),
         "phase": (S, "train | sample"),
-        "step": (I, "step index within the phase, from 0, warm-up included"),
+        "micro_step": (I, "index within the phase, from 0, warm-up included: a training micro-step (forward + "
+                          "backward + Adam of one micro-batch) or a denoising step"),
         "timed": (B, "false for warm-up steps"),
         "step_ms": (F, "device time of the step (CUDA events; host clock on a CPU)"),
         "dispatch_ms": (F, "host time to issue the step"),
@@ -153,7 +154,7 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
                   "for the copy cuDNN makes inside it), else the innermost CPU range; '' in a graph replay"),
         "calls": (I, "launches over the profiled steps"),
         "total_us": (F, "device time over the profiled steps"),
-        "steps": (I, "profiled steps"),
+        "micro_steps": (I, "profiled micro-steps"),
         "share": (F, "fraction of all profiled kernel time"),
         "tensor_cores": (B, "kernel name says it runs on tensor cores"),
         "device_type": (S, "cuda | cpu"),
@@ -186,7 +187,7 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "backend": (S, "torch.distributed backend: nccl | gloo"),
         "world_size": (I, "ranks (one GPU each, or CPU processes)"),
         "rank": (I, "this row's rank"),
-        "step": (I, "micro-step index on this rank, warm-up included"),
+        "micro_step": (I, "micro-step index on this rank, warm-up included"),
         "timed": (B, "false for warm-up steps"),
         "step_ms": (F, "this rank's time for the step (CUDA events; host clock on a CPU)"),
         "batch": (I, "volumes per rank and micro-step (global batch = world_size x batch)"),
@@ -209,7 +210,7 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "sample_step_median_ms": (F, "median time of one denoising step, as in the run table (NaN in a train row)"),
         "sample_step_p10_ms": (F, "10th percentile time of one denoising step (NaN in a train row)"),
         "sample_step_p90_ms": (F, "90th percentile time of one denoising step (NaN in a train row)"),
-        "steps": (I, "timed steps (after the warm-up)"),
+        "timed_steps": (I, "timed micro-steps, or denoising steps in a sample row (after the warm-up)"),
         "peak_mem_bytes": (I, "peak allocated device memory over the timed steps, and with a CUDA graph over its "
                               "capture (-1 on a CPU)"),
         "fp32_math": (S, "FP32 math mode of cuDNN convolutions, read back: ieee | tf32 ('' where not recorded)"),
@@ -370,8 +371,11 @@ RETIRED: dict[str, tuple[str, ...]] = {
 # Columns renamed after data was committed: table -> {old name: new name}. A table written under the old name
 # reads under the new one; writing takes the new name only.
 RENAMED: dict[str, dict[str, str]] = {
-    "steps": {"time_ms": "step_ms"},  # one step's time is step_ms everywhere
-    "scaling": {"time_ms": "step_ms"},
+    # one step's time is step_ms everywhere; a micro-step's index or count is micro_step(s), a step an optimizer step
+    "steps": {"time_ms": "step_ms", "step": "micro_step"},
+    "scaling": {"time_ms": "step_ms", "step": "micro_step"},
+    "kernels": {"steps": "micro_steps"},
+    "bench": {"steps": "timed_steps"},  # as the run table says
 }
 
 # The phases of a run after its timed training steps, in the order they run (training always runs; a sweep
@@ -401,10 +405,11 @@ _TIMES = ("train_median_ms", "train_p10_ms", "train_p90_ms", "sample_step_median
 RANGES: dict[str, dict[str, tuple[float, float]]] = {  # inclusive bounds; NaN passes (not measured)
     "run": dict.fromkeys((*_TIMES, "train_mean_ms", "train_std_ms", "dispatch_median_ms", "e2e_median_ms"), _TIME),
     "bench": dict.fromkeys((*_TIMES, "sample_step_p10_ms", "sample_step_p90_ms"), _TIME),
-    "steps": {"step": (0, math.inf), "step_ms": (0, math.inf)},
-    "kernels": {"calls": (0, math.inf), "total_us": (0, math.inf), "share": (0, 1 + 1e-6), "steps": (0, math.inf)},
+    "steps": {"micro_step": (0, math.inf), "step_ms": (0, math.inf)},
+    "kernels": {"calls": (0, math.inf), "total_us": (0, math.inf), "share": (0, 1 + 1e-6),
+                "micro_steps": (0, math.inf)},
     "quality": {"step": (1, math.inf)},
-    "scaling": {"world_size": (1, math.inf), "rank": (0, math.inf), "step": (0, math.inf)},
+    "scaling": {"world_size": (1, math.inf), "rank": (0, math.inf), "micro_step": (0, math.inf)},
     "convergence_losses": {"step": (1, math.inf)},
     "roofs": {"value": (0, math.inf), "repeats": (1, math.inf), "size": (1, math.inf)},
     "snapshot": {"peak_bytes": (0, math.inf), "held_bytes": (0, math.inf), "blocks": (0, math.inf),
@@ -412,11 +417,11 @@ RANGES: dict[str, dict[str, tuple[float, float]]] = {  # inclusive bounds; NaN p
 }
 KEYS: dict[str, tuple[str, ...]] = {  # non-null, non-empty, and unique together
     "run": ("run_id",),
-    "steps": ("run_id", "phase", "step"),
+    "steps": ("run_id", "phase", "micro_step"),
     "kernels": ("run_id",),
     "ncu": ("run_id",),
     "quality": ("run_id", "step"),
-    "scaling": ("run_id", "rank", "step"),
+    "scaling": ("run_id", "rank", "micro_step"),
     "convergence_losses": ("config", "seed", "step"),
     "roofs": ("gpu_slug", "roof"),
     "snapshot": ("origin",),

@@ -8,7 +8,7 @@
 # runs/autotune.tgz, carry that path, and run the same bench: compilation again (about 2 minutes for best),
 # tuning only for the kernels not tuned yet.
 # Usage: lab/leases/tools/device-bench.sh DEADLINE_S NAME BENCH_ARGS...   (writes $OUT/NAME.json)
-#   e.g. lab/leases/tools/device-bench.sh 560 bench-best --size 128 --configs best --steps 30
+#   e.g. lab/leases/tools/device-bench.sh 560 bench-best --size 128 --configs best --micro-steps 30
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 deadline=$1

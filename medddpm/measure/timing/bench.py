@@ -62,8 +62,8 @@ def _result(engine: Engine, result: dict) -> dict:
 
 
 def bench_train(spec: ModelSpec, config: Config | str, *, device: torch.device, warmup: int = 5,
-                steps: int = 30, batch: int = 1, seed: int = 0, kernels: int = 0, snapshot: str | Path | None = None,
-                progress: bool = True) -> dict:
+                micro_steps: int = 30, batch: int = 1, seed: int = 0, kernels: int = 0,
+                snapshot: str | Path | None = None, progress: bool = True) -> dict:
     """Median time of one micro-step (forward + backward + Adam step) for one configuration; `snapshot`:
     then the allocator's history over one more step, to that file (`memory_snapshot`)."""
     config = get_config(config)
@@ -71,8 +71,8 @@ def bench_train(spec: ModelSpec, config: Config | str, *, device: torch.device, 
     image, cond = real_batch(spec, seed=seed, batch=batch)
     x0, c = engine.prepare(image), engine.prepare(cond)
     losses = []
-    result = time_steps(lambda: losses.append(engine.step((x0, c))), device=device, warmup=warmup, steps=steps,
-                        desc=config.name, progress=progress)
+    result = time_steps(lambda: losses.append(engine.step((x0, c))), device=device, warmup=warmup,
+                        steps=micro_steps, desc=config.name, progress=progress)
     result |= train_summary(result["step_ms"])
     result["loss"] = torch.stack(losses).float().cpu().tolist()
     if kernels:
@@ -127,7 +127,7 @@ def bench_rows(doc: dict, *, source: str) -> pd.DataFrame:
             **{k: summary.get(k, math.nan) for k in ("train_median_ms", "train_p10_ms", "train_p90_ms",
                                                      "sample_step_median_ms", "sample_step_p10_ms",
                                                      "sample_step_p90_ms")},
-            "steps": len(r["step_ms"]), "peak_mem_bytes": -1 if peak is None else int(peak),
+            "timed_steps": len(r["step_ms"]), "peak_mem_bytes": -1 if peak is None else int(peak),
             "fp32_math": (r.get("backend_flags") or {}).get("cudnn_conv_fp32_precision", ""),
             "git_commit": env.get("git_commit", ""), "torch": env.get("torch", ""), "cudnn": str(env.get("cudnn", "")),
             "time_utc": env.get("time_utc", ""), "size": max(size) if isinstance(size, (list, tuple)) else int(size),

@@ -228,7 +228,7 @@ def count_parameters(module) -> int:
 
 
 def bench_reference(ref_root: str, spec, *, precision: str, device: torch.device, warmup: int = 5,
-                    steps: int = 30, seed: int = 0, progress: bool = True) -> dict:
+                    micro_steps: int = 30, seed: int = 0, progress: bool = True) -> dict:
     """Time the reference's micro-step (forward + backward + Adam step) like `bench.bench_train`."""
     from medddpm.measure.timing.bench import train_summary
     from medddpm.train.data import real_batch
@@ -246,6 +246,7 @@ def bench_reference(ref_root: str, spec, *, precision: str, device: torch.device
     image, cond = (t.to(device) for t in real_batch(spec, seed=seed))
     losses = []
     result = time_steps(lambda: losses.append(reference_micro_step(model, diffusion, opt, image, cond)),
-                        device=device, warmup=warmup, steps=steps, desc=f"reference {precision}", progress=progress)
+                        device=device, warmup=warmup, steps=micro_steps, desc=f"reference {precision}",
+                        progress=progress)
     return result | train_summary(result["step_ms"]) | {"config": f"reference-{precision}", "loss": torch.stack(losses).cpu().tolist(),
                      "not_applicable": {}, "backend_flags": flags, "parameters": count_parameters(model)}

@@ -159,7 +159,7 @@ def bench(bench_df: pd.DataFrame, *, cpu: bool = False) -> alt.Chart:
     bench_df = gpu_rows(bench_df, cpu)
     g = (bench_df.groupby(["gpu_slug", "source", "git_commit", "config", "implementation"], as_index=False)
          .agg(train_median_ms=("train_median_ms", "median"), lo=("train_p10_ms", "min"), hi=("train_p90_ms", "max"),
-              steps=("steps", "max"), peak_mem_bytes=("peak_mem_bytes", "max")))
+              timed_steps=("timed_steps", "max"), peak_mem_bytes=("peak_mem_bytes", "max")))
     g["peak_mem_gib"] = g.pop("peak_mem_bytes").where(lambda b: b >= 0) / 2**30  # -1: a CPU, no device memory
     g["run"] = g["config"] + " · " + g["source"]
     order = {c: i for i, c in enumerate(_configs_in(g))}
@@ -181,7 +181,7 @@ def bench(bench_df: pd.DataFrame, *, cpu: bool = False) -> alt.Chart:
                  alt.Tooltip("implementation:N"),
                  alt.Tooltip("train_median_ms:Q", title="median (ms)", format=MS),
                  alt.Tooltip("lo:Q", title="p10 (ms)", format=MS), alt.Tooltip("hi:Q", title="p90 (ms)", format=MS),
-                 alt.Tooltip("steps:Q", title="timed steps", format="d"),
+                 alt.Tooltip("timed_steps:Q", title="timed steps", format="d"),
                  alt.Tooltip("peak_mem_gib:Q", title="peak allocated (GiB)", format=".3~r"),
                  alt.Tooltip("source:N", title="bench run"), alt.Tooltip("git_commit:N", title="commit")],
     ).add_params(gpu, pick).properties(

@@ -53,8 +53,8 @@ class DataExplorer:
             raise ValueError(f"width must be a positive int or 'container', got {width!r}")
         self.top, self.width, self.offline = top, width, offline
         k = self.data.kernels
-        self.kernels = k.assign(us_per_step=k["total_us"] / k["steps"].clip(lower=1),
-                                calls_per_step=k["calls"] / k["steps"].clip(lower=1))
+        self.kernels = k.assign(us_per_step=k["total_us"] / k["micro_steps"].clip(lower=1),
+                                calls_per_step=k["calls"] / k["micro_steps"].clip(lower=1))
         # step_summary needs at least one finished run (its arithmetic on an empty table has no dtypes)
         self.summary = (report.step_summary(self.data.run) if len(self.data.ok) else
                         pd.DataFrame(columns=["gpu_slug", "config", "precision_used", "train_median_ms",
