@@ -67,7 +67,7 @@ def test_the_reference_width_has_embedded_data(tmp_path):
 @pytest.mark.slow
 def test_bench_times_the_reference_width(capsys):
     assert main(["bench", "--mask-channels", "2", "--configs", "baseline", "--size", "16", "--base-channels", "32",
-                 "--device", "cpu", "--warmup", "1", "--steps", "1"]) == 0
+                 "--device", "cpu", "--warmup", "1", "--micro-steps", "1"]) == 0
     assert "baseline" in capsys.readouterr().out
 
 
@@ -165,7 +165,7 @@ def test_train_then_sample_on_embedded_data(tmp_path, monkeypatch, capsys):
 def test_bench_times_denoising_steps_with_a_kernel_breakdown(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["bench", "--phase", "sample", "--configs", "sdpa", "--size", "16", "--base-channels", "32",
-                 "--device", "cpu", "--warmup", "1", "--steps", "2", "--kernels", "3", "--json", str(out),
+                 "--device", "cpu", "--warmup", "1", "--micro-steps", "2", "--kernels", "3", "--json", str(out),
                  "--out", str(tmp_path / "table"), "--source", "smoke sample"]) == 0
     (run_,) = json.loads(out.read_text())["runs"]
     assert run_["config"] == "sdpa" and len(run_["step_ms"]) == 2
@@ -174,7 +174,7 @@ def test_bench_times_denoising_steps_with_a_kernel_breakdown(tmp_path, capsys):
     assert sum(run_["category_us"].values()) == pytest.approx(run_["kernel_us"])
     assert "sample steps" in capsys.readouterr().out
     (row,) = schema.read_table(tmp_path / "table" / "bench.parquet", "bench").itertuples()
-    assert (row.gpu_slug, row.source, row.phase, row.config, row.steps) == ("cpu", "smoke sample", "sample", "sdpa", 2)
+    assert (row.gpu_slug, row.source, row.phase, row.config, row.timed_steps) == ("cpu", "smoke sample", "sample", "sdpa", 2)
     assert row.sample_step_median_ms == run_["sample_step_median_ms"] and math.isnan(row.train_median_ms)
 
 
@@ -235,7 +235,7 @@ def test_device_bench_script_carries_tuned_block_sizes(tmp_path):
         return subprocess.run(["bash", str(script), "300", "b", *args], env=env, capture_output=True, text=True,
                               timeout=280)
 
-    proc = bench("--size", "16", "--configs", "baseline", "--warmup", "1", "--steps", "2", "--device", "cpu")
+    proc = bench("--size", "16", "--configs", "baseline", "--warmup", "1", "--micro-steps", "2", "--device", "cpu")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "1 tuned kernels carried in" in proc.stdout and "1 tuned kernels packed" in proc.stdout
     assert (tmp_path / "cache" / "ab" / "abcdef.best_config").read_bytes() == body
@@ -252,6 +252,10 @@ def test_device_bench_script_carries_tuned_block_sizes(tmp_path):
     (["sweep", "--phases", "bogus"], "--phases"),
     (["train", "--out", "x", "--steps", "zero"], "--steps"),
     (["bogus"], "bogus"),
+    (["bench", "--steps", "3"], "bench times micro-steps: use --micro-steps N"),
+    (["sweep", "--configs", "baseline", "--steps", "3"], "sweep times micro-steps: use --micro-steps N"),
+    (["ablation", "--steps", "3"], "ablation times micro-steps: use --micro-steps N"),
+    (["scale", "--steps", "3"], "scale times micro-steps: use --micro-steps N"),
 ])
 def test_a_wrong_option_is_one_line_naming_it(capsys, argv, names):
     with pytest.raises(SystemExit) as e:
@@ -259,3 +263,16 @@ def test_a_wrong_option_is_one_line_naming_it(capsys, argv, names):
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("error: ") and names in err, err
     assert err.rstrip().endswith("--help)")
+
+
+def test_steps_count_optimizer_steps_and_micro_steps_what_the_timing_loop_times():
+    from medddpm.cli.parser import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["train", "--out", "x", "--steps", "7"]).steps == 7
+    assert parse(["study", "--steps", "7"]).steps == 7
+    for command in (["bench"], ["sweep"], ["ablation"], ["scale"]):
+        args = parse([*command, "--micro-steps", "7"])
+        assert args.micro_steps == 7 and not hasattr(args, "steps"), command
+    for command in ("bench", "sweep", "ablation", "scale"):  # the hidden --steps is in no help
+        assert "--steps" not in _subcommands()[command].format_help()
