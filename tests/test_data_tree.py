@@ -3,6 +3,7 @@ as the table its place says; folder names round-trip."""
 
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 from medddpm.store import layout, schema
@@ -47,7 +48,10 @@ def test_every_committed_file_is_one_the_map_names():
 def test_every_committed_table_reads_as_the_table_its_place_says(rel):
     table = layout.table_of(rel)
     assert table in schema.TABLES, rel
-    schema.read_table(DATA / rel)  # the table's name taken from its place
+    df = schema.read_table(DATA / rel)  # the table's name taken from its place
+    # under today's names (a column renamed since, `schema.RENAMED`, reads under its new one), every row kept
+    assert list(df.columns) == list(schema.TABLES[table])
+    assert len(df) == pq.ParquetFile(DATA / rel).metadata.num_rows
 
 
 def test_every_run_folder_holds_its_run_and_notebook():
@@ -82,3 +86,18 @@ def test_the_data_root_is_the_environment_s_else_the_checkout_s(monkeypatch, tmp
     assert layout.data_root() == tmp_path
     monkeypatch.setenv("MEDDDPM_DATA", "")  # an empty value is unset, never the working directory
     assert layout.data_root() == DATA
+
+
+def test_committed_tables_of_the_old_micro_step_names_read_under_the_new_ones():
+    """The committed steps, kernels, scaling and bench tables were written before a micro-step's index or count was
+    named for it: they stay as measured, and read as micro_step, micro_steps and timed_steps."""
+    seen = set()
+    for rel in (f for f in FILES if f.suffix == ".parquet"):
+        table = layout.table_of(rel)
+        old = set(schema.RENAMED.get(table, {})) & set(pq.read_schema(DATA / rel).names)
+        if not old:
+            continue
+        seen.add(table)
+        df = schema.read_table(DATA / rel)
+        assert {schema.RENAMED[table][o] for o in old} <= set(df.columns) and not old & set(df.columns), rel
+    assert {"steps", "kernels", "scaling", "bench"} <= seen, seen

@@ -7,7 +7,7 @@ from medddpm.store import layout, schema
 
 
 def _steps(**over):
-    row = dict(run_id="cpu/baseline/x", phase="train", step=0, timed=True, step_ms=1.5, dispatch_ms=0.1, loss=0.8,
+    row = dict(run_id="cpu/baseline/x", phase="train", micro_step=0, timed=True, step_ms=1.5, dispatch_ms=0.1, loss=0.8,
                peak_mem_bytes=-1) | over
     return pd.DataFrame([row])
 
@@ -15,14 +15,14 @@ def _steps(**over):
 def test_round_trip_keeps_types(tmp_path):
     path = schema.write_table(_steps(), tmp_path / "steps.parquet", "steps")
     back = schema.read_table(path)
-    assert back.dtypes["step"] == "int64" and back.dtypes["timed"] == "bool" and back.loc[0, "loss"] == 0.8
+    assert back.dtypes["micro_step"] == "int64" and back.dtypes["timed"] == "bool" and back.loc[0, "loss"] == 0.8
     assert not list(tmp_path.glob(".*tmp")), "atomic write leaves no temporary file"
 
 
 @pytest.mark.parametrize("df, message", [
     (_steps().drop(columns=["loss"]), "missing columns \\['loss'\\]"),
     (_steps().assign(extra=1), "unexpected columns \\['extra'\\]"),
-    (_steps(step="three"), "steps table"),
+    (_steps(micro_step="three"), "steps table"),
     (_steps(timed="yes"), "steps table"),
 ])
 def test_bad_tables_are_refused_on_write(df, message, tmp_path):
@@ -47,7 +47,7 @@ def test_every_table_has_documented_columns_and_the_issue_minimum():
         "run": {"run_id", "status", "message", "gpu_name", "gpu_count", "driver", "cuda", "cudnn", "torch", "python",
                 "git_commit", "container", "size", "batch", "parameters", "flops_per_step", "start_time",
                 "precision", "channels_last", "compile", "cuda_graphs", "fused_adam", "attention"},
-        "steps": {"phase", "step", "timed", "step_ms", "loss", "peak_mem_bytes"},
+        "steps": {"phase", "micro_step", "timed", "step_ms", "loss", "peak_mem_bytes"},
         "kernels": {"kernel", "category", "pass", "calls", "total_us"},
         "ncu": {"kernel", "metric", "value", "unit"},
         "quality": {"step", "loss", "baseline_loss", "rel_err"},
@@ -138,10 +138,10 @@ def test_a_row_with_a_retired_column_still_reads_and_none_is_written_again(tmp_p
 def test_a_table_written_with_time_ms_reads_as_step_ms(tmp_path, table):
     """Tables written before one step's time was named step_ms (`schema.RENAMED`) read under the new name, the
     values as written; writing takes the new name only."""
-    assert schema.RENAMED[table] == {"time_ms": "step_ms"}
+    assert schema.RENAMED[table]["time_ms"] == "step_ms"
     want = schema.arrow_schema(table)
     if table == "steps":
-        new = pd.concat([_steps(), _steps(step=1, step_ms=2.5)], ignore_index=True)
+        new = pd.concat([_steps(), _steps(micro_step=1, step_ms=2.5)], ignore_index=True)
     else:
         new = pd.DataFrame([{n: {"string": "x", "int64": 1, "double": 3.5, "bool": True}[str(f.type)]
                              for n, f in zip(want.names, want)}])
@@ -172,6 +172,54 @@ def test_bench_table_round_trip(tmp_path):
     pd.testing.assert_frame_equal(back, rows)
     assert list(back["gpu_slug"]) == ["nvidia-h200"] * 2 and list(back["config"]) == ["best", "opt1"]
     assert list(back["train_median_ms"]) == [11.0, 20.0] and list(back["size"]) == [192, 192]
-    assert back["sample_step_median_ms"].isna().all() and list(back["steps"]) == [3, 1]
+    assert back["sample_step_median_ms"].isna().all() and list(back["timed_steps"]) == [3, 1]
     with pytest.raises(schema.SchemaError, match="bench table"):
-        schema.write_table(rows.assign(steps="three"), tmp_path / "bad.parquet", "bench")
+        schema.write_table(rows.assign(timed_steps="three"), tmp_path / "bad.parquet", "bench")
+
+
+# the columns that count or index micro-steps, under the names they were first written with
+MICRO_STEP_RENAMES = {"steps": {"step": "micro_step"}, "kernels": {"steps": "micro_steps"},
+                      "scaling": {"step": "micro_step"}, "bench": {"steps": "timed_steps"}}
+
+
+def _rows_of(table: str, n: int) -> pd.DataFrame:
+    """`n` valid rows of a table: every value a column's type allows, keys unique, one run."""
+    want = schema.arrow_schema(table)
+    base = {"string": "x", "int64": 1, "double": 0.5, "bool": True}
+    rows = pd.DataFrame([{f.name: base[str(f.type)] for f in want}] * n)
+    for column in schema.KEYS.get(table, ()):
+        if str(want.field(column).type) == "int64":
+            rows[column] = range(n)
+    for column, allowed in schema.ENUMS.get(table, {}).items():
+        rows[column] = allowed[0]
+    return rows
+
+
+@pytest.mark.parametrize("table", sorted(MICRO_STEP_RENAMES))
+def test_a_table_written_with_the_old_micro_step_names_reads_under_the_new_ones(tmp_path, table):
+    """A steps, kernels, scaling or bench table written before a micro-step's index or count was named for it (a
+    step is an optimizer step) reads under today's names, every row and value as written; writing takes the new
+    names only."""
+    renames = MICRO_STEP_RENAMES[table]
+    assert renames.items() <= schema.RENAMED[table].items()
+    new = _rows_of(table, 4)
+    (new_name,) = renames.values()
+    new[new_name] = [0, 1, 2, 3]
+    back_to_old = {v: k for k, v in renames.items()}
+    old = new.rename(columns=back_to_old)
+    typed = pa.schema([pa.field(back_to_old.get(f.name, f.name), f.type) for f in schema.arrow_schema(table)])
+    path = tmp_path / f"{table}.parquet"
+    pq.write_table(pa.Table.from_pandas(old, schema=typed, preserve_index=False), path)
+    back = schema.read_table(path, table)
+    assert list(back.columns) == list(schema.TABLES[table]) and not set(renames) & set(back.columns)
+    pd.testing.assert_frame_equal(back, new[list(schema.TABLES[table])])
+    with pytest.raises(schema.SchemaError, match="unexpected columns"):
+        schema.write_table(old, tmp_path / "again.parquet", table)
+
+
+def test_optimizer_step_columns_keep_their_names():
+    """`step` and `steps` name optimizer steps wherever they remain; a micro-step's column says micro_step(s)."""
+    assert "step" in schema.TABLES["quality"] and "step" in schema.TABLES["convergence_losses"]
+    assert "steps" in schema.TABLES["convergence_runs"]
+    for table in ("steps", "scaling", "kernels", "bench"):
+        assert not {"step", "steps"} & set(schema.TABLES[table]), table
