@@ -133,13 +133,13 @@ def test_headline_takes_the_paper_s_four_and_the_fastest_overall():
 def test_bench_table_sets_the_implementations_side_by_side():
     b = pd.DataFrame([
         {"gpu_slug": "nvidia-h200", "source": "run 1", "config": "baseline", "implementation": "ours",
-         "train_median_ms": 100.0, "steps": 30},
+         "train_median_ms": 100.0, "timed_steps": 30},
         {"gpu_slug": "nvidia-h200", "source": "run 2", "config": "baseline", "implementation": "ours",
-         "train_median_ms": 102.0, "steps": 30},
+         "train_median_ms": 102.0, "timed_steps": 30},
         {"gpu_slug": "nvidia-h200", "source": "run 1", "config": "baseline",
-         "implementation": "reference (mobaidoctor/med-ddpm)", "train_median_ms": 110.0, "steps": 30},
+         "implementation": "reference (mobaidoctor/med-ddpm)", "train_median_ms": 110.0, "timed_steps": 30},
         {"gpu_slug": "nvidia-h200", "source": "run 3", "config": "bf16", "implementation": "ours",
-         "train_median_ms": 40.0, "steps": 20},
+         "train_median_ms": 40.0, "timed_steps": 20},
     ])
     t = report.bench_table(b).set_index("config")
     assert t.loc["baseline", "ours_ms"] == 101.0 and t.loc["baseline", "reference_ms"] == 110.0

@@ -319,7 +319,7 @@ def test_bench_tables_are_read_from_non_run_folders(real, tmp_path):
     write_bench(notes, _bench_doc("sample", config="best"), source="denoising")
     assert [p.name for p in report.scan(root).not_runs] == ["notes"]  # bench.parquet alone: not a run
     b = report.bench_runs(root)
-    cols = ["gpu_slug", "phase", "config", "implementation", "train_median_ms", "train_p10_ms", "steps"]
+    cols = ["gpu_slug", "phase", "config", "implementation", "train_median_ms", "train_p10_ms", "timed_steps"]
     assert b[cols].values.tolist() == [
         ["cpu", "train", "baseline", "reference (mobaidoctor/med-ddpm)", 3.0, 3.0, 4],  # in configuration order
         ["cpu", "train", "opt1", "ours", 2.0, pytest.approx(1.94), 5]]
@@ -445,7 +445,7 @@ def test_uncounted_runs_are_the_gpu_runs_without_counters(real):
 def test_launching_ops_says_who_makes_the_copies():
     k = pd.DataFrame({"gpu_slug": "g", "config": ["a"] * 4 + ["b"], "category": ["layout"] * 3 + ["convolution", "layout"],
                       "op": ["aten::convolution_backward", "aten::convolution_backward", "aten::contiguous", "aten::conv3d", ""],
-                      "calls": [10, 4, 2, 8, 6], "total_us": [60.0, 20.0, 20.0, 500.0, 30.0], "steps": 2})
+                      "calls": [10, 4, 2, 8, 6], "total_us": [60.0, 20.0, 20.0, 500.0, 30.0], "micro_steps": 2})
     got = report.launching_ops(k)
     a = got[got["config"] == "a"]
     assert a["op"].tolist() == ["aten::convolution_backward", "aten::contiguous"]  # the convolution is not layout
@@ -457,7 +457,7 @@ def test_launching_ops_says_who_makes_the_copies():
 
 def test_gpu_busy_is_kernel_time_over_step_time(real):
     run = real.run[real.run["status"] == "ok"].iloc[[0]].assign(train_median_ms=0.25, dispatch_median_ms=0.25)
-    k = real.kernels[real.kernels["run_id"] == run["run_id"].iloc[0]].iloc[:2].assign(total_us=[300.0, 100.0], steps=2)
+    k = real.kernels[real.kernels["run_id"] == run["run_id"].iloc[0]].iloc[:2].assign(total_us=[300.0, 100.0], micro_steps=2)
     data = report.Data(run=run, steps=real.steps, kernels=k, ncu=real.ncu, quality=real.quality)
     busy = report.gpu_busy(data)
     assert len(busy) == 1 and busy.loc[0, "kernel_ms"] == pytest.approx(0.2) and busy.loc[0, "busy"] == pytest.approx(0.8)

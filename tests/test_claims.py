@@ -106,7 +106,7 @@ def gpu_data(mode: str | bool, slug: str = GPU) -> report.Data:
         shares = {conv: conv_share[config], LAYOUT: lay, NORM: 1 - conv_share[config] - lay - add, ADD: add}
         kernels.append(pd.DataFrame({"run_id": rid, "kernel": list(shares), "share": list(shares.values()),
                                      "category": ["convolution", "layout", "normalization", "elementwise"],
-                                     "total_us": [s * step * 1e3 for s in shares.values()], "calls": 2, "steps": 1,
+                                     "total_us": [s * step * 1e3 for s in shares.values()], "calls": 2, "micro_steps": 1,
                                      "pass": "backward", "gpu_slug": slug, "config": config}))
         if config in ("sdpa", "compile"):
             continue
@@ -283,7 +283,7 @@ def test_matched_layers_compare_the_main_kernel_of_one_layer_and_direction():
 
 
 def test_step_weighted_rates_weight_kernels_by_their_step_share_not_by_profiled_duration():
-    kernels = pd.DataFrame({"kernel": ["long", "short"], "share": [0.2, 0.8], "calls": [2, 60], "steps": 2})
+    kernels = pd.DataFrame({"kernel": ["long", "short"], "share": [0.2, 0.8], "calls": [2, 60], "micro_steps": 2})
     table = pd.DataFrame(launch(0, "long", duration_ns=1e9, tensor_pipe_pct=90.0, inst_executed=5e6)
                          + launch(1, "short", duration_ns=1e3, tensor_pipe_pct=10.0, inst_executed=1e3)
                          + launch(2, "short", duration_ns=3e3, tensor_pipe_pct=30.0, inst_executed=3e3)

@@ -21,7 +21,7 @@ def test_the_slurm_backend_runs_each_configuration_as_a_job_through_submitit(tmp
     monkeypatch.setenv("MEDDDPM_CACHE", str(tmp_path / "cache"))
     opts = SlurmOptions(partition="gpu", gpu_types=["h100"], time_min=20, folder=str(tmp_path / "jobs"))
     jobs = submit_slurm(parse_config_list("baseline,opt2"), preset="smoke", out=str(tmp_path / "data"), opts=opts,
-                        params={"phases": "", "steps": 1, "warmup": 1, "sample_steps": 2}, device="cpu", cluster="local")
+                        params={"phases": "", "micro_steps": 1, "warmup": 1, "sample_steps": 2}, device="cpu", cluster="local")
     assert len(jobs) == 2, "one job per (GPU type, configuration)"
     for job, name in zip(jobs, ("baseline", "opt2")):
         (result,) = job.result()  # re-raises a failure inside the job, with its traceback

@@ -15,7 +15,7 @@ from medddpm.train.profiling import profile_kernels
 from conftest import random_batch
 
 FIXTURES = Path(__file__).parent / "fixtures"
-DTYPES = {"calls": "int64", "total_us": "float64", "steps": "int64", "share": "float64", "tensor_cores": "bool"}
+DTYPES = {"calls": "int64", "total_us": "float64", "micro_steps": "int64", "share": "float64", "tensor_cores": "bool"}
 
 
 @functools.cache
@@ -291,7 +291,7 @@ def test_kernel_rows_from_trace():
         ("some_unknown_kernel", "other", ""): (1, 49.0, "other", False),
     }
     assert list(df.total_us) == sorted(df.total_us, reverse=True)
-    assert (df.steps == 2).all()
+    assert (df.micro_steps == 2).all()
     assert df.share.iloc[0] == pytest.approx(80.0 / 382.0)
 
 
@@ -332,7 +332,7 @@ def test_profile_kernels_on_cpu(tiny_spec):
     df = profile_kernels(lambda: engine.step((x, c)), device=torch.device("cpu"), steps=1, warmup=1)
     _check_table(df, "cpu")
     assert {"forward", "backward", "optimizer"} <= set(df["pass"])
-    assert (df.steps == 1).all() and (df.total_us > 0).all() and df.kernel.str.startswith("aten::").all()
+    assert (df.micro_steps == 1).all() and (df.total_us > 0).all() and df.kernel.str.startswith("aten::").all()
     shares = df.groupby("category").share.sum()
     # the largest category; its share is wall-clock time on a CPU, which other processes' load dilutes
     # (0.6-0.7 on an idle CPU, about 0.46 with every core busy)

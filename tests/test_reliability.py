@@ -61,7 +61,7 @@ def producer(monkeypatch, env):
     def execute(notebook, output, parameters, **kw):
         stage, config = Path(parameters["stage"]), get_config(parameters["config"])
         run_id = f"{parameters['gpu_label']}/{config.name}/{next(_ids)}"
-        steps = pd.DataFrame({"run_id": run_id, "phase": "train", "step": [0, 1], "timed": [False, True],
+        steps = pd.DataFrame({"run_id": run_id, "phase": "train", "micro_step": [0, 1], "timed": [False, True],
                               "step_ms": [3.0, 2.0], "dispatch_ms": [0.1, 0.1], "loss": [0.5, 0.4],
                               "peak_mem_bytes": -1})
         write_table(steps, stage / "steps.parquet", "steps")
@@ -128,7 +128,7 @@ def test_a_real_kernel_killed_mid_run_leaves_no_table_of_its_own(tmp_path, monke
     nb.cells = [nbformat.v4.new_code_cell('stage = ""\nconfig = ""', metadata={"tags": ["parameters"]}),
                 nbformat.v4.new_code_cell(
                     "import os, signal, pandas as pd\nfrom medddpm.store.schema import write_table\n"
-                    "write_table(pd.DataFrame({'run_id': 'x', 'phase': 'train', 'step': [0], 'timed': [True], "
+                    "write_table(pd.DataFrame({'run_id': 'x', 'phase': 'train', 'micro_step': [0], 'timed': [True], "
                     "'step_ms': [1.0], 'dispatch_ms': [0.1], 'loss': [0.5], 'peak_mem_bytes': -1}), "
                     "os.path.join(stage, 'steps.parquet'), 'steps')\n"
                     "os.write(2, b'native: out of device memory\\n')\nos.kill(os.getpid(), signal.SIGKILL)")]
@@ -293,9 +293,9 @@ def test_another_identity_is_measured_beside_the_old_one_never_over_it(tmp_path,
     root = tmp_path / "data" / "cpu"
     _sweep(tmp_path)
     before = _tables(root / "baseline")
-    (steps,) = _sweep(tmp_path, params={"steps": 2})
+    (steps,) = _sweep(tmp_path, params={"micro_steps": 2})
     assert steps["status"] == "ok" and Path(steps["folder"]).name.startswith("baseline~"), steps
-    assert _sweep(tmp_path, params={"steps": 2})[0]["status"] == "done before"
+    assert _sweep(tmp_path, params={"micro_steps": 2})[0]["status"] == "done before"
     assert _sweep(tmp_path)[0]["status"] == "done before"
     assert _same(_tables(root / "baseline"), before)
     recorded = json.loads(read_table(Path(steps["folder"]) / "run.parquet").loc[0, "identity"])
@@ -429,15 +429,15 @@ def _row(env, **kw) -> pd.DataFrame:
     ("run", {"run_id": None}, "run_id"),
     ("run", {"run_id": ""}, "run_id"),
     ("run", {"status": "bogus"}, "status"),
-    ("steps", {"step": [0, 0]}, "run_id, phase, step"),
-    ("steps", {"step": [0, -1]}, "step"),
+    ("steps", {"micro_step": [0, 0]}, "run_id, phase, micro_step"),
+    ("steps", {"micro_step": [0, -1]}, "micro_step"),
     ("steps", {"run_id": ["a", "b"]}, "run_id"),
 ])
 def test_schema_value_checks_name_the_column(tmp_path, env, table, change, column):
     if table == "run":
         df = _row(env).assign(**change)
     else:
-        df = pd.DataFrame({"run_id": "a", "phase": "train", "step": [0, 1], "timed": True, "step_ms": 1.0,
+        df = pd.DataFrame({"run_id": "a", "phase": "train", "micro_step": [0, 1], "timed": True, "step_ms": 1.0,
                            "dispatch_ms": 0.1, "loss": 0.5, "peak_mem_bytes": -1}).assign(**change)
     with pytest.raises(schema.SchemaError, match=f"column[s]? {column}") as e:
         write_table(df, tmp_path / f"{table}.parquet", table)
@@ -480,7 +480,7 @@ def test_one_bad_folder_is_named_and_left_out_the_rest_is_shown(tmp_path, produc
 
 def test_the_ablation_page_reads_one_identity_per_configuration(tmp_path, producer):
     _sweep(tmp_path, "best", group="ablation")
-    (other,) = _sweep(tmp_path, "best", group="ablation", params={"steps": 5})
+    (other,) = _sweep(tmp_path, "best", group="ablation", params={"micro_steps": 5})
     assert Path(other["folder"]).name.startswith("best~")
     assert loading.ablation_runs(tmp_path / "data")["folder"].tolist() == ["cpu/ablation/best"]
     assert len(loading.ablation_runs(tmp_path / "data", variants=True)) == 2

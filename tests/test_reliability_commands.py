@@ -163,7 +163,7 @@ def _interrupting(monkeypatch, config: str) -> None:
 
     def execute(notebook, output, parameters, **kw):
         if parameters["config"] == config:
-            write_table(pd.DataFrame({"run_id": "x", "phase": "train", "step": [0], "timed": [True], "step_ms": [1.0],
+            write_table(pd.DataFrame({"run_id": "x", "phase": "train", "micro_step": [0], "timed": [True], "step_ms": [1.0],
                                       "dispatch_ms": [0.1], "loss": [0.5], "peak_mem_bytes": -1}),
                         Path(parameters["stage"]) / "steps.parquet", "steps")
             raise KeyboardInterrupt

@@ -330,7 +330,7 @@ def _run_tree(tmp_path, env, change=None, table="run") -> tuple[Path, Path]:
         row = run_row(get_config(config), "smoke", env=env, gpu_name="cpu", label="cpu", status="ok", message="")
         row |= {"run_id": f"cpu/{config}/0", "train_median_ms": 2.0, "timed_steps": 1}
         write_table(pd.DataFrame([row]), root / "cpu" / config / "run.parquet", "run")
-        steps = pd.DataFrame({"run_id": row["run_id"], "phase": "train", "step": [0, 1], "timed": [False, True],
+        steps = pd.DataFrame({"run_id": row["run_id"], "phase": "train", "micro_step": [0, 1], "timed": [False, True],
                               "step_ms": [3.0, 2.0], "dispatch_ms": 0.1, "loss": 0.5, "peak_mem_bytes": -1})
         write_table(steps, root / "cpu" / config / "steps.parquet", "steps")
     path = root / "cpu" / "opt1" / f"{table}.parquet"
@@ -361,7 +361,7 @@ TYPES = {  # case -> (table, change, what the one line names)
                                  "column train_median_ms: -5.0 is out of range (a finite number of at least 0)"),
     "train_median_ms infinite": ("run", lambda df: df.assign(train_median_ms=math.inf),
                                  "column train_median_ms: inf is out of range"),
-    "steps' step as text": ("steps", lambda df: df.assign(step=df["step"].astype(str)),
+    "steps' micro_step as text": ("steps", lambda df: df.assign(micro_step=df["micro_step"].astype(str)),
                             "column step is large_string, expected int64"),
 }
 

@@ -16,14 +16,14 @@ from medddpm.measure.scaling import merge_rows, parse_world_sizes, scale
 
 @pytest.mark.slow
 def test_two_cpu_ranks_write_every_ranks_steps_and_a_rerun_keeps_other_world_sizes(tmp_path):
-    path = scale("sdpa", "1,2", preset="smoke", out=str(tmp_path), device="cpu", steps=2, warmup=1)
+    path = scale("sdpa", "1,2", preset="smoke", out=str(tmp_path), device="cpu", micro_steps=2, warmup=1)
     assert path == tmp_path / "cpu" / "scaling" / "sdpa.parquet"
     df = schema.read_table(path, "scaling")
     assert df.groupby(["world_size", "rank"]).size().to_dict() == {(1, 0): 3, (2, 0): 3, (2, 1): 3}
     assert (df.groupby(["world_size", "rank"])["timed"].sum() == 2).all() and (df["step_ms"] > 0).all()
     assert set(df["backend"]) == {"gloo"} and df["run_id"].nunique() == 2
     first = df[df["world_size"] == 1]
-    scale("sdpa", [2], preset="smoke", out=str(tmp_path), device="cpu", steps=2, warmup=0)
+    scale("sdpa", [2], preset="smoke", out=str(tmp_path), device="cpu", micro_steps=2, warmup=0)
     again = schema.read_table(path, "scaling")
     pd.testing.assert_frame_equal(again[again["world_size"] == 1].reset_index(drop=True), first.reset_index(drop=True))
     assert again.groupby(["world_size", "rank"]).size().to_dict() == {(1, 0): 3, (2, 0): 2, (2, 1): 2}
@@ -39,7 +39,7 @@ def test_two_cpu_ranks_write_every_ranks_steps_and_a_rerun_keeps_other_world_siz
     (dict(config="graphs", world_sizes="1"), "CUDA graphs"),
     (dict(config="nope", world_sizes="1"), "unknown configuration"),
     (dict(config="sdpa", world_sizes="1", device="tpu"), "device must be"),
-    (dict(config="sdpa", world_sizes="1", device="cpu", steps=0), "steps must be"),
+    (dict(config="sdpa", world_sizes="1", device="cpu", micro_steps=0), "micro_steps must be"),
 ])
 def test_bad_input_fails_before_any_launch(kwargs, message, tmp_path):
     with pytest.raises(ValueError, match=message):
@@ -56,7 +56,7 @@ def test_cli_errors_in_one_line(capsys):
 def _rows(world: int, times: dict[int, list[float]], slug: str = "gpu-x", config: str = "sdpa") -> pd.DataFrame:
     return pd.DataFrame([{"run_id": f"{slug}/{config}/scaling-{world}/t", "gpu_name": slug, "gpu_slug": slug,
                           "config": config, "preset": "paper", "backend": "nccl", "world_size": world, "rank": r,
-                          "step": i, "timed": True, "step_ms": t, "batch": 1, "size": 128, "threads_per_rank": 4,
+                          "micro_step": i, "timed": True, "step_ms": t, "batch": 1, "size": 128, "threads_per_rank": 4,
                           "torch": "2", "git_commit": "abc", "start_time": "t"}
                          for r, ts in times.items() for i, t in enumerate(ts)])
 

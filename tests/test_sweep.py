@@ -55,7 +55,7 @@ def test_smoke_sweep_writes_every_table_for_the_paper_configurations(tmp_path):
 @pytest.mark.slow
 def test_a_killed_sweep_resumes_without_duplicated_or_lost_rows(tmp_path):
     args = ("--preset", "smoke", "--configs", "baseline,opt2", "--out", str(tmp_path / "data"), "--device", "cpu",
-            "--phases", "sample,quality", "--steps", "2", "--sample-steps", "3")
+            "--phases", "sample,quality", "--micro-steps", "2", "--sample-steps", "3")
     cpu = tmp_path / "data" / "cpu"
     p = sweep(*args, cache=tmp_path / "cache")
     deadline = time.time() + 600
@@ -63,7 +63,7 @@ def test_a_killed_sweep_resumes_without_duplicated_or_lost_rows(tmp_path):
         time.sleep(0.2)
     os.killpg(p.pid, signal.SIGKILL)  # the sweep and its notebook kernel, mid-way through opt2
     p.wait()
-    (first,) = cpu.glob("baseline~*/run.parquet")  # --steps 2: not the preset's own steps
+    (first,) = cpu.glob("baseline~*/run.parquet")  # --micro-steps 2: not the preset's own steps
     assert not list(cpu.glob("opt2*/run.parquet"))
     run_id = read_table(first).loc[0, "run_id"]
 
@@ -75,7 +75,7 @@ def test_a_killed_sweep_resumes_without_duplicated_or_lost_rows(tmp_path):
     for name in ("baseline", "opt2"):
         steps = read_table(_folder(cpu, name) / "steps.parquet")
         train = steps.query("phase == 'train'")
-        assert list(train["step"]) == [0, 1, 2] and train["step"].is_unique
+        assert list(train["micro_step"]) == [0, 1, 2] and train["micro_step"].is_unique
         assert list(steps.query("phase == 'sample'")["timed"]) == [False, True, True], "--sample-steps reached it"
     assert not list((tmp_path / "data" / "cpu").glob(".*")), "no staging folders left behind"
 
@@ -83,8 +83,8 @@ def test_a_killed_sweep_resumes_without_duplicated_or_lost_rows(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--configs", "baseline,turbo"], "unknown configuration 'turbo'"),
     (["--preset", "huge"], "invalid choice: 'huge'"),
-    (["--steps", "-1"], "expected a positive integer, got -1"),
-    (["--steps", "1.5"], "expected a positive integer, got '1.5'"),
+    (["--micro-steps", "-1"], "expected a positive integer, got -1"),
+    (["--micro-steps", "1.5"], "expected a positive integer, got '1.5'"),
     (["--batch", "0"], "expected a positive integer, got 0"),
     (["--size", "32x32"], "expected N or DxHxW"),
     (["--preset", "brats", "--size", "32x32x24"], "24 is not"),
@@ -97,6 +97,15 @@ def test_bad_sweep_parameters_fail_before_any_work(args, message, tmp_path):
     p = sweep(*args, "--out", str(tmp_path / "data"), cache=tmp_path / "cache")
     out, _ = p.communicate(timeout=120)
     assert p.returncode == 2 and message in out
+    assert not (tmp_path / "data").exists()
+
+
+def test_a_count_of_steps_given_to_the_sweep_is_refused_naming_micro_steps(tmp_path):
+    """The producer notebook times micro-steps: a `steps` parameter (an optimizer step's name) would be ignored."""
+    from medddpm.measure.sweep import sweep as run_sweep
+
+    with pytest.raises(ValueError, match="name the count micro_steps"):
+        run_sweep("baseline", out=tmp_path / "data", device="cpu", params={"steps": 2})
     assert not (tmp_path / "data").exists()
 
 
@@ -113,7 +122,7 @@ def test_a_failing_configuration_is_recorded_and_the_sweep_goes_on(tmp_path):
     # A real compile error: Inductor finds no C++ compiler for the CPU kernels of `compile`.
     env = os.environ | {"CXX": "/nonexistent/g++", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     p = sweep("--preset", "smoke", "--configs", "compile,baseline", "--out", str(tmp_path / "data"), "--device",
-              "cpu", "--phases", "sample,quality", "--steps", "1", "--sample-steps", "2", cache=tmp_path / "cache", env=env)
+              "cpu", "--phases", "sample,quality", "--micro-steps", "1", "--sample-steps", "2", cache=tmp_path / "cache", env=env)
     out, _ = p.communicate(timeout=600)
     assert p.returncode == 1, out[-3000:]
     assert "1 of 2 configuration(s) measured; failed: compile (error)" in out
@@ -128,7 +137,7 @@ def test_brats_preset_and_batch_reach_the_producer_notebook(tmp_path):
     model's shape, channels and parameters, read back by the book's loader as a variant run."""
     from medddpm import report
 
-    p = sweep("--preset", "brats", "--size", "32x32x16", "--configs", "opt1-ckpt", "--batch", "2", "--steps", "1",
+    p = sweep("--preset", "brats", "--size", "32x32x16", "--configs", "opt1-ckpt", "--batch", "2", "--micro-steps", "1",
               "--warmup", "1", "--phases", "sample,quality", "--out", str(tmp_path / "data"), "--device", "cpu",
               cache=tmp_path / "cache")
     out, _ = p.communicate(timeout=900)
@@ -187,14 +196,14 @@ def test_a_run_records_what_the_compile_caches_did(tmp_path, monkeypatch):
     caches = []
     for i in range(2):
         torch._dynamo.reset()
-        m = measure.Measurement("compile", "smoke", device="cpu", size=8, steps=1, warmup=1, phases=(),
+        m = measure.Measurement("compile", "smoke", device="cpu", size=8, micro_steps=1, warmup=1, phases=(),
                                 out=str(tmp_path / f"data{i}"))
         m.train()
         caches.append(json.loads(m.finish().loc[0, "compile_cache"]))
     first, second = caches
     assert first.get("inductor.fxgraph_cache_miss", 0) >= 1 and "inductor.fxgraph_cache_hit" not in first, first
     assert second.get("inductor.fxgraph_cache_hit", 0) >= 1 and "inductor.fxgraph_cache_miss" not in second, second
-    eager = measure.Measurement("baseline", "smoke", device="cpu", size=8, steps=1, warmup=0, phases=(),
+    eager = measure.Measurement("baseline", "smoke", device="cpu", size=8, micro_steps=1, warmup=0, phases=(),
                                 out=str(tmp_path / "eager"))
     assert eager.finish().loc[0, "compile_cache"] == "", "a phase that did not run recorded nothing"
     eager.train()
@@ -273,7 +282,7 @@ def test_the_sweep_measures_a_committed_device_type_beside_its_rows(tmp_path):
     committed = _run_file(tmp_path / "data", "cpu", "baseline", host=None, ms=10.0)
     before = committed.read_bytes()
     p = sweep("--preset", "smoke", "--configs", "baseline", "--out", str(tmp_path / "data"), "--device", "cpu",
-              "--phases", "", "--steps", "1", "--warmup", "1", cache=tmp_path / "cache")
+              "--phases", "", "--micro-steps", "1", "--warmup", "1", cache=tmp_path / "cache")
     out, _ = p.communicate(timeout=600)
     assert p.returncode == 0, out[-3000:]
     mine = read_table(_folder(tmp_path / "data" / f"cpu-{host_name()}", "baseline") / "run.parquet").iloc[0]
@@ -290,7 +299,7 @@ def test_the_reference_width_is_measured_as_a_variant(tmp_path):
     from medddpm import report
 
     p = sweep("--preset", "smoke", "--configs", "baseline", "--mask-channels", "2", "--out", str(tmp_path / "data"),
-              "--device", "cpu", "--phases", "quality", "--steps", "1", "--warmup", "1", cache=tmp_path / "cache")
+              "--device", "cpu", "--phases", "quality", "--micro-steps", "1", "--warmup", "1", cache=tmp_path / "cache")
     out, _ = p.communicate(timeout=600)
     assert p.returncode == 0, out[-3000:]
     folder = _folder(tmp_path / "data" / "cpu", "baseline@smoke-m2")

@@ -39,7 +39,7 @@ def test_channels_last_pairs_match_every_other_switch():
 
 def test_layout_share_and_stall_reading():
     k = pd.DataFrame({"run_id": ["r"] * 3, "gpu_slug": ["g"] * 3, "config": ["c"] * 3,
-                      "category": ["layout", "layout", "convolution"], "calls": [4, 2, 6], "steps": [2, 2, 2],
+                      "category": ["layout", "layout", "convolution"], "calls": [4, 2, 6], "micro_steps": [2, 2, 2],
                       "share": [0.1, 0.2, 0.7], "device_type": ["cuda"] * 3})
     row = ws.layout_share(k).iloc[0]
     assert math.isclose(row["layout_share"], 0.3) and row["layout_calls_per_step"] == 3
