@@ -362,7 +362,7 @@ TYPES = {  # case -> (table, change, what the one line names)
     "train_median_ms infinite": ("run", lambda df: df.assign(train_median_ms=math.inf),
                                  "column train_median_ms: inf is out of range"),
     "steps' micro_step as text": ("steps", lambda df: df.assign(micro_step=df["micro_step"].astype(str)),
-                            "column step is large_string, expected int64"),
+                                  "column micro_step is large_string, expected int64"),
 }
 
 
