@@ -22,5 +22,6 @@ if [ "$workers" -gt 1 ]; then
   export OMP_NUM_THREADS=$(( cores / workers > 1 ? cores / workers : 1 ))
 fi
 # worksteal: the slow tests take from seconds to minutes, and an idle worker takes the other's pending ones.
-# The book is built once a run whichever worker asks first (tests/conftest.py's built_book).
-exec .venv/bin/python -m pytest -q -n "$workers" --dist worksteal -m "slow or not slow" "$@"
+# The book is built once a run whichever worker asks first (tests/conftest.py's built_book). The 25 slowest
+# tests are listed at the end, so that a run's time can be read test by test.
+exec .venv/bin/python -m pytest -q -n "$workers" --dist worksteal --durations=25 -m "slow or not slow" "$@"

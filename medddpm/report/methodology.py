@@ -3,6 +3,7 @@ switches, how each quantity is measured, and the columns of every table."""
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pandas as pd
@@ -12,6 +13,7 @@ from medddpm.report import tables
 from medddpm.report.counters import ncu_sections
 from medddpm.report.loading import Data
 from medddpm.store import schema
+from medddpm.train.timing import StepTimer, summarize, time_steps  # the loop every timed step runs through
 
 MACHINE_COLUMNS = {"gpu_slug": "device", "gpu_name": "name", "software": "torch · CUDA · cuDNN", "driver": "driver",
                    "python": "Python", "host_threads": "CPU threads", "container": "container", "input": "input",
@@ -118,3 +120,9 @@ def schema_html() -> str:
         df = pd.DataFrame([{"column": name, "type": str(typ), "meaning": text} for name, (typ, text) in cols.items()])
         parts.append(tables.fold(f"{table}: {len(df)} columns", tables.table_html(df, code=("column",))))
     return "\n".join(parts)
+
+
+def source(*objects) -> str:
+    """The source of functions or classes of the package as one fenced Python block, for a page to show the
+    code that made its numbers."""
+    return "```python\n" + "\n\n".join(inspect.getsource(o).rstrip() for o in objects) + "\n```"
