@@ -267,8 +267,8 @@ def test_charts_render_offline_widgets_in_a_live_notebook(monkeypatch):
 
 
 @pytest.mark.slow
-def test_lab_sh_opens_pages_as_notebooks(tmp_path):
-    """scripts/lab.sh (what the explorers page tells readers to run): pages become valid notebooks, the
+def test_jupyterlab_sh_opens_pages_as_notebooks(tmp_path):
+    """scripts/jupyterlab.sh (what the explorers page tells readers to run): pages become valid notebooks, the
     live-widget cells keep their tag, an edited notebook is kept, and the JupyterLab it starts is there."""
     import os
     import subprocess
@@ -276,10 +276,10 @@ def test_lab_sh_opens_pages_as_notebooks(tmp_path):
 
     import nbformat
 
-    env = dict(os.environ, LAB_SKIP_SETUP="1", LAB_CONVERT_ONLY="1", LAB_OUT=str(tmp_path))
+    env = dict(os.environ, JUPYTERLAB_SKIP_SETUP="1", JUPYTERLAB_CONVERT_ONLY="1", JUPYTERLAB_OUT=str(tmp_path))
 
     def lab(*args):
-        return subprocess.run(["bash", "scripts/lab.sh", *args], cwd=REPO, env=env, capture_output=True, text=True)
+        return subprocess.run(["bash", "scripts/jupyterlab.sh", *args], cwd=REPO, env=env, capture_output=True, text=True)
 
     proc = lab("book/explorers.md", "book/workshop.md", "--", "--no-browser")
     assert proc.returncode == 0, proc.stderr

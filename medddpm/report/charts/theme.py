@@ -41,7 +41,7 @@ MS = ".4~r"  # milliseconds and most measured values in tooltips: four significa
 
 def live_notebook() -> bool:
     """Whether this kernel belongs to a live notebook: one that a Jupyter server started (it sets
-    JPY_SESSION_NAME) or scripts/lab.sh (MEDDDPM_LAB=1). A book build runs without either."""
+    JPY_SESSION_NAME) or scripts/jupyterlab.sh (MEDDDPM_LAB=1). A book build runs without either."""
     return os.environ.get("MEDDDPM_LAB") == "1" or bool(os.environ.get("JPY_SESSION_NAME"))
 
 
@@ -53,7 +53,7 @@ def setup() -> None:
     with ``offline=True``: each chart is an `altair.JupyterChart` whose vega comes from vl-convert, so
     it draws with no network, and which takes the output's width (`lab.jupyter_chart_for_lab`)."""
     if live_notebook():
-        from medddpm.report.charts.lab import jupyter_chart_for_lab
+        from medddpm.report.charts.jupyterlab import jupyter_chart_for_lab
 
         alt.renderers.enable("jupyter", offline=True)
         jupyter_chart_for_lab()

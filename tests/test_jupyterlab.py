@@ -1,6 +1,6 @@
-"""Pages opened in JupyterLab (scripts/lab.sh, scripts/lab_notebook.py): the command it starts, as root
+"""Pages opened in JupyterLab (scripts/jupyterlab.sh, scripts/page_notebook.py): the command it starts, as root
 and not; the workshop's solutions folded in the notebook it writes; and, slow, a JupyterLab started by
-lab.sh as a reader would start it, driven in headless Chromium with no network: exercises render as
+jupyterlab.sh as a reader would start it, driven in headless Chromium with no network: exercises render as
 boxes, solutions stay folded after "Run All" and open on a click, the explorers' charts draw.
 """
 
@@ -24,9 +24,9 @@ import pytest
 
 from conftest import REPO
 
-_spec = importlib.util.spec_from_file_location("lab_notebook", REPO / "scripts" / "lab_notebook.py")
-lab_notebook = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(lab_notebook)
+_spec = importlib.util.spec_from_file_location("page_notebook", REPO / "scripts" / "page_notebook.py")
+page_notebook = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(page_notebook)
 
 WORKSHOP = REPO / "book" / "workshop.md"
 CHROMIUM = "/usr/bin/chromium"
@@ -39,11 +39,11 @@ def hidden_by_lab(nb) -> list[bool]:
     next heading of the same or a higher level."""
     hidden, fold = [], None  # fold: level of the collapsed heading whose section this is
     for cell in nb.cells:
-        levels = lab_notebook.headings(cell.source) if cell.cell_type == "markdown" else []
+        levels = page_notebook.headings(cell.source) if cell.cell_type == "markdown" else []
         if fold is not None and levels and min(levels) <= fold:
             fold = None
         hidden.append(fold is not None)
-        if cell.cell_type == "markdown" and cell.metadata.get(lab_notebook.COLLAPSED) and fold is None:
+        if cell.cell_type == "markdown" and cell.metadata.get(page_notebook.COLLAPSED) and fold is None:
             fold = levels[0]
     return hidden
 
@@ -64,7 +64,7 @@ def solution_code(page: Path) -> tuple[list[str], list[str]]:
 
 
 def test_workshop_folds_every_solution_and_shows_every_exercise():
-    nb = lab_notebook.page_to_notebook(WORKSHOP)
+    nb = page_notebook.page_to_notebook(WORKSHOP)
     nbformat.validate(nb)
     hidden = hidden_by_lab(nb)
     inside, outside = solution_code(WORKSHOP)
@@ -80,11 +80,11 @@ def test_workshop_folds_every_solution_and_shows_every_exercise():
     page = WORKSHOP.read_text()
     n = len(re.findall(r"^`{3,}\{exercise\}", page, flags=re.M))
     assert n == 4 and sum("{exercise}" in c.source for c in nb.cells if c.cell_type == "markdown") == n
-    titles = [c.source for c in nb.cells if c.metadata.get(lab_notebook.COLLAPSED)]
+    titles = [c.source for c in nb.cells if c.metadata.get(page_notebook.COLLAPSED)]
     assert titles == [f"### Solution to Exercise {i}" for i in range(1, n + 1)]
     assert sum(h for c, h in zip(nb.cells, hidden) if c.cell_type == "code") == len(inside)
     # The page ends on a solution: "Run All" leaves the last cell active, and it is not in a fold.
-    assert nb.cells[-1].source == f"## {lab_notebook.END_TITLE}" and not hidden[-1]
+    assert nb.cells[-1].source == f"## {page_notebook.END_TITLE}" and not hidden[-1]
 
 
 def _nb(*cells):
@@ -100,7 +100,7 @@ EXERCISE = "```{exercise} Title\n:label: ex-a\n\nDo it.\n```"
 def test_fold_solutions_cases():
     # Text before the gate in the same cell stays out of it; a heading inside a solution's code block
     # is no heading; a solution of code cells only still gets its title.
-    nb = lab_notebook.fold_solutions(_nb(
+    nb = page_notebook.fold_solutions(_nb(
         "## Part", EXERCISE + "\n\nBefore.\n\n" + START + "\n\nAnswer:\n\n```bash\n# a shell comment\n```",
         "code:x = 1", END + "\n\n## Next\n\n```{exercise} Two\n:nonumber:\n```\n\n" + START.replace("ex-a", "ex-b"),
         "code:y = 2", END + "\n\n(target)=\n## Last"))
@@ -121,25 +121,25 @@ def test_fold_solutions_cases():
         (("## A", START, START.replace("ex-a", "ex-b")), "inside the solution"),
         (("## A", "```{solution-start}\n```"), "names no exercise"),
     ]:
-        with pytest.raises(lab_notebook.GateError, match=message):
-            lab_notebook.fold_solutions(_nb(*cells))
+        with pytest.raises(page_notebook.GateError, match=message):
+            page_notebook.fold_solutions(_nb(*cells))
     # A page without solutions converts as jupytext has it.
     plain = _nb("# A", "code:x = 1")
-    assert lab_notebook.fold_solutions(plain) == plain
+    assert page_notebook.fold_solutions(plain) == plain
 
 
 def _lab_command(tmp_path, uid: int, *args) -> subprocess.CompletedProcess:
-    """scripts/lab.sh with LAB_CONVERT_ONLY=1, with `id -u` answering `uid`."""
+    """scripts/jupyterlab.sh with JUPYTERLAB_CONVERT_ONLY=1, with `id -u` answering `uid`."""
     shim = tmp_path / "bin"
     shim.mkdir(exist_ok=True)
     (shim / "id").write_text(f"#!/bin/sh\n[ \"$1\" = -u ] && echo {uid} || exec /usr/bin/id \"$@\"\n")
     (shim / "id").chmod(0o755)
-    env = dict(os.environ, PATH=f"{shim}:{os.environ['PATH']}", LAB_SKIP_SETUP="1", LAB_CONVERT_ONLY="1",
-               LAB_OUT=str(tmp_path / "lab"))
-    return subprocess.run(["bash", "scripts/lab.sh", *args], cwd=REPO, env=env, capture_output=True, text=True)
+    env = dict(os.environ, PATH=f"{shim}:{os.environ['PATH']}", JUPYTERLAB_SKIP_SETUP="1", JUPYTERLAB_CONVERT_ONLY="1",
+               JUPYTERLAB_OUT=str(tmp_path / "lab"))
+    return subprocess.run(["bash", "scripts/jupyterlab.sh", *args], cwd=REPO, env=env, capture_output=True, text=True)
 
 
-def test_lab_sh_command_as_root_and_not(tmp_path):
+def test_jupyterlab_sh_command_as_root_and_not(tmp_path):
     root = _lab_command(tmp_path, 0, "book/workshop.md", "--", "--no-browser", "--ip", "0.0.0.0")
     assert root.returncode == 0, root.stderr
     command = root.stdout.strip().splitlines()[-1]
@@ -147,7 +147,7 @@ def test_lab_sh_command_as_root_and_not(tmp_path):
     assert "MEDDDPM_LAB=1" in command
     # The notebook it opens is the folded one.
     nb = nbformat.read(tmp_path / "lab" / "workshop.ipynb", as_version=4)
-    assert sum(bool(c.metadata.get(lab_notebook.COLLAPSED)) for c in nb.cells) == 4
+    assert sum(bool(c.metadata.get(page_notebook.COLLAPSED)) for c in nb.cells) == 4
 
     user = _lab_command(tmp_path, 1000, "book/workshop.md")
     assert user.returncode == 0, user.stderr
@@ -164,11 +164,11 @@ def test_jupyterlab_myst_is_installed():
 
 def test_charts_fill_the_output_in_lab(monkeypatch):
     """In JupyterLab a chart of width "container" is as wide as the output, not zero pixels: a block
-    element, redrawn when its width changes (test_lab_in_browser sees them drawn)."""
+    element, redrawn when its width changes (test_jupyterlab_in_browser sees them drawn)."""
     import altair as alt
 
     from medddpm.report import charts
-    from medddpm.report.charts import lab
+    from medddpm.report.charts import jupyterlab
 
     monkeypatch.setenv("MEDDDPM_LAB", "1")
     try:
@@ -182,10 +182,10 @@ def test_charts_fill_the_output_in_lab(monkeypatch):
         monkeypatch.delenv("MEDDDPM_LAB")
         charts.setup()
     module = "const __default={render};export{__default as default};"
-    patched = lab.redraw_on_resize(module)
+    patched = jupyterlab.redraw_on_resize(module)
     assert patched.startswith(module) and "const widget = __default;" in patched
-    assert lab.redraw_on_resize(patched) == patched
-    assert lab.redraw_on_resize("export default { render }") == "export default { render }"
+    assert jupyterlab.redraw_on_resize(patched) == patched
+    assert jupyterlab.redraw_on_resize("export default { render }") == "export default { render }"
 
 
 # ------------------------------------------------------------------------------- JupyterLab, slow
@@ -199,21 +199,21 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def lab_server(tmp_path_factory):
-    """JupyterLab started by scripts/lab.sh (as root where the tests run as root) on the workshop and
+    """JupyterLab started by scripts/jupyterlab.sh (as root where the tests run as root) on the workshop and
     the explorers, stopped afterwards."""
     out = tmp_path_factory.mktemp("lab")
     port = _free_port()
-    env = dict(os.environ, LAB_SKIP_SETUP="1", LAB_OUT=str(out))
+    env = dict(os.environ, JUPYTERLAB_SKIP_SETUP="1", JUPYTERLAB_OUT=str(out))
     log = open(out / "lab.log", "w")
     proc = subprocess.Popen(
-        ["bash", "scripts/lab.sh", "book/workshop.md", "book/explorers.md", "--", "--no-browser", f"--port={port}",
+        ["bash", "scripts/jupyterlab.sh", "book/workshop.md", "book/explorers.md", "--", "--no-browser", f"--port={port}",
          "--IdentityProvider.token="],
         cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(120):
             if proc.poll() is not None:
-                pytest.fail(f"scripts/lab.sh exited ({proc.returncode}): {(out / 'lab.log').read_text()[-2000:]}")
+                pytest.fail(f"scripts/jupyterlab.sh exited ({proc.returncode}): {(out / 'lab.log').read_text()[-2000:]}")
             try:
                 urllib.request.urlopen(f"{url}/api/status", timeout=2)
                 break
@@ -272,12 +272,12 @@ CHARTS = """() => [...document.querySelectorAll('.jp-OutputArea-output svg.marks
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.access(CHROMIUM, os.X_OK), reason=f"needs {CHROMIUM} (scripts/test.sh installs it)")
-def test_lab_in_browser(lab_server):
+def test_jupyterlab_in_browser(lab_server):
     from playwright.sync_api import sync_playwright
 
     url, out = lab_server
 
-    screens = os.environ.get("LAB_SCREENS")  # a folder: the screenshots of what the test sees go there
+    screens = os.environ.get("JUPYTERLAB_SCREENS")  # a folder: the screenshots of what the test sees go there
     outside, errors = [], []
 
     def route(r):

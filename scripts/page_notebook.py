@@ -1,6 +1,6 @@
 """A book page (a MyST text notebook, book/*.md) as a notebook for JupyterLab, its solutions folded.
 
-    python scripts/lab_notebook.py book/workshop.md runs/lab/workshop.ipynb
+    python scripts/page_notebook.py book/workshop.md runs/jupyterlab/workshop.ipynb
 
 jupytext turns the page into cells; in JupyterLab the `jupyterlab-myst` extension renders each
 Markdown cell with mystmd, so an ``{exercise}`` directive renders as a numbered box. A gated solution
@@ -209,13 +209,13 @@ def page_to_notebook(page: str | Path) -> nbformat.NotebookNode:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
-        print("usage: python scripts/lab_notebook.py book/PAGE.md OUT.ipynb", file=sys.stderr)
+        print("usage: python scripts/page_notebook.py book/PAGE.md OUT.ipynb", file=sys.stderr)
         return 2
     page, out = argv
     try:
         nb = page_to_notebook(page)
     except GateError as e:
-        print(f"lab: {page}: {e}", file=sys.stderr)
+        print(f"page_notebook: {page}: {e}", file=sys.stderr)
         return 1
     nbformat.validate(nb)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
