@@ -14,6 +14,7 @@ what it draws.
 import importlib
 
 from medddpm.configs import CONFIGS, PAPER  # noqa: F401 - for the pages
+from medddpm.store.layout import WORK  # noqa: F401 - runs/: where a page finds what the user's commands wrote
 from medddpm.report.beyond import *  # noqa: F401,F403
 from medddpm.report.counters import *  # noqa: F401,F403
 from medddpm.report.kernels import *  # noqa: F401,F403
