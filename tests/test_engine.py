@@ -326,8 +326,9 @@ def test_checkpointed_graphs_save_attention_instead_of_recomputing_it(best_ckpt_
 
 def test_engine_sample_is_the_diffusion_sampler(tiny_spec):
     """Without CUDA graphs `Engine.sample` runs `GaussianDiffusion.sample` with the same model (a schedule of
-    25 steps: the two paths are compared step for step, 250 would only take longer)."""
-    engine = _randomized(tiny_spec, "sdpa", timesteps=25)
+    25 steps: the two paths are compared step for step, 250 would only take longer). sdpa's switches in float32:
+    an AVX2-only CPU runs a bfloat16 3-D convolution about 70x slower than a float32 one."""
+    engine = _randomized(tiny_spec, CONFIGS["sdpa"].with_flags(precision="fp32"), timesteps=25)
     _, c = random_batch(tiny_spec, seed=5)
     cond = engine.prepare(c)
     with torch.no_grad():
