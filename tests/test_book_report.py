@@ -59,6 +59,31 @@ def test_the_appendix_leaves_out_profiler_notes_narrows_padded_rows_and_lists_gp
         ["nvidia-a100", "nvidia-h200", "cpu", "cpu-node-1"]
 
 
+def test_the_appendix_sets_the_code_every_run_shares_once(tmp_path):
+    """Two runs' notebooks with one shared cell and one of their own: the second names the first for the shared
+    cell's code and shows its own cell's code and both outputs."""
+    import json
+
+    def notebook(folder, own):
+        cells = [{"cell_type": "code", "source": "import medddpm\n", "metadata": {},
+                  "outputs": [_stream("stdout", f"{folder} ran\n")]},
+                 {"cell_type": "code", "source": own, "metadata": {}, "outputs": []}]
+        path = tmp_path / folder / "produce.ipynb"
+        path.parent.mkdir()
+        path.write_text(json.dumps({"cells": cells, "metadata": {}}))
+        return path
+
+    def text(nodes):
+        return "".join(n.astext() for n in nodes)  # a raw node's text is its HTML
+
+    shown = {}
+    first = text(book.render_notebook(notebook("a", "config = 'opt1'\n"), tmp_path, shown, "gpu / a"))
+    second = text(book.render_notebook(notebook("b", "config = 'best'\n"), tmp_path, shown, "gpu / b"))
+    assert "import medddpm" in first and "a ran" in first and "config = 'opt1'" in first
+    assert "import medddpm" not in second and "same code as the notebook of gpu / a" in second
+    assert "b ran" in second and "config = 'best'" in second
+
+
 def test_committed_producer_notebooks_hold_no_progress_bars():
     paths = sorted((REPO / "data").glob("**/produce.ipynb"))
     assert paths, "no stored producer notebook under data/"

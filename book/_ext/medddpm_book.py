@@ -41,6 +41,7 @@ CSS_TEXT = """/* book/_ext/medddpm_book.py */
 div.math > math { flex-grow: 1; overflow-x: auto; padding-bottom: .2rem; font-size: 1.15em; }
 span.math > math { font-size: 1.05em; }
 .medddpm-nb-image { max-width: 100%; }
+p.medddpm-same-code { font-style: italic; margin: .2rem 0; }
 details.medddpm-notebook > summary, details.medddpm-fold > summary {
   cursor: pointer; font-weight: 600; margin: .5rem 0; }
 """
@@ -270,21 +271,31 @@ def _output_nodes(out: dict) -> list[nodes.Node]:
     return []
 
 
-def render_notebook(path: Path, root: Path) -> list[nodes.Node]:
+def render_notebook(path: Path, root: Path, shown: dict[str, str] | None = None, title: str = "") -> list[nodes.Node]:
+    """The notebook's cells as nodes. `shown` (source -> title of the notebook that showed it first), shared by the
+    notebooks of one page: a cell whose source an earlier notebook showed is one line naming that notebook, so
+    that the code every run shares is set once (its parameters and outputs are each run's own)."""
     nb = json.loads(path.read_text(encoding="utf-8"))
     lang = nb.get("metadata", {}).get("kernelspec", {}).get("language", "python")
     lexer = "ipython3" if lang == "python" else lang
+    shown = {} if shown is None else shown
     out: list[nodes.Node] = []
     for cell in nb.get("cells", []):
         src = _text(cell.get("source"))
+        first = shown.setdefault(src, title) if src.strip() else title
         if cell.get("cell_type") == "markdown":
-            out.append(nodes.raw("", _markdown_html(src, 2), format="html"))
+            if first == title:
+                out.append(nodes.raw("", _markdown_html(src, 2), format="html"))
         elif cell.get("cell_type") == "code":
             box = _container("cell", "docutils")
             tags = cell.get("metadata", {}).get("tags", [])
             box["classes"].extend(f"tag_{t}" for t in tags)
             inp = _container("cell_input", "docutils")
-            inp += _literal(src, language=lexer)
+            if first == title:
+                inp += _literal(src, language=lexer)
+            else:
+                inp += nodes.raw("", f'<p class="medddpm-same-code">same code as the notebook of {html.escape(first)}</p>',
+                                 format="html")
             box += inp
             outputs = [n for o in strip_progress(cell.get("outputs", [])) for n in _output_nodes(o)]
             if outputs:
@@ -311,6 +322,7 @@ class ProducerNotebooks(SphinxDirective):
                            location=self.get_location(), type="medddpm", subtype="data")
             return []
         result: list[nodes.Node] = []
+        shown: dict[str, str] = {}  # a cell's source -> the first notebook on the page that shows it
         for path in found:
             self.env.note_dependency(str(path))
             rel = path.relative_to(root)
@@ -324,7 +336,7 @@ class ProducerNotebooks(SphinxDirective):
             para += nodes.Text(" (rendered as stored, not re-executed; progress bars left out).")
             section += para
             try:
-                cells = render_notebook(path, root)
+                cells = render_notebook(path, root, shown, title)
             except (ValueError, KeyError, OSError) as e:
                 logger.warning(f"producer-notebooks: cannot read {path}: {e}", location=self.get_location(),
                                type="medddpm", subtype="data")
