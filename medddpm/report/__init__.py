@@ -4,9 +4,10 @@ A facade over one module per page (as HTA's `TraceAnalysis` is over its analyses
 and `roofs` gives each card's roofs (measured, else its datasheet's); `intro`, `methodology`, `step_time`,
 `cards`, `kernels`, `counters`, `beyond`, `memory`, `scaling`, `quality`, `convergence`, `claims`, `reproduce`
 and `appendix` summarise it for their pages; `charts` draws the figures, `tables` sets the tables, `workshop` and
-`explore` serve the hands-on pages. A page imports this package under its own name (``from medddpm import
-report``) and calls ``report.<summary>(...)``, ``report.<page>.<summary>(...)`` and the ``check_*`` functions,
-which assert that its numbers are sane; it imports nothing past this package. The page modules that need Altair,
+`explore` serve the hands-on pages; `safe` sets every string of the data into a page's Markdown or HTML as the
+literal text it is. A page imports this package under its own name (``from medddpm import report``) and calls
+``report.<summary>(...)``, ``report.<page>.<summary>(...)`` and the ``check_*`` functions, which assert that its
+numbers are sane; it imports nothing past this package. The page modules that need Altair,
 ipywidgets or torch load on first use (``report.charts``, ``report.workshop``, ...), so a page pays only for
 what it draws.
 """
@@ -30,7 +31,7 @@ from medddpm.report.step_time import *  # noqa: F401,F403
 # no chart never loads Altair and one that trains nothing never loads the workshop's torch code.
 SUBMODULES = ("appendix", "beyond", "cards", "charts", "claim_evidence", "claims", "convergence", "counters",
               "end_to_end", "equivalence", "explore", "intro", "kernels", "loading", "memory", "methodology",
-              "quality", "reproduce", "roofs", "scaling", "step_time", "tables", "workshop")
+              "quality", "reproduce", "roofs", "safe", "scaling", "step_time", "tables", "workshop")
 
 
 def __getattr__(name: str):

@@ -10,6 +10,7 @@ from medddpm.configs import CONFIGS, PAPER, ablation
 from medddpm.model.flops import count
 from medddpm.model.unet import ModelSpec
 from medddpm.report.loading import Data, _sort
+from medddpm.report.safe import code, md
 from medddpm.report.step_time import device_label
 from medddpm.report.tables import cpu_rows, gpus_first
 
@@ -136,7 +137,7 @@ def ladder_text(summary: pd.DataFrame, bench: pd.DataFrame, cpus: set[str]) -> s
                  if a in t.index and b in t.index]
         if items:
             where = f"{'CPU smoke runs, ' if slug in cpus else ''}{source}"
-            lines.append(f"- **{slug}** ({where}): " + "; ".join(items) + ".")
+            lines.append(f"- **{md(slug)}** ({md(where)}): " + "; ".join(items) + ".")
     return "Speedup of each step over the one before it (above 1: faster):\n\n" + "\n".join(lines)
 
 
@@ -149,7 +150,7 @@ def channels_last_text(summary: pd.DataFrame, bench: pd.DataFrame, cpus: set[str
         parts = [f"`{cl}` takes {t[cl] / t[plain]:.2f}x the time of `{plain}`" for plain, cl in CHANNELS_LAST
                  if {plain, cl} <= set(t.index)]
         if parts:
-            lines.append(f"- **{slug}**{_cpu_note(slug, cpus)}: " + ", ".join(parts) + ".")
+            lines.append(f"- **{md(slug)}**{_cpu_note(slug, cpus)}: " + ", ".join(parts) + ".")
     return "Channels-last on its own:\n\n" + "\n".join(lines) if lines else ""
 
 
@@ -159,9 +160,9 @@ FLOOR_COLUMNS = {"gpu_slug": "device", "peak_tflops": "peak TFLOP/s", "floor_ms"
 
 def floors_text(floors: pd.DataFrame) -> str:
     return "\n".join(
-        f"- **{r.gpu_slug}**, {r.precision} peak {r.peak_tflops:.0f} TFLOP/s ({r.source}): floor {r.floor_ms:.3g} ms; "
-        f"the fastest {r.precision} configuration, `{r.best_config}`, takes {r.best_ms:.3g} ms, "
-        f"{r.fraction_of_peak:.0%} of that peak ({r.timing_source})." for r in floors.itertuples())
+        f"- **{md(r.gpu_slug)}**, {md(r.precision)} peak {r.peak_tflops:.0f} TFLOP/s ({md(r.source)}): floor "
+        f"{r.floor_ms:.3g} ms; the fastest {md(r.precision)} configuration, {code(r.best_config)}, takes "
+        f"{r.best_ms:.3g} ms, {r.fraction_of_peak:.0%} of that peak ({md(r.timing_source)})." for r in floors.itertuples())
 
 
 def check_ablation(abl: pd.DataFrame) -> None:
@@ -180,15 +181,15 @@ def ablation_text(abl: pd.DataFrame, base: str = "best") -> str:
     for slug, g in abl.groupby("gpu_slug", sort=False):
         buys = g[g["verdict"] == "buys"]
         rerun = "" if g["rerun"].isna().all() else f"; the two runs of `{base}` lie {g['rerun'].iloc[0]:.1%} apart"
-        lines.append(f"- **{slug}** ({g['shape'].iloc[0]}, `{base}` {g['base_ms'].iloc[0]:.1f} ms{rerun}): "
+        lines.append(f"- **{md(slug)}** ({md(g['shape'].iloc[0])}, `{base}` {g['base_ms'].iloc[0]:.1f} ms{rerun}): "
                      f"{len(g)} of the {n_levers} levers measured so far; {len(buys)} of them save more than the noise"
-                     + (f", the most `{buys['lever'].iloc[0]}` ({buys['saved_ms'].iloc[0]:.1f} ms, "
+                     + (f", the most {code(buys['lever'].iloc[0])} ({buys['saved_ms'].iloc[0]:.1f} ms, "
                         f"{buys['ratio'].iloc[0]:.2f}x slower without it)" if len(buys) else "") + ".")
         for r in g[g["verdict"] == "costs"].itertuples():
-            lines.append(f"  - `{r.lever}` is faster by {-r.saved_ms:.1f} ms ({1 / r.ratio:.2f}x): on this device the "
+            lines.append(f"  - {code(r.lever)} is faster by {-r.saved_ms:.1f} ms ({1 / r.ratio:.2f}x): on this device the "
                          "lever costs time.")
         for r in g[g["verdict"] == "failed"].itertuples():
-            lines.append(f"  - `{r.lever}` did not finish ({r.status}: {r.message}).")
+            lines.append(f"  - {code(r.lever)} did not finish ({md(r.status)}: {md(r.message)}).")
     return "\n".join(lines) if lines else "No ablation measured yet: `python -m medddpm ablation`."
 
 
@@ -203,8 +204,8 @@ def busy_text(busy: pd.DataFrame, cpus: set[str]) -> str:
     lines = []
     for slug, g in busy[~cpu_rows(busy, cpus)].groupby("gpu_slug"):
         g = g.set_index("config")
-        lines.append(f"- **{slug}**: kernels keep the GPU busy {g['busy'].min():.1%} to {g['busy'].max():.1%} of a step "
-                     f"over {len(g)} configurations (least: `{g['busy'].idxmin()}`).")
+        lines.append(f"- **{md(slug)}**: kernels keep the GPU busy {g['busy'].min():.1%} to {g['busy'].max():.1%} of a "
+                     f"step over {len(g)} configurations (least: {code(g['busy'].idxmin())}).")
         if {"sdpa", "graphs"} <= set(g.index):
             lines.append(f"  `sdpa` is busy {g.loc['sdpa', 'busy']:.1%} of its {g.loc['sdpa', 'train_median_ms']:.4g} "
                          f"ms; captured in one graph (`graphs`), the step takes {g.loc['graphs', 'train_median_ms']:.4g}"
@@ -230,7 +231,7 @@ def sampling_text(s: pd.DataFrame, cpus: set[str]) -> str:
     for slug, g in s.groupby("gpu_slug", sort=False):
         g = g.set_index("config")
         fast = g["sample_s"].idxmin()
-        line = f"- **{slug}**{_cpu_note(slug, cpus)}: `{fast}` samples a volume in {g.loc[fast, 'sample_s']:.3g} s"
+        line = f"- **{md(slug)}**{_cpu_note(slug, cpus)}: {code(fast)} samples a volume in {g.loc[fast, 'sample_s']:.3g} s"
         if "baseline" in g.index and fast != "baseline":
             line += f", {g.loc['baseline', 'sample_s'] / g.loc[fast, 'sample_s']:.3g}x faster than `baseline`"
         lines.append(line + ".")

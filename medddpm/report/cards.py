@@ -31,6 +31,7 @@ from medddpm.analysis.ncu_names import match_kernel
 from medddpm.report.counters import kernel_flops, ncu_kernels
 from medddpm.report.loading import Data, _sort, config_order, gpu_types, is_cpu
 from medddpm.report.roofs import ROOF_LABELS
+from medddpm.report.safe import code, md
 
 TARGET = 0.10  # a prediction within 10% of the measured step
 ESTIMATE_CARDS = ar.ESTIMATE_CARDS
@@ -327,7 +328,7 @@ def card_ratio_text(steps: pd.DataFrame) -> str:
     every other bar is an estimate and how a second card's sweep adds its own."""
     gpus = measured_cards(steps)
     if len(gpus) < 2:
-        return (f"Only {', '.join(f'**{g}**' for g in gpus) or 'no GPU'} is measured in these data, so every other bar "
+        return (f"Only {', '.join(f'**{md(g)}**' for g in gpus) or 'no GPU'} is measured in these data, so every other bar "
                 "is an estimate. A second card's sweep (`python -m medddpm sweep --preset paper` on it) adds its bars, "
                 "its measured ratios below and the model's errors, with no page edited.")
     m = steps[steps["kind"] == MEASURED].pivot_table(index="config", columns="gpu_slug", values="train_median_ms")
@@ -335,8 +336,8 @@ def card_ratio_text(steps: pd.DataFrame) -> str:
     for other in gpus[1:]:
         both = m[[first, other]].dropna()
         r = both[other] / both[first]
-        lines.append(f"- **{other}** against **{first}**, over the {len(r)} configurations both ran: from "
-                     f"{r.min():.2f}x (`{r.idxmin()}`) to {r.max():.2f}x (`{r.idxmax()}`) the time.")
+        lines.append(f"- **{md(other)}** against **{md(first)}**, over the {len(r)} configurations both ran: from "
+                     f"{r.min():.2f}x ({code(r.idxmin())}) to {r.max():.2f}x ({code(r.idxmax())}) the time.")
     return "\n".join(lines)
 
 
@@ -380,7 +381,7 @@ def estimates_table(predicted: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     wide.columns = [f"{name}, estimate from {src} (ms)" for src, name in wide.columns]
     wide = wide.reindex([c for c in config_order(wide.index) if c in wide.index]).reset_index()
     sources = t.drop_duplicates("card")[["card_name", "source"]]
-    said = "Sources: " + "; ".join(f"{r.card_name}: {r.source}" for r in sources.itertuples()) + "."
+    said = "Sources: " + "; ".join(f"{md(r.card_name)}: {md(r.source)}" for r in sources.itertuples()) + "."
     return wide.rename(columns={"config": "configuration"}), said
 
 

@@ -14,6 +14,7 @@ from medddpm.report.convergence import Study
 from medddpm.report.counters import ncu_by_run
 from medddpm.report.loading import Data, is_cpu
 from medddpm.report.roofs import peaks_of
+from medddpm.report.safe import code, md
 
 
 class GPU:
@@ -102,10 +103,12 @@ class GPU:
         """Which of `configs` lack a run or counters here, with the command that gives them."""
         unmeasured = [c for c in configs if c not in self.ok.index]
         uncounted = [c for c in configs if c in self.ok.index and self.counters(c).empty]
-        parts = ([f"no run of {', '.join(unmeasured)} (`python -m medddpm sweep --preset paper --configs "
-                  f"{','.join(unmeasured)}`)"] if unmeasured else [])
-        parts += ([f"no counters for {', '.join(uncounted)} (`python -m medddpm counters "
-                   f"{' '.join(f'data/{self.slug}/{c}' for c in uncounted)}`)"] if uncounted else [])
+        parts = ([f"no run of {md(', '.join(unmeasured))} ("
+                  + code(f"python -m medddpm sweep --preset paper --configs {','.join(unmeasured)}") + ")"]
+                 if unmeasured else [])
+        parts += ([f"no counters for {md(', '.join(uncounted))} ("
+                   + code("python -m medddpm counters " + " ".join(f"data/{self.slug}/{c}" for c in uncounted)) + ")"]
+                  if uncounted else [])
         return "; ".join(parts) or "the counters lack a metric this claim reads"
 
 

@@ -41,6 +41,7 @@ from medddpm.report.claim_evidence import GPU, MATCHED_FORMATS, check_matched, m
 from medddpm.report.convergence import FAIL_DICE, MARGINS, Study, paired, verdicts as study_verdicts
 from medddpm.report.loading import FAILS, HOLDS, MAGNITUDE, NA, UNDECIDED, Data, is_cpu
 from medddpm.report.quality import QUALITY_LOSS, QUALITY_REL_ERR
+from medddpm.report.safe import code, md
 
 SPEEDUP_MIN = 1.10  # a change "cuts" a time, cycle or instruction count when the ratio reaches 1.10
 CONV_DOMINANT = 0.50  # "dominated by convolution": more than half of the baseline's kernel time
@@ -184,7 +185,7 @@ def _tf32(g: GPU) -> Verdict | None:
         return _na(g.missing("baseline", "opt1"))
     if g.matched.empty:
         return _na("no convolution layer has counters in both baseline and opt1 (the counters need layer ranges: "
-                   f"`python -m medddpm counters data/{g.slug}/baseline data/{g.slug}/opt1 --force`)")
+                   + code(f"python -m medddpm counters data/{g.slug}/baseline data/{g.slug}/opt1 --force") + ")")
     return None
 
 
@@ -193,7 +194,7 @@ def _top(g: GPU) -> pd.Series:
 
 
 def _layer(m: pd.Series) -> str:
-    return f"matched layer `{m['layer']}` {m['direction']} ({m['step_ms_a']:.0f} ms of baseline's step)"
+    return f"matched layer {code(m['layer'])} {m['direction']} ({m['step_ms_a']:.0f} ms of baseline's step)"
 
 
 def _tf32_cut(g: GPU, column: str, what: str, band: Band, context: str = "") -> Verdict:
@@ -332,7 +333,7 @@ def opt12_peak(g: GPU) -> Verdict:
              "element-wise + layout kernels outweigh the convolutions": share > conv}
     wrong = [p for p, ok in parts.items() if not ok]
     return _judge(not wrong, f"opt12 reaches {flops / 1e12:.3g} TFLOP/s, {flops / peak:.0%} of the card's "
-                  f"{precision.upper()} roof ({peak / 1e12:.4g} TFLOP/s, {source.split(':')[0]}); element-wise + layout "
+                  f"{md(precision.upper())} roof ({peak / 1e12:.4g} TFLOP/s, {md(source.split(':')[0])}); element-wise + layout "
                   f"kernels take {share:.0%} of its step's kernel time, convolutions {conv:.0%} (step-weighted)"
                   + (f" (not so: {', '.join(wrong)})" if wrong else ""),
                   fraction_of_peak=flops / peak, elementwise_layout_share=share, conv_share=conv)
@@ -559,7 +560,7 @@ def tally_text(t: pd.Series) -> str:
 
 def headline_text(table: pd.DataFrame, on_cpu: bool) -> str:
     """The tally of every GPU, and that a CPU run judges none."""
-    lines = [f"- **{slug}**: **{r[HOLDS]} hold**, **{r[MAGNITUDE]} hold in direction but not in magnitude**, "
+    lines = [f"- **{md(slug)}**: **{r[HOLDS]} hold**, **{r[MAGNITUDE]} hold in direction but not in magnitude**, "
              f"**{r[FAILS]} do not hold**" + (f", {r[UNDECIDED]} undecided" if r[UNDECIDED] else "")
              + f", {r[NA]} not measurable" for slug, r in headline(table).iterrows()]
     cpu = "\n\nThe CPU run (a small model, to check the pipeline) judges none of them." if on_cpu else ""
@@ -575,7 +576,7 @@ def claims_text(gpu_table: pd.DataFrame) -> str:
         about = f"*Scope:* {c.scope}" + (f"; *the paper's magnitude:* {c.band.said}" if c.band else "") + (
             f"; *the paper's card:* {c.paper_card}" if c.paper_card else "")
         parts.append(f"**{c.text}**\n\n{about}\n\n*Rule:* {c.rule}\n\n"
-                     + ("\n".join(f"- {r.gpu_slug}: **{r.verdict}**: {r.evidence}" for r in rows.itertuples())
+                     + ("\n".join(f"- {md(r.gpu_slug)}: **{r.verdict}**: {r.evidence}" for r in rows.itertuples())
                         or "- no GPU measured yet"))
     return "\n\n".join(parts)
 

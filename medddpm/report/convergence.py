@@ -25,6 +25,7 @@ from medddpm.store import convergence as store
 from medddpm.store import schema
 from medddpm.store.layout import CONVERGENCE_DIR, CONVERGENCE_TABLES, SLICES_DIR
 from medddpm.report.loading import DataError, _sort, config_order, data_root
+from medddpm.report.safe import code, md
 
 FAIL_DICE = 0.6  # a run whose samples' mean label_dice is below this drew tissue in the wrong places
 METRICS = {  # metric -> (tissue of its summary row, what a reader is told, higher is better)
@@ -252,7 +253,7 @@ def verdict_text(study: Study, slug: str, step_ms: dict | None = None) -> str:
     sc = sc[sc["gpu_slug"] == slug]
     trained = sc[sc["config"] != store.REAL]
     if trained.empty:
-        return f"No finished run on `{slug}` yet."
+        return f"No finished run on {code(slug)} yet."
     v = verdicts(study)
     v = v[v["gpu_slug"] == slug]
     p = paired(study)
@@ -264,12 +265,12 @@ def verdict_text(study: Study, slug: str, step_ms: dict | None = None) -> str:
         best = trained.loc[trained["label_dice"].idxmax()]
         out.append(f"The held-out subjects' real images score a mean label_dice of {ceiling:.3f}; the trained models "
                    f"reach {trained['label_dice'].min():.3f} to {trained['label_dice'].max():.3f} (mean over seeds; "
-                   f"`{best['config']}` highest, {best['label_dice'] - ceiling:+.3f} from the real images).")
+                   f"{code(best['config'])} highest, {best['label_dice'] - ceiling:+.3f} from the real images).")
     for r in v.itertuples():
         d = p.loc[(r.candidate, r.reference, "label_dice")]
         what = {equivalence.EQUIVALENT: "is **equivalent** to", equivalence.BETTER: "is **better** than",
                 equivalence.WORSE: "is **worse** than", equivalence.UNDECIDED: "is **undecided** against"}[r.verdict]
-        line = (f"`{r.candidate}` {what} `{r.reference}` over {r.seeds} paired seeds: label_dice "
+        line = (f"{code(r.candidate)} {what} {code(r.reference)} over {r.seeds} paired seeds: label_dice "
                 f"{_interval(d)} (margin ±{d['margin']:g})")
         others = [f"{m} {p.loc[(r.candidate, r.reference, m), 'verdict']}" for m in METRICS if m != "label_dice"]
         line += "; " + ", ".join(others)
@@ -284,7 +285,7 @@ def verdict_text(study: Study, slug: str, step_ms: dict | None = None) -> str:
     failed = trained[trained["failed"] > 0]
     if len(failed):
         out.append(f"Failed runs (diverged, or samples' mean label_dice below {FAIL_DICE}): " +
-                   ", ".join(f"`{r.config}` {int(r.failed)} of {int(r.seeds)}" for r in failed.itertuples()) + ".")
+                   ", ".join(f"{code(r.config)} {int(r.failed)} of {int(r.seeds)}" for r in failed.itertuples()) + ".")
     else:
         out.append(f"No run diverged, and none's samples fall below a mean label_dice of {FAIL_DICE}.")
     if step_ms:
@@ -292,9 +293,9 @@ def verdict_text(study: Study, slug: str, step_ms: dict | None = None) -> str:
         if timed:
             fastest = min(timed, key=lambda c: step_ms[c])
             mine = v[v["candidate"] == fastest]
-            said = (f"judged {mine['verdict'].iloc[0]} against `{mine['reference'].iloc[0]}` above" if len(mine)
+            said = (f"judged {mine['verdict'].iloc[0]} against {code(mine['reference'].iloc[0])} above" if len(mine)
                     else "not paired with another configuration here")
-            out.append(f"The fastest configuration measured on this device is `{fastest}` ({step_ms[fastest]:.1f} ms "
+            out.append(f"The fastest configuration measured on this device is {code(fastest)} ({step_ms[fastest]:.1f} ms "
                        f"a micro-step in its main run): {said}.")
     return " ".join(out)
 
@@ -308,9 +309,9 @@ def headline_text(study: Study) -> str:
     p = p[p["metric"] == "label_dice"].set_index(["gpu_slug", "candidate", "reference"])
     lines = []
     for slug, g in v.groupby("gpu_slug"):
-        parts = [f"`{r.candidate}` against `{r.reference}` **{r.verdict}** (label_dice "
+        parts = [f"{code(r.candidate)} against {code(r.reference)} **{r.verdict}** (label_dice "
                  f"{_interval(p.loc[(slug, r.candidate, r.reference)])}, {r.seeds} seeds)" for r in g.itertuples()]
-        lines.append(f"- **{slug}**: " + "; ".join(parts) + ".")
+        lines.append(f"- **{md(slug)}**: " + "; ".join(parts) + ".")
     return "\n".join(lines)
 
 
@@ -435,7 +436,7 @@ def check_study(study: Study) -> None:
 def status_text(study: Study, run: pd.DataFrame) -> str:
     """Whether the study has run, on which devices, and which measured GPUs still lack one."""
     missing = gpus_without_study(study, run)
-    where = " or ".join(f"`{g}`" for g in missing) or "any device"
+    where = " or ".join(code(g) for g in missing) or "any device"
     lines = []
     if study.empty:
         lines.append(f"**The study has not been run on {where} yet**: there is no `data/<gpu>/convergence/` folder "
@@ -445,7 +446,7 @@ def status_text(study: Study, run: pd.DataFrame) -> str:
         if missing:
             lines.append(f"**The study has not been run on {where} yet**: the other pages measure it, but no "
                          "convergence study is in the data for it.")
-        shown = ", ".join(f"`{g}`" for g in study.gpus)
+        shown = ", ".join(code(g) for g in study.gpus)
         lines.append(f"Studies in the data: {shown}." + (" A `cpu` study is a smoke run at a tiny size and a few "
                                                          "steps: its scores say nothing about quality."
                                                          if "cpu" in study.gpus else ""))
@@ -458,13 +459,13 @@ def unfinished_text(study: Study) -> str:
     if failed.empty:
         return ""
     return "Runs that did not finish: " + "; ".join(
-        f"`{r.gpu_slug}/{r.config}` seed {r.seed}: {r.message}" for r in failed.itertuples()) + "."
+        f"{code(f'{r.gpu_slug}/{r.config}')} seed {r.seed}: {md(r.message)}" for r in failed.itertuples()) + "."
 
 
 def verdicts_text(study: Study, run: pd.DataFrame) -> str:
     """`verdict_text` of every GPU that ran the study, each with its configurations' main-run step times."""
     ok = run[run["status"] == "ok"]
-    texts = [f"**{slug}.** " + verdict_text(study, slug, ok[ok["gpu_slug"] == slug].set_index("config")[
+    texts = [f"**{md(slug)}.** " + verdict_text(study, slug, ok[ok["gpu_slug"] == slug].set_index("config")[
         "train_median_ms"].dropna().to_dict()) for slug in study.gpus]
     return "\n\n".join(texts) if texts else "No verdict: the study has not been run."
 

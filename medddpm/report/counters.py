@@ -13,6 +13,7 @@ from medddpm.analysis import layers, ncu_table
 from medddpm.analysis import roofs as ar
 from medddpm.report.loading import Data, _sort, gpu_types
 from medddpm.report.roofs import card_roofs
+from medddpm.report.safe import code, md
 
 _WEIGHTED = ("tensor_pipe_pct", "sm_throughput_pct", "memory_throughput_pct", "dram_throughput_pct", "l1_hit_pct",
              "l2_hit_pct", "achieved_occupancy_pct")
@@ -247,7 +248,7 @@ def counters_text(data: Data, counters: pd.DataFrame) -> str:
         gpus = sorted(set(data.run.loc[data.run["gpu_name"] != "cpu", "gpu_slug"]))
         return ("**These figures need a GPU run.** The data holds no `ncu.parquet`: "
                 + ("no GPU has been measured with the pipeline yet" if not gpus else
-                   f"the GPU runs ({', '.join(gpus)}) have no Nsight Compute table")
+                   f"the GPU runs ({md(', '.join(gpus))}) have no Nsight Compute table")
                 + ". Hardware counters exist only on an NVIDIA GPU with Nsight Compute (`ncu`) on the path; run "
                 "`python -m medddpm sweep --preset paper` there, and every chart on this page fills in with no edit. "
                 "Until then each chart below says that it has nothing to draw.")
@@ -270,7 +271,7 @@ def coverage_text(data: Data, cov: pd.DataFrame) -> str:
             "those it actually profiled. "
             + (f"Every run's counters cover at least {COVERAGE_FLOOR:.0%}." if short.empty else
                f"Short of {COVERAGE_FLOOR:.0%}: "
-               + ", ".join(f"`{r.gpu_slug}/{r.config}` {r.profiled:.2%}" for r in short.itertuples())
+               + ", ".join(f"{code(f'{r.gpu_slug}/{r.config}')} {r.profiled:.2%}" for r in short.itertuples())
                + ". A chosen kernel that ncu never saw is usually a cuDNN convolution of the backward pass: "
                "ncu names cuDNN's launches after the launch before them, so its name filters lose them, and "
                "they are profiled in a pass of their own, every launch in order, as far as the time allows. "
@@ -279,7 +280,7 @@ def coverage_text(data: Data, cov: pd.DataFrame) -> str:
                "(with `--merge` it adds to the counters a run has, going on where their library pass stopped)."))
     none = uncounted_runs(data)
     if not none.empty:
-        text += ("\n\nNo counters yet: " + ", ".join(f"`{r.gpu_slug}/{r.config}`" for r in none.itertuples())
+        text += ("\n\nNo counters yet: " + ", ".join(code(f"{r.gpu_slug}/{r.config}") for r in none.itertuples())
                  + " (`python -m medddpm counters RUN_DIR` on that GPU).")
     return text
 
@@ -304,7 +305,7 @@ def roofs_text(roofs: pd.DataFrame) -> str:
     unmeasured = sorted(set(roofs.loc[roofs["source"] != "measured", "gpu_slug"]))
     return ("The roofs in use, per card: "
             + ("every one measured." if not unmeasured else
-               f"{', '.join(f'**{s}**' for s in unmeasured)} has no measurement of some or all of them yet (no "
+               f"{', '.join(f'**{md(s)}**' for s in unmeasured)} has no measurement of some or all of them yet (no "
                "`roofs.parquet` beside its runs), so those roofs are its datasheet's, the silicon's limit at its boost "
                "clock, above what a program reaches (`python -m medddpm roofs` measures them on the card)."))
 
@@ -323,7 +324,7 @@ def roofs_in_use(roofs: pd.DataFrame) -> pd.DataFrame:
 
 def roof_sources_text(roofs: pd.DataFrame) -> str:
     said = roofs.drop_duplicates(["gpu_slug", "detail"])
-    return "Sources: " + "; ".join(f"**{r.gpu_slug}**, {r.source}: {r.detail}" for r in said.itertuples()) + "."
+    return "Sources: " + "; ".join(f"**{md(r.gpu_slug)}**, {md(r.source)}: {md(r.detail)}" for r in said.itertuples()) + "."
 
 
 FLOP_CLOSE = 0.05  # a counted layer within 5% of its arithmetic counts right

@@ -17,6 +17,7 @@ from medddpm.report import convergence, equivalence, tables
 from medddpm.report.claims import CLAIMS, tally_text
 from medddpm.report.loading import Data, cpu_slugs, gpu_types
 from medddpm.report.roofs import DATASHEET_FP32, gpu_labels, peaks_of
+from medddpm.report.safe import code, md
 from medddpm.report.step_time import HEADLINE_ROLES, REFERENCE_ACCUM, REFERENCE_STEPS, headline
 
 # The claims whose figures the paper gives as counters of the same work before and after TF32 (matched layers).
@@ -47,14 +48,14 @@ def result_text(head: pd.DataFrame, tally: pd.DataFrame, on_gpu: bool) -> str:
     for slug, g in head.groupby("gpu_slug", sort=False):
         base = g[g["config"] == "baseline"].iloc[0]
         paper = g[(g["role"] == HEADLINE_ROLES[0]) & (g["config"] != "baseline")]
-        line = (f"- **{slug}** ({base['preset']} preset, {base['size']}³): strict FP32 takes {base['base_ms']:.4g} ms "
+        line = (f"- **{md(slug)}** ({md(base['preset'])} preset, {base['size']}³): strict FP32 takes {base['base_ms']:.4g} ms "
                 "a training micro-step. The paper's configurations: " + "; ".join(
-                    f"`{r.config}` {r.train_median_ms:.4g} ms, **{r.speedup:.2f}x**"
+                    f"{code(r.config)} {r.train_median_ms:.4g} ms, **{r.speedup:.2f}x**"
                     + (" (slower than strict FP32)" if r.hi < 1 else "") for r in paper.itertuples()) + ".")
         fast = g[g["role"] == HEADLINE_ROLES[1]]
         if len(fast):
             f = fast.iloc[0]
-            line += (f" The fastest configuration measured, `{f['config']}`, takes {f['train_median_ms']:.4g} ms: "
+            line += (f" The fastest configuration measured, {code(f['config'])}, takes {f['train_median_ms']:.4g} ms: "
                      f"**{f['speedup']:.1f}x** ({f['lo']:.1f}-{f['hi']:.1f}x over the runs' 10th-90th percentiles).")
         if slug in tally.index:
             line += f" Of the paper's claims judged here ([claims](claims.md)): {tally_text(tally.loc[slug])}."
@@ -170,8 +171,8 @@ def cost_text(eff: pd.DataFrame, cost: pd.DataFrame) -> str:
         return ""
     r = eff.iloc[0]
     hours = [c for c in cost.columns if c.startswith("hours at") and "100%" not in c][0]
-    return (f"Strict FP32 on {r.gpu_slug} takes {r.ms:.0f} ms a micro-step ({r.timing} timing): {r.efficiency:.0%} of "
-            f"its FP32 peak ({r.peak / 1e12:.3g} TFLOP/s, {r.peak_source.split(':')[0].split(' (')[0]}). At that "
+    return (f"Strict FP32 on {md(r.gpu_slug)} takes {r.ms:.0f} ms a micro-step ({r.timing} timing): {r.efficiency:.0%} "
+            f"of its FP32 peak ({r.peak / 1e12:.3g} TFLOP/s, {md(r.peak_source.split(':')[0].split(' (')[0])}). At that "
             f"efficiency one training run costs from {cost[hours].min():.0f} GPU-hours on the newest of these GPUs to "
             f"{cost[hours].max():.0f} on the oldest, before any hyper-parameter search or repeated run. Tensor cores, "
             "lower precision, other memory layouts and kernel fusion change that by large factors; this book measures "
@@ -188,12 +189,12 @@ def measured_text(data: Data) -> str:
     from bench timings only."""
     runs, cpus = data.run, cpu_slugs(data.run)
     gpus = tables.gpus_first(runs["gpu_slug"])
-    lines = [f"- **{slug}**{' (a CPU: smoke runs)' if slug in cpus else ''}: {', '.join(g['config'])} "
-             f"({g['preset'].iloc[0]} preset, {g['size'].iloc[0]}³ input)"
+    lines = [f"- **{md(slug)}**{' (a CPU: smoke runs)' if slug in cpus else ''}: {md(', '.join(g['config']))} "
+             f"({md(g['preset'].iloc[0])} preset, {g['size'].iloc[0]}³ input)"
              for slug, g in runs.groupby("gpu_slug", sort=False)]
     bench_only = sorted(set(data.bench["gpu_slug"]) - set(gpus)) if not data.bench.empty else []
     text = f"The data tree holds {len(runs)} runs on {len(gpus)} device(s):\n\n" + "\n".join(lines)
     if bench_only:
         text += ("\n\nBench timings (`python -m medddpm bench`: step time and peak memory only) exist for: "
-                 + ", ".join(bench_only) + ".")
+                 + md(", ".join(bench_only)) + ".")
     return text

@@ -7,6 +7,7 @@ import pandas as pd
 
 from medddpm.report.loading import _sort, config_order
 from medddpm.report.step_time import check_strict_baseline
+from medddpm.report.safe import md
 from medddpm.report.tables import gpus_first
 
 
@@ -106,7 +107,7 @@ def convolution_text(shares: pd.DataFrame, cpus: set[str]) -> str:
         conv = _share(shares, slug, "baseline", ["convolution"])
         if conv is None:
             continue
-        line = (f"- **{slug}**{' (CPU smoke runs: aten operators)' if slug in cpus else ''}: convolutions take "
+        line = (f"- **{md(slug)}**{' (CPU smoke runs: aten operators)' if slug in cpus else ''}: convolutions take "
                 f"{conv:.0%} of the baseline's kernel time")
         base = _share(shares, slug, "baseline", ["elementwise", "layout"])
         cl = _share(shares, slug, "opt2", ["elementwise", "layout"])
@@ -137,7 +138,7 @@ def backward_text(passes: pd.DataFrame, cpus: set[str]) -> str:
     for slug in gpus_first(p.index.get_level_values("gpu_slug")):
         r = p.loc[(slug, "baseline")] if (slug, "baseline") in p.index else None
         if r is not None and r.get("forward", 0) > 0:
-            lines.append(f"- **{slug}**{' (CPU smoke run)' if slug in cpus else ''}, baseline: backward / forward = "
+            lines.append(f"- **{md(slug)}**{' (CPU smoke run)' if slug in cpus else ''}, baseline: backward / forward = "
                          f"{r.get('backward', np.nan) / r['forward']:.2f}, "
                          f"optimizer {r.get('optimizer', 0) / r.sum():.1%} of the step.")
     return "\n".join(lines) if lines else "No forward/backward split in the data."

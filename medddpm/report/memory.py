@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import html
 import json
 import math
 import os
@@ -18,6 +17,7 @@ from medddpm.store.layout import PARTITION_FILE
 from medddpm.configs import CONFIGS, get_config
 from medddpm.report import tables
 from medddpm.report.loading import FAILS, HOLDS, NOT_MEASURED, NOT_YET, DataError, _GIB, _read, _sort, data_root
+from medddpm.report.safe import code, inline_html, md
 # What does not grow with the batch, for a run measured at one batch only: FP32 weights, their gradients and
 # Adam's two moments, 4 bytes each per parameter, as training's own estimate counts them. (Static inputs, cuDNN
 # workspaces and the like are then counted as per-sample: the largest batch is underestimated, never overestimated.)
@@ -427,15 +427,15 @@ def compiled_text(kept: pd.DataFrame, torch_version: str) -> str:
     differ = (by_version[(by_version.max(axis=1) - by_version.min(axis=1)) > 1e-3] if len(versions) > 1
               else by_version.iloc[:0])
     others = ", ".join(v for v in versions if v != torch_version)
-    return (f"Traced with torch {torch_version}"
-            + (f" (the GPU runs' version; also with {others})" if len(versions) > 1 else "")
+    return (f"Traced with torch {md(torch_version)}"
+            + (f" (the GPU runs' version; also with {md(others)})" if len(versions) > 1 else "")
             + f": `best` keeps {k.loc['best', 'activations_gib']:.2f} GiB for the backward of one whole-head volume, "
             f"`best-ckpt` {k.loc['best-ckpt', 'activations_gib']:.2f} GiB. `best-ckpt` keeps the chunked GroupNorm; "
             f"with `best`'s fused one (`{FUSED_CKPT}`) it keeps {k.loc[FUSED_CKPT, 'activations_gib']:.2f} GiB. That "
             "GroupNorm is a custom autograd function, whose tensors checkpointing under `torch.compile` may save "
             "instead of recomputing (pytorch/pytorch#177396)."
             + ("" if differ.empty else " The torch versions traced differ for "
-               + ", ".join(f"`{c}` ({' / '.join(f'{v:.2f}' for v in r.dropna())} GiB)" for c, r in differ.iterrows())
+               + ", ".join(f"{code(c)} ({' / '.join(f'{v:.2f}' for v in r.dropna())} GiB)" for c, r in differ.iterrows())
                + ": the same code, partitioned by another AOTAutograd."))
 
 
@@ -458,12 +458,12 @@ def peaks_text(mem: pd.DataFrame, run: pd.DataFrame) -> str:
     lines = []
     for (slug, m), g in mem[mem["batch"] == 1].groupby(["gpu_slug", "model"], sort=False):
         lo, hi = g.loc[g["peak_gib"].idxmin()], g.loc[g["peak_gib"].idxmax()]
-        lines.append(f"- **{slug}**, {m}, batch 1: from {lo['peak_gib']:.2f} GiB (`{lo['config']}`) to "
-                     f"{hi['peak_gib']:.2f} GiB (`{hi['config']}`) allocated, {len(g)} configuration(s) measured; "
-                     f"`{lo['config']}` reserves {lo['reserved_gib']:.2f} GiB with the allocator's cache.")
+        lines.append(f"- **{md(slug)}**, {md(m)}, batch 1: from {lo['peak_gib']:.2f} GiB ({code(lo['config'])}) to "
+                     f"{hi['peak_gib']:.2f} GiB ({code(hi['config'])}) allocated, {len(g)} configuration(s) measured; "
+                     f"{code(lo['config'])} reserves {lo['reserved_gib']:.2f} GiB with the allocator's cache.")
     no_peaks = sorted(set(run["gpu_slug"]) - set(mem["gpu_slug"]))
     if no_peaks:
-        lines.append(f"- No GPU peak memory for {', '.join(f'**{s}**' for s in no_peaks)}: a CPU run records none.")
+        lines.append(f"- No GPU peak memory for {', '.join(f'**{md(s)}**' for s in no_peaks)}: a CPU run records none.")
     if mem.empty:
         lines.insert(0, "No run in the data has a GPU peak yet: every figure below waits for a sweep on a GPU "
                         "(`python -m medddpm sweep --preset paper` or `--preset brats`).")
@@ -488,11 +488,11 @@ def fits_text(fit: pd.DataFrame) -> str:
         for _, gc in g.groupby(["card_gib", "card"], sort=True):
             ok = gc[gc["verdict"] == FIT_VERDICTS[0]]
             fastest = ok.loc[ok["train_median_ms"].idxmin()] if ok["train_median_ms"].notna().any() else None
-            name = f"{gc['card'].iloc[0].removeprefix('NVIDIA ')} ({gc['card_gib'].iloc[0]:.1f} GiB)"
-            per_card.append(f"{name}: " + (f"{len(ok)} of {len(gc)} fit, fastest `{fastest['config']}`"
+            name = f"{md(gc['card'].iloc[0].removeprefix('NVIDIA '))} ({gc['card_gib'].iloc[0]:.1f} GiB)"
+            per_card.append(f"{name}: " + (f"{len(ok)} of {len(gc)} fit, fastest {code(fastest['config'])}"
                                            if fastest is not None else f"none of {len(gc)} fits"))
         estimated = g["method"].str.startswith("estimate").any()
-        lines.append(f"- **{slug}**, {m}: " + "; ".join(per_card)
+        lines.append(f"- **{md(slug)}**, {md(m)}: " + "; ".join(per_card)
                      + (" (largest batches estimated from batch 1)" if estimated else "") + ".")
     return "At batch 1, per card (measured configurations only):\n\n" + "\n".join(lines)
 
@@ -518,16 +518,16 @@ LINE_COLUMNS = {"gpu_slug": "measured on", "model": "model", "config": "configur
 
 
 def methods_text(model: pd.DataFrame) -> str:
-    methods = model.groupby("method")["config"].apply(lambda c: ", ".join(f"`{x}`" for x in dict.fromkeys(c)))
-    return "How each line was found:\n\n" + "\n".join(f"- {m}: {c}." for m, c in methods.items())
+    methods = model.groupby("method")["config"].apply(lambda c: ", ".join(code(x) for x in dict.fromkeys(c)))
+    return "How each line was found:\n\n" + "\n".join(f"- {md(m)}: {c}." for m, c in methods.items())
 
 
 def cost_line(r) -> str:
     """One pair of runs that differ in one memory-saving switch: its time cost and the memory it saves."""
     saved = (f", {r.saved_gib:.2f} GiB ({r.saved_frac:.0%}) less memory" if pd.notna(r.saved_gib)
              else " (a CPU records no peak)")
-    return (f"**{r.gpu_slug}**, {r.model}{'' if r.batch == 1 else f', batch {r.batch}'}: `{r.config_off}` → "
-            f"`{r.config_on}` ({r.change}): {r.time_ratio:.2f}x the step time{saved}.")
+    return (f"**{md(r.gpu_slug)}**, {md(r.model)}{'' if r.batch == 1 else f', batch {r.batch}'}: {code(r.config_off)} → "
+            f"{code(r.config_on)} ({md(r.change)}): {r.time_ratio:.2f}x the step time{saved}.")
 
 
 def costs_text(costs: pd.DataFrame, cpus: set[str]) -> tuple[str, str]:
@@ -538,7 +538,7 @@ def costs_text(costs: pd.DataFrame, cpus: set[str]) -> tuple[str, str]:
     text = "\n".join("- " + cost_line(r) for r in shown.itertuples())
     folded = ""
     if (~on_cpu).any() and on_cpu.any():
-        items = "".join(f"<li>{html.escape(cost_line(r)).replace('**', '')}</li>" for r in costs[on_cpu].itertuples())
+        items = "".join(f"<li>{inline_html(cost_line(r))}</li>" for r in costs[on_cpu].itertuples())
         folded = tables.fold(f"CPU smoke runs ({on_cpu.sum()} pairs)", f"<ul>{items}</ul>")
     return text, folded
 
@@ -571,7 +571,7 @@ def checkpoint_target_text(targets: pd.DataFrame, mem: pd.DataFrame) -> str:
                 & (mem["batch"] == 1)].iloc[0]
         other = (f", and the CUDA context and libraries {r['other_gib']:.2f} GiB beside it"
                  if pd.notna(r["other_gib"]) else "")
-        lines.append(f"On **{t.gpu_slug}**, `{t.config}` allocates at most {t.peak_gib:.2f} GiB in a whole-head step, "
+        lines.append(f"On **{md(t.gpu_slug)}**, {code(t.config)} allocates at most {t.peak_gib:.2f} GiB in a whole-head step, "
                      f"{target.max_gib - t.peak_gib:.2f} GiB under the {target.max_gib:g} GiB target. The targets count "
                      "allocated memory; what a card must hold is more: the allocator reserves "
                      f"{r['reserved_gib']:.2f} GiB with its cache{other} ([what fits where](#what-fits-where)).")

@@ -12,6 +12,7 @@ from medddpm.configs import CONFIGS, Config
 from medddpm.report import tables
 from medddpm.report.counters import ncu_sections
 from medddpm.report.loading import Data
+from medddpm.report.safe import code, md
 from medddpm.store import schema
 from medddpm.train.timing import StepTimer, summarize, time_steps  # the loop every timed step runs through
 
@@ -47,14 +48,14 @@ def unfinished_text(data: Data) -> str:
     """The runs that did not finish, with why, and the bench timings kept beside the data."""
     run = data.run
     failed = run[run["status"] != "ok"]
-    lines = [f"- `{r.gpu_slug}/{r.config}`: **{r.status}**, {r.message}" for r in failed.itertuples()]
+    lines = [f"- {code(f'{r.gpu_slug}/{r.config}')}: **{md(r.status)}**, {md(r.message)}" for r in failed.itertuples()]
     text = ("Runs that did not finish, with why:\n\n" + "\n".join(lines) if lines else
             f"All {len(run)} runs finished (status `ok`).")
     if not data.bench.empty:
         b = data.bench.groupby(["gpu_slug", "torch", "cudnn"], sort=False)["source"].nunique()
         text += ("\n\nBench timings kept beside the data (`python -m medddpm bench`, ours and the reference "
                  "implementation: step time and peak memory only, no kernels or counters): "
-                 + "; ".join(f"{n} bench run{'s' if n > 1 else ''} on `{slug}` (torch {t}, cuDNN {c})"
+                 + "; ".join(f"{n} bench run{'s' if n > 1 else ''} on {code(slug)} (torch {md(t)}, cuDNN {md(c)})"
                              for (slug, t, c), n in b.items())
                  + "; the [step-time page](step-time.md) sets them side by side.")
     return text
@@ -89,7 +90,7 @@ def not_applicable(run: pd.DataFrame) -> pd.DataFrame:
 
 def step_time_text(ok: pd.DataFrame) -> str:
     """How a micro-step is timed, with the warm-up and timed steps each preset's runs used."""
-    steps = ", ".join(f"{s}: {g['warmup_steps'].iloc[0]} warm-up + {g['timed_steps'].iloc[0]} timed"
+    steps = ", ".join(f"{md(s)}: {g['warmup_steps'].iloc[0]} warm-up + {g['timed_steps'].iloc[0]} timed"
                       for s, g in ok.groupby("preset"))
     return (f"**Step time.** Every precision and layout flag is set explicitly and read back, `cudnn.benchmark` is "
             f"on, and untimed warm-up steps absorb compilation and autotuning ({steps} micro-steps per preset in these "

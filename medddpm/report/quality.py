@@ -6,6 +6,7 @@ import numpy as np
 import pandas as pd
 
 from medddpm.report.loading import Data, _sort
+from medddpm.report.safe import code, md
 from medddpm.report.tables import cpu_rows
 
 # Quality against strict FP32, for the quality page and the claims' "TF32 keeps quality" (`medddpm.report.claims`).
@@ -62,10 +63,10 @@ def tolerance_text(qsum: pd.DataFrame, cpus: set[str]) -> str:
     over = judged[(judged["rel_err"] > QUALITY_REL_ERR) | (judged["loss_diff"] > QUALITY_LOSS)]
     by_prec = judged.groupby("precision_used")["rel_err"].max()
     text = f"Largest forward error {'on a GPU ' if len(on_gpu) else ''}by the precision that ran: " + ", ".join(
-        f"{p or 'unknown'} {v:.1e}" for p, v in by_prec.items()) + ". "
+        f"{md(p) or 'unknown'} {v:.1e}" for p, v in by_prec.items()) + ". "
     if over.empty:
         return text + "Every run is within the tolerance."
-    text += "Above the tolerance: " + ", ".join(f"`{r.gpu_slug}/{r.config}`" for r in over.itertuples()) + "."
+    text += "Above the tolerance: " + ", ".join(code(f"{r.gpu_slug}/{r.config}") for r in over.itertuples()) + "."
     if over["precision_used"].isin(["bf16", "fp16"]).all():
         text += (" All of them ran in bf16 or fp16, which round every value to 8 or 11 significant bits (a relative "
                  "step of 2⁻⁸ ≈ 0.4% or 2⁻¹¹ ≈ 0.05%): the tolerance is the one the claims page applies to TF32, "

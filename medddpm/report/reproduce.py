@@ -6,6 +6,7 @@ from __future__ import annotations
 import pandas as pd
 
 from medddpm.report.loading import Scan, cpu_slugs, data_root
+from medddpm.report.safe import code, md
 from medddpm.store import schema
 
 # Each table of the schema, in the words of the page. A table added to the schema without a line here fails
@@ -60,10 +61,10 @@ def check_files(files: pd.DataFrame) -> None:
 def tree_text(found: Scan, run: pd.DataFrame) -> str:
     """What the data tree holds now: each device's configurations, and the folders read for bench timings only."""
     cpus = cpu_slugs(run)
-    lines = [f"- **{slug}**{' (a CPU: smoke runs)' if slug in cpus else ''}: " + ", ".join(f"`{c}`" for c in g["config"])
+    lines = [f"- **{md(slug)}**{' (a CPU: smoke runs)' if slug in cpus else ''}: " + ", ".join(code(c) for c in g["config"])
              for slug, g in run.groupby("gpu_slug", sort=False)]  # GPUs first
-    text = f"The data tree (`{data_root().name}/`) holds these runs now:\n\n" + "\n".join(lines)
+    text = f"The data tree ({code(data_root().name + '/')}) holds these runs now:\n\n" + "\n".join(lines)
     if found.not_runs:
         text += ("\n\nFolders that are not runs (read for bench timings only): "
-                 + ", ".join(f"`{p.parent.name}/{p.name}/`" for p in found.not_runs) + ".")
+                 + ", ".join(code(f"{p.parent.name}/{p.name}/") for p in found.not_runs) + ".")
     return text

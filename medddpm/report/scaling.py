@@ -7,6 +7,7 @@ import math
 import pandas as pd
 
 from medddpm.report.loading import _sort
+from medddpm.report.safe import code, md
 from medddpm.report.tables import cpu_rows
 
 
@@ -57,7 +58,7 @@ def cpu_only_text(summary: pd.DataFrame) -> str:
     """That the page holds CPU runs only, which ones, and the command that measures GPUs."""
     runs = summary.groupby(["gpu_slug", "config", "backend"], sort=False)["world_size"].max()
     return ("**This page holds no GPU measurement yet**: only "
-            + "; ".join(f"a CPU run (`{slug}`, `{config}`, {backend}, up to {n} ranks)"
+            + "; ".join(f"a CPU run ({code(slug)}, {code(config)}, {md(backend)}, up to {n} ranks)"
                         for (slug, config, backend), n in runs.items())
             + ", which checks that the data-parallel code runs and shows how a host shares its cores among processes. "
             "How GPUs scale is still to be measured (`python -m medddpm scale --config sdpa --world-sizes 1,2,4 "
@@ -71,7 +72,7 @@ def ranks_text(rows: pd.DataFrame) -> str:
     for (slug, config), g in rows.groupby(["gpu_slug", "config"], sort=False):
         best = g.loc[g["world_size"].idxmax()]
         eff = f", {best['efficiency']:.0%} efficiency" if pd.notna(best["efficiency"]) else ""
-        lines.append(f"- `{slug}` / `{config}` ({best['backend']}): {best['samples_per_s']:.3g} samples/s on "
+        lines.append(f"- {code(slug)} / {code(config)} ({md(best['backend'])}): {best['samples_per_s']:.3g} samples/s on "
                      f"{int(best['world_size'])} ranks{eff}; its ranks' median step times "
                      f"{best['rank_min_ms']:.4g}-{best['rank_max_ms']:.4g} ms.")
     return "\n".join(lines)

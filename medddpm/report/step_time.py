@@ -11,6 +11,7 @@ import pandas as pd
 from medddpm.configs import CONFIGS, PAPER
 from medddpm.report.loading import Data, _sort
 from medddpm.report.roofs import DATASHEET_FP32, peaks_of  # noqa: F401 - the pages read them here too
+from medddpm.report.safe import code, md
 from medddpm.model.diffusion import TIMESTEPS
 from medddpm.presets import REFERENCE_ACCUM, REFERENCE_STEPS  # noqa: F401 - the pages' 100k-step costs
 
@@ -193,7 +194,7 @@ def fastest_text(summary: pd.DataFrame, cpus: set[str]) -> str:
     for slug, g in summary.groupby("gpu_slug", sort=False):  # GPUs first
         g = g.set_index("config")
         best = g["train_median_ms"].idxmin()
-        line = (f"- **{slug}**{_cpu(slug, cpus)} ({g['preset'].iloc[0]}, {g['size'].iloc[0]}³): fastest is `{best}` "
+        line = (f"- **{md(slug)}**{_cpu(slug, cpus)} ({md(g['preset'].iloc[0])}, {g['size'].iloc[0]}³): fastest is {code(best)} "
                 f"at {g.loc[best, 'train_median_ms']:.4g} ms")
         if "baseline" in g.index:
             line += (f", {g.loc[best, 'speedup']:.2f}x the strict-FP32 baseline "
@@ -209,15 +210,15 @@ def cost_text(summary: pd.DataFrame, cpus: set[str]) -> str:
     for slug, g in summary.groupby("gpu_slug", sort=False):  # GPUs first
         g = g.set_index("config")
         fast, slow = g["gpu_hours_100k"].idxmin(), g["gpu_hours_100k"].idxmax()
-        line = (f"- **{slug}**{_cpu(slug, cpus)}: 100k steps take {g.loc[fast, 'gpu_hours_100k']:.3g} device-hours "
-                f"with `{fast}` and {g.loc[slow, 'gpu_hours_100k']:.3g} with `{slow}`")
+        line = (f"- **{md(slug)}**{_cpu(slug, cpus)}: 100k steps take {g.loc[fast, 'gpu_hours_100k']:.3g} device-hours "
+                f"with {code(fast)} and {g.loc[slow, 'gpu_hours_100k']:.3g} with {code(slow)}")
         if g["energy_100k_kwh"].notna().any():
             e = g["energy_100k_kwh"].dropna()
             line += f"; energy {e.min():.3g} to {e.max():.3g} kWh"
         s = g["sample_s"].dropna()
         if len(s):
             fast = s.idxmin()
-            line += (f"; one full sample takes {s.min():.3g} s (`{fast}`) to {s.max():.3g} s (`{s.idxmax()}`) once "
+            line += (f"; one full sample takes {s.min():.3g} s ({code(fast)}) to {s.max():.3g} s ({code(s.idxmax())}) once "
                      f"compiled, {g.loc[fast, 'sample_step_median_ms']:.3g} ms or more per denoising step")
             if g.loc[fast, "compile"] and pd.notna(g.loc[fast, "sample_total_s"]):
                 line += f" (the first sample of a process, which compiles, took {g.loc[fast, 'sample_total_s']:.3g} s)"
@@ -241,7 +242,7 @@ def bench_text(bt: pd.DataFrame, summary: pd.DataFrame) -> str:
     `BENCH_APART` from the sweep's (a bench run times a configuration as defined when it ran; the sweep's rows are
     what the other pages use)."""
     both = bt.dropna(subset=["reference_ms"])
-    lines = [f"- **{r.gpu_slug}, `{r.config}`**: ours {r.ours_ms:.4g} ms, the reference {r.reference_ms:.4g} ms: "
+    lines = [f"- **{md(r.gpu_slug)}, {code(r.config)}**: ours {r.ours_ms:.4g} ms, the reference {r.reference_ms:.4g} ms: "
              f"ours is {faster_text(r.ours_faster)}." for r in both.itertuples()]
     sweep = summary.set_index(["gpu_slug", "config"])["train_median_ms"]
     apart = [(r, sweep[(r.gpu_slug, r.config)]) for r in bt.itertuples() if (r.gpu_slug, r.config) in sweep.index
@@ -250,6 +251,6 @@ def bench_text(bt: pd.DataFrame, summary: pd.DataFrame) -> str:
     if apart:
         text += ("\n\nA bench run times a configuration as it was defined when the run was made; these differ from the "
                  f"sweep by more than {BENCH_APART:.0%}: " + ", ".join(
-                     f"`{r.config}` on {r.gpu_slug} ({r.ours_ms:.4g} ms in the bench, {ms:.4g} ms in the sweep)"
+                     f"{code(r.config)} on {md(r.gpu_slug)} ({r.ours_ms:.4g} ms in the bench, {ms:.4g} ms in the sweep)"
                      for r, ms in apart) + ". The sweep's times are the ones every other page uses.")
     return text

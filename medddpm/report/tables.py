@@ -13,6 +13,7 @@ import pandas as pd
 from IPython.display import HTML
 
 from medddpm.report.loading import cpu_slugs, is_cpu
+from medddpm.report.safe import styled
 
 
 DEVICE_COLUMNS = ("device", "GPU", "gpu_slug", "measured on")
@@ -20,7 +21,7 @@ LONG_TEXT = 30  # characters: longer cell text may break inside a word
 
 
 def table_html(df: pd.DataFrame, digits: int = 4, formats: dict | None = None, code: tuple[str, ...] = ()) -> str:
-    """A compact HTML table: no index, cell text escaped (a `<config>` stays text), floats to `digits`
+    """A compact HTML table: no index, cell text and column names escaped (a `<config>` stays text), floats to `digits`
     significant digits unless `formats` says otherwise for a column, NaN as '-'; the columns named in `code`
     set as code (names a reader types)."""
     fmt = {c: (lambda v, d=digits: "-" if pd.isna(v) else f"{v:.{d}g}") for c in df.columns
@@ -34,7 +35,7 @@ def table_html(df: pd.DataFrame, digits: int = 4, formats: dict | None = None, c
             for c in df.columns if c not in fmt and (pd.api.types.is_object_dtype(df[c])
                                                      or pd.api.types.is_string_dtype(df[c]))}
     fmt |= formats or {}
-    return df.style.hide(axis="index").format(fmt, escape="html", na_rep="-").to_html()
+    return styled(df, fmt, na_rep="-").hide(axis="index").to_html()
 
 
 def fold(summary: str, content: str) -> str:

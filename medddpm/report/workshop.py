@@ -21,6 +21,7 @@ import torch
 
 from medddpm import report
 from medddpm.configs import Config, set_precision_flags
+from medddpm.report.safe import code, md
 from medddpm.train.timing import summarize, time_steps
 
 # Unit roundoff 2^-p of each format (p = stored mantissa bits + 1): inputs rounded to the format are
@@ -378,7 +379,7 @@ def step_speedup_text(gpu_steps: pd.DataFrame) -> str:
         g = g.set_index("config")
         for config, label in (("opt1", "TF32"), ("bf16", "bf16")):
             if config in g.index and "baseline" in g.index and g.loc[config, "ran_as"] == PRECISION_CONFIGS[config]:
-                lines.append(f"- **{slug}**: {label} makes the step {g.loc[config, 'speedup_vs_fp32']:.2f}x faster "
+                lines.append(f"- **{md(slug)}**: {label} makes the step {g.loc[config, 'speedup_vs_fp32']:.2f}x faster "
                              f"than strict FP32 ({g.loc[config, 'train_median_ms']:.4g} vs "
                              f"{g.loc['baseline', 'train_median_ms']:.4g} ms).")
     if not lines:
@@ -400,9 +401,9 @@ def layout_text(kernels: pd.DataFrame, gpu_layout: pd.DataFrame) -> str:
         top = (k.assign(us=k["total_us"] / k["micro_steps"].clip(lower=1)).groupby("short_name")["us"].sum()
                .sort_values(ascending=False))
         assert len(top), r
-        lines.append(f"- **{r.gpu_slug}** `{r.config}`: {r.layout_share:.0%} of the kernel time, "
+        lines.append(f"- **{md(r.gpu_slug)}** {code(r.config)}: {r.layout_share:.0%} of the kernel time, "
                      f"{r.layout_calls_per_step:.0f} launches per step; largest: "
-                     + ", ".join(f"`{n}` ({us / 1e3:.2f} ms per step)" for n, us in top.head(3).items()) + ".")
+                     + ", ".join(f"{code(n)} ({us / 1e3:.2f} ms per step)" for n, us in top.head(3).items()) + ".")
     names = " ".join(kernels.loc[kernels["device_type"] == "cuda", "kernel"])
     cudnn = "nchwToNhwc" in names or "nhwcToNchw" in names
     return "\n".join(lines) + (
@@ -413,11 +414,11 @@ def layout_text(kernels: pd.DataFrame, gpu_layout: pd.DataFrame) -> str:
 
 def pairs_text(pairs: pd.DataFrame, gpus: list[str]) -> str:
     """Each channels-last run's layout share against its partner's, and the GPUs with no such pair yet."""
-    lines = [f"- **{r.gpu_slug}**: `{r.channels_last}` {r.cl_share:.1%} against `{r.partner}` {r.partner_share:.1%} "
+    lines = [f"- **{md(r.gpu_slug)}**: {code(r.channels_last)} {r.cl_share:.1%} against {code(r.partner)} {r.partner_share:.1%} "
              f"({(r.cl_share - r.partner_share) * 100:+.1f} points)" for r in pairs.dropna().itertuples()]
     missing = [g for g in gpus if g not in set(pairs["gpu_slug"])]
     if missing:
-        lines.append(f"- {', '.join(missing)}: no channels-last profile with a partner in the data yet "
+        lines.append(f"- {md(', '.join(missing))}: no channels-last profile with a partner in the data yet "
                      "(`python -m medddpm sweep --preset paper --configs paper` measures opt2 and opt12).")
     return ("\n".join(lines) + "\n\nThe paper saw channels-last *move* time into small element-wise and layout "
             "kernels rather than remove it: compare the layout share of each pair above, and the kernel names in its "
@@ -437,9 +438,9 @@ def check_stalls(st: pd.DataFrame) -> None:
 def stalls_text(st: pd.DataFrame) -> str:
     """Exercise 3's answer: each kernel's dominant stall and reading, which columns tell latency from bandwidth,
     and which kernels more thread blocks would help."""
-    lines = [f"- `{r.kernel}` ({r.gpu_slug} `{r.config}`, {r.profiled_ms:.2f} ms profiled): "
-             f"{r.dominant.replace('_', ' ')} {r.dominant_cycles:.1f} of {r.warp_cycles_per_inst:.1f} cycles; "
-             f"DRAM {r.dram_throughput_pct:.0f}%, occupancy {r.achieved_occupancy_pct:.0f}%: *{r.reading}*."
+    lines = [f"- {code(r.kernel)} ({md(r.gpu_slug)} {code(r.config)}, {r.profiled_ms:.2f} ms profiled): "
+             f"{md(r.dominant.replace('_', ' '))} {r.dominant_cycles:.1f} of {r.warp_cycles_per_inst:.1f} cycles; "
+             f"DRAM {r.dram_throughput_pct:.0f}%, occupancy {r.achieved_occupancy_pct:.0f}%: *{md(r.reading)}*."
              for r in st.itertuples()]
     latency = st[st["reading"].str.startswith("latency-bound")]
     bandwidth = st[st["reading"].str.startswith("bandwidth-bound")]
@@ -449,14 +450,14 @@ def stalls_text(st: pd.DataFrame) -> str:
         "latency-bound). ")
     if len(latency):
         text += ("More thread blocks would help the latency-bound ones: "
-                 + ", ".join(f"`{k}`" for k in latency["kernel"].unique())
+                 + ", ".join(code(k) for k in latency["kernel"].unique())
                  + ". Their warps wait on memory that is mostly idle, because there are too few of them to cover its "
                    "latency. ")
         if (latency["category"] == "normalization").any():
             text += ("PyTorch's GroupNorm statistics kernels launch one block per (sample, group): 32 blocks at "
                      "batch 1 with 32 groups, fewer than the GPU has SMs (132 on an H200). ")
     if len(bandwidth):
-        text += ("The bandwidth-bound ones (" + ", ".join(f"`{k}`" for k in bandwidth["kernel"].unique())
+        text += ("The bandwidth-bound ones (" + ", ".join(code(k) for k in bandwidth["kernel"].unique())
                  + ") would not get faster with more blocks, only with fewer bytes: fusion, or a smaller dtype.")
     return text
 
@@ -464,7 +465,7 @@ def stalls_text(st: pd.DataFrame) -> str:
 def estimates_text(estimates: pd.DataFrame) -> str:
     """Exercise 4's estimates in hours and days, and the weakest assumption behind them."""
     e = estimates.set_index("GPU")["estimated hours"]
-    return ("- " + "; ".join(f"**{g}**: {h:,.0f} h ({h / 24:.1f} days)" for g, h in e.items()) + ".\n"
+    return ("- " + "; ".join(f"**{md(g)}**: {h:,.0f} h ({h / 24:.1f} days)" for g, h in e.items()) + ".\n"
             "- The weakest assumption is that the efficiency carries over. It is a property of the GPU as much as of "
             "the model: the memory-bound kernels of a step (exercise 3) follow memory bandwidth, not the FLOP peak, "
             "and the ratio of the two, the cache sizes and the convolution kernels cuDNN has differ from one GPU to "

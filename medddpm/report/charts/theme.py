@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 
 from medddpm.report.loading import FAILS, HOLDS, MAGNITUDE, NA, UNDECIDED, config_order
+from medddpm.report.safe import ScriptJSON, styled
 
 # One colour per configuration, in CONFIGS order: Tableau 10, then ten more chosen so that no two of the twenty
 # are closer than about 25 CIELAB units (the light and dark twins of Tableau 20 are closer than 10, and a
@@ -49,16 +50,17 @@ def setup() -> None:
     """Choose the renderer (the one place to change it) and guard against heavy pages.
 
     The book's static HTML gets Altair's default renderer (its vega scripts are served by the book,
-    book/_ext/medddpm_book.py). A page opened as a notebook in JupyterLab gets the `jupyter` renderer
-    with ``offline=True``: each chart is an `altair.JupyterChart` whose vega comes from vl-convert, so
-    it draws with no network, and which takes the output's width (`lab.jupyter_chart_for_lab`)."""
+    book/_ext/medddpm_book.py), whose spec sits in a ``<script>`` element: written with `ScriptJSON`, a string
+    of the data that holds ``</script>`` stays inside it. A page opened as a notebook in JupyterLab gets the
+    `jupyter` renderer with ``offline=True``: each chart is an `altair.JupyterChart` whose vega comes from
+    vl-convert, so it draws with no network, and which takes the output's width (`lab.jupyter_chart_for_lab`)."""
     if live_notebook():
         from medddpm.report.charts.jupyterlab import jupyter_chart_for_lab
 
         alt.renderers.enable("jupyter", offline=True)
         jupyter_chart_for_lab()
     else:
-        alt.renderers.enable("default")
+        alt.renderers.enable("default", json_kwds={"cls": ScriptJSON})
     alt.data_transformers.enable("default", max_rows=MAX_ROWS)
 
 
@@ -232,10 +234,10 @@ def _step_axis(df: pd.DataFrame) -> alt.Axis:
 
 
 def table(df: pd.DataFrame, digits: int = 4):
-    """A compact table for a page: no index, floats to `digits` significant digits, NaN as '-'."""
+    """A compact table for a page: no index, floats to `digits` significant digits, NaN as '-', text as text."""
     fmt = {c: (lambda v, d=digits: "-" if pd.isna(v) else f"{v:.{d}g}") for c in df.columns
            if pd.api.types.is_float_dtype(df[c])}
-    return df.style.hide(axis="index").format(fmt)
+    return styled(df, fmt).hide(axis="index")
 
 
 def _light(df: pd.DataFrame, digits: int = 4) -> pd.DataFrame:

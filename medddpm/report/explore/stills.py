@@ -10,6 +10,7 @@ import numpy as np
 
 from medddpm.report.explore.measurements import DataExplorer
 from medddpm.report.explore.volumes import AXES, LABEL_COLORS, SliceViewer, png_bytes
+from medddpm.report.safe import code, md
 from medddpm.train.data import open_dataset
 from medddpm.train.synthetic import LABELS
 
@@ -61,5 +62,5 @@ def show_stalls(explorer: DataExplorer) -> str:
         explorer.view = "stalls"
     else:
         explorer.view = "step time"
-    return f"The `{explorer.view}` view for {explorer.gpu}" + (
-        f" / `{explorer.config}`:" if explorer.view == "stalls" else ":")
+    return f"The `{explorer.view}` view for {md(explorer.gpu)}" + (
+        f" / {code(explorer.config)}:" if explorer.view == "stalls" else ":")
