@@ -11,7 +11,8 @@
 3. Math without MathJax: Sphinx's MathJax comes from a CDN. ``$...$`` and ``$$...$$`` are converted
    to MathML at build time (``latex2mathml``), which Chromium draws natively; no script at all.
 4. ``producer-notebooks`` directive: renders the stored, executed producer notebooks
-   ``<data>/<gpu>/<config>/produce.ipynb`` (outputs as stored, never executed) as sections of a page.
+   ``<data>/<gpu>/<config>/produce.ipynb`` (outputs as stored, never executed) as sections of a page; what they
+   hold is data, shown as text (their HTML as its source, their Markdown without raw HTML).
    ``<data>`` is ``$MEDDDPM_DATA`` or ``<repository>/data``. Progress bars are left out (`strip_progress`):
    a bar that redraws itself is one stream message per update in a stored notebook, thousands of grey boxes
    on a page, and says nothing the run's tables do not.
@@ -254,7 +255,10 @@ def _output_nodes(out: dict) -> list[nodes.Node]:
         tb = "\n".join(ANSI.sub("", line) for line in out.get("traceback", [])) or f"{out.get('ename')}: {out.get('evalue')}"
         return [_literal(tb, language="ipythontb", classes=("output", "traceback"))]
     data = out.get("data", {})
-    for mime in ("image/svg+xml", "image/png", "image/jpeg", "text/html", "text/markdown", "text/plain"):
+    # A stored notebook is data: its HTML is shown as the text it is (after its plain form, where it has one), never
+    # as markup of the page; an image is an <img> (an SVG's scripts do not run there), its bytes as base64 that
+    # cannot leave the attribute; Markdown is rendered without raw HTML.
+    for mime in ("image/svg+xml", "image/png", "image/jpeg", "text/markdown", "text/plain", "text/html"):
         if mime not in data:
             continue
         value = _text(data[mime])
@@ -262,12 +266,11 @@ def _output_nodes(out: dict) -> list[nodes.Node]:
             uri = "data:image/svg+xml;base64," + base64.b64encode(value.encode()).decode()
             return [nodes.raw("", f'<img class="medddpm-nb-image" src="{uri}" alt="output"/>', format="html")]
         if mime.startswith("image/"):
-            return [nodes.raw("", f'<img class="medddpm-nb-image" src="data:{mime};base64,{value.strip()}" alt="output"/>', format="html")]
-        if mime == "text/html":
-            return [nodes.raw("", f'<div class="output text_html">{value}</div>', format="html")]
+            uri = f"data:{mime};base64,{html.escape(''.join(value.split()), quote=True)}"
+            return [nodes.raw("", f'<img class="medddpm-nb-image" src="{uri}" alt="output"/>', format="html")]
         if mime == "text/markdown":
             return [nodes.raw("", _markdown_html(value, 3), format="html")]
-        return [_literal(value, classes=("output", "text_plain"))]
+        return [_literal(value, classes=("output", mime.replace("/", "_")))]
     return []
 
 
