@@ -10,8 +10,8 @@ import altair as alt
 import numpy as np
 import pandas as pd
 
-from medddpm.report.charts.theme import (MS, _config_legend, _configs_in, _gpu_param, _height, _light, _no_gpu,
-                                         config_color, figure, gpu_rows, parts_color, title)
+from medddpm.report.charts.theme import (MS, _config_legend, _configs_in, _default_gpu, _gpu_param, _height, _light,
+                                         _no_gpu, config_color, figure, gpu_rows, parts_color, title)
 from medddpm.report.loading import config_order
 from medddpm.report.memory import FIT_VERDICTS, card_memory
 
@@ -19,8 +19,11 @@ FIT_COLORS = ["#54a24b", "#eeca3b", "#e45756"]  # fits, tight, does not fit (mem
 
 
 def _model_param(df: pd.DataFrame, name: str = "model") -> alt.Parameter:
+    """Every model of `df` to choose from, starting on one the GPU the chart starts on has (`_gpu_param`): a GPU
+    measured on the whole-head model only would otherwise open on an empty BraTS chart."""
     options = sorted(df["model"].unique())
-    return alt.param(name=name, value=options[0], bind=alt.binding_select(options=options, name="model "))
+    first = sorted(df.loc[df["gpu_slug"] == _default_gpu(df["gpu_slug"]), "model"].unique())
+    return alt.param(name=name, value=(first or options)[0], bind=alt.binding_select(options=options, name="model "))
 
 
 def card_label(name: str, gib: float) -> str:
