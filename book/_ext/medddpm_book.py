@@ -256,7 +256,7 @@ def _output_nodes(out: dict) -> list[nodes.Node]:
         return [_literal(tb, language="ipythontb", classes=("output", "traceback"))]
     data = out.get("data", {})
     # A stored notebook is data: its HTML is shown as the text it is (after its plain form, where it has one), never
-    # as markup of the page; an image is an <img> (an SVG's scripts do not run there), its bytes as base64 that
+    # as markup of the page; an image is an <img> (an SVG's scripts do not run there) whose bytes are base64, which
     # cannot leave the attribute; Markdown is rendered without raw HTML.
     for mime in ("image/svg+xml", "image/png", "image/jpeg", "text/markdown", "text/plain", "text/html"):
         if mime not in data:
@@ -266,8 +266,13 @@ def _output_nodes(out: dict) -> list[nodes.Node]:
             uri = "data:image/svg+xml;base64," + base64.b64encode(value.encode()).decode()
             return [nodes.raw("", f'<img class="medddpm-nb-image" src="{uri}" alt="output"/>', format="html")]
         if mime.startswith("image/"):
-            uri = f"data:{mime};base64,{html.escape(''.join(value.split()), quote=True)}"
-            return [nodes.raw("", f'<img class="medddpm-nb-image" src="{uri}" alt="output"/>', format="html")]
+            data = "".join(value.split())
+            try:
+                base64.b64decode(data, validate=True)
+            except ValueError:
+                return [_literal(f"({mime} output whose bytes are not base64: left out)", classes=("output",))]
+            return [nodes.raw("", f'<img class="medddpm-nb-image" src="data:{mime};base64,{data}" alt="output"/>',
+                              format="html")]
         if mime == "text/markdown":
             return [nodes.raw("", _markdown_html(value, 3), format="html")]
         return [_literal(value, classes=("output", mime.replace("/", "_")))]
