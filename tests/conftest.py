@@ -140,8 +140,7 @@ def add_fake_gpu(data: Path) -> str:
     """Copy the first GPU folder with parquet files to `fake-gpu-x`, renamed in every table; returns the
     copied folder's name. The CPU's folder only where no GPU has one: its kernel and step times are no GPU's
     (the pages check a GPU's, e.g. the share of the step its kernels keep it busy)."""
-    from medddpm.store.layout import hidden, is_run, table_of
-    from medddpm.store.schema import read_table, write_table
+    from medddpm.store.layout import hidden, is_run
 
     sources = sorted((p for p in data.iterdir() if p.is_dir() and not hidden(p.name) and any(map(is_run, p.iterdir()))),
                      key=lambda p: (p.name == "cpu", p.name))
@@ -149,17 +148,25 @@ def add_fake_gpu(data: Path) -> str:
     src = sources[0]
     dst = data / FAKE_SLUG
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".*"))
-    for path in dst.rglob("*.parquet"):  # runs, scaling tables, and runs kept in tuning/ or reference/
+    relabel(dst, src.name, FAKE_SLUG, FAKE_NAME)
+    return src.name
+
+
+def relabel(folder: Path, old: str, new: str, name: str | None = None) -> None:
+    """Every table under `folder`, a copy of label `old`'s, rewritten as label `new`'s (and device `name`'s)."""
+    from medddpm.store.layout import table_of
+    from medddpm.store.schema import read_table, write_table
+
+    for path in folder.rglob("*.parquet"):  # runs, scaling tables, and runs kept in tuning/ or reference/
         table = table_of(path)
         df = read_table(path, table)
         if "run_id" in df:
-            df["run_id"] = df["run_id"].str.replace(f"{src.name}/", f"{FAKE_SLUG}/", n=1, regex=False)
+            df["run_id"] = df["run_id"].str.replace(f"{old}/", f"{new}/", n=1, regex=False)
         if "gpu_slug" in df:
-            df["gpu_slug"] = FAKE_SLUG
-        if "gpu_name" in df:
-            df["gpu_name"] = FAKE_NAME
+            df["gpu_slug"] = new
+        if "gpu_name" in df and name is not None:
+            df["gpu_name"] = name
         write_table(df, path, table)
-    return src.name
 
 
 @dataclass(frozen=True)
@@ -172,9 +179,11 @@ class BuiltBook:
 @pytest.fixture(scope="session")
 def built_book(tmp_path_factory) -> BuiltBook:
     """scripts/book.sh run once for the whole test run, on a copy of data/ with a second copy of its first
-    GPU folder (FAKE_SLUG) added: the browser test opens every page of it, the second-GPU test reads its
-    charts. pytest-xdist's workers share it: the first to ask builds it under a lock into the run's
+    GPU folder (FAKE_SLUG) added, every string of it and of its notebooks markup (`poison.poison_gpu`): the
+    browser test opens every page of it, the second-GPU test reads its charts. pytest-xdist's workers share it: the first to ask builds it under a lock into the run's
     temporary folder, the others take what it left there (the HTML, or the build's error)."""
+    from poison import poison_gpu
+
     base = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         base = base.parent  # the run's folder, shared by its workers (each has its own folder below it)
@@ -188,6 +197,7 @@ def built_book(tmp_path_factory) -> BuiltBook:
                 data = root / "data"
                 shutil.copytree(REPO / "data", data, ignore=shutil.ignore_patterns(".*"))
                 src = add_fake_gpu(data)
+                poison_gpu(data / FAKE_SLUG)  # its strings markup, and a failed run: the pages must show them as text
                 html = build_book(root / "out", data)
             except BaseException as e:
                 outcome.write_text(json.dumps({"error": f"{type(e).__name__}: {e}"}))

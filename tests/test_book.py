@@ -1,5 +1,6 @@
 """The book: a strict offline build, every page opened in headless Chromium with no network, and a
-second GPU's data folder showing up in the comparison charts with no page edited. One build serves both
+second GPU's data folder showing up in the comparison charts with no page edited, and every string of that
+folder, which is markup (`poison.poison_gpu`), shown as text and never run. One build serves them all
 (conftest.py's `built_book`, on a copy of data/ with a second GPU folder added); a build that must fail is
 the only other run of scripts/book.sh.
 
@@ -24,6 +25,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from conftest import FAKE_NAME, FAKE_SLUG, REPO, run_book_sh, toc_pages
+import poison
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -207,6 +209,7 @@ def test_book_in_browser(book_url, built_book):
     charts_total = 0
     solutions = 0
     twins = {FAKE_SLUG: built_book.src, built_book.src: FAKE_SLUG}
+    shown: list[str] = []  # pages whose text shows the poisoned GPU's strings as written
 
     def route(r):
         u = urlsplit(r.request.url)
@@ -229,6 +232,8 @@ def test_book_in_browser(book_url, built_book):
                         if m.type == "error" else None)
                 page.on("websocket", lambda ws, n=name: outside.append(f"{n}: websocket {ws.url}"))
                 page.goto(f"{book_url}/{name}.html", wait_until="load")
+                if " ".join(poison.PAYLOAD.split()) in " ".join(page.inner_text("body").split()):
+                    shown.append(name)
                 n_charts = page.locator('div[id^="altair-viz-"]').count()
                 if n_charts:
                     try:
@@ -255,6 +260,8 @@ def test_book_in_browser(book_url, built_book):
                                 problems.append(f"{name}: {e}")
                 charts_total += n_charts
                 page.wait_for_timeout(200)
+                if page.evaluate(f"() => window.{poison.FLAG} !== undefined"):
+                    problems.append(f"{name}: a script from the data ran (window.{poison.FLAG} is set)")
                 page.close()
         finally:
             browser.close()
@@ -266,6 +273,19 @@ def test_book_in_browser(book_url, built_book):
     assert kinds["dropdown"] + kinds["radio"] > 0, "no chart with a bound dropdown/radio was exercised"
     assert kinds["legend"] > 0, "no chart with a legend bound to a selection was exercised"
     assert solutions >= 3, f"only {solutions} folded exercise solutions in the book (the workshop has more)"
+    assert "book/methodology" in shown, f"the failed run's message (markup) is not shown as text: {shown}"
+
+
+def test_no_string_of_the_data_is_markup_on_any_page(built_book):
+    """The added GPU's strings, its failed run's message and its stored notebooks' outputs are markup
+    (`poison.poison_gpu`): every page shows them as text, and holds none of it as HTML."""
+    found, shown = [], []
+    for name in toc_pages():
+        page_html = (built_book.html / f"{name}.html").read_text(encoding="utf-8")
+        found += poison.problems(page_html, name)
+        shown += [name] if poison.shows(page_html) else []
+    assert not found, "\n".join(found)
+    assert {"book/methodology", "book/appendix"} <= set(shown), f"the data's markup is shown as text only on {shown}"
 
 
 # --- a second GPU appears with no page edited ------------------------------------------------------

@@ -1,0 +1,290 @@
+"""Markup in the data, and the check that a page shows it as text.
+
+`poison` writes `PAYLOAD` after every string cell of every table under a folder (inside JSON cells, after each
+string value), and into a stored notebook's outputs: a script, an image whose error handler sets
+``window.__pwned``, a `javascript:` link, and the Markdown that would slant, link, set as code, open a MyST role,
+math or a table row, or read an entity. `poisoned_tree` makes a data tree of one GPU whose label itself is markup
+(`LABEL_PAYLOAD`, a folder's name: no ``/``), with every kind of table the pages read. `problems` reads a page's
+HTML (a built page, or a page's output as the book renders it) and names every place where a payload is markup,
+or is shown as other than its whole literal text. Run as a script, it executes every page of the book on a data
+tree (``MEDDDPM_DATA``) in this process and prints the problems of their outputs as JSON.
+
+Not poisoned (`kept`), each with why: the values a table's schema allows by name (`schema.ENUMS`: anything else is
+refused on reading), the columns the loader holds against the folder a row is in (its label, configuration and
+preset: the label folder's own name carries markup instead), and the values the pages read for their meaning
+(`READ`: another value there is no measurement the pages know, and their checks stop the build).
+"""
+
+from __future__ import annotations
+
+import ast
+import html
+import json
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+
+from medddpm.store import schema
+from medddpm.store.layout import NOTEBOOK_FILE, table_of
+
+PAYLOAD = ("<script>window.__pwned=1</script><img src=x onerror=window.__pwned=2> *pwn* _pwn_ "
+           "[pwn](javascript:window.__pwned=3) `pwn` {eval}`pwn` $pwn$ |pwn| \\pwn &amp;")
+LABEL_PAYLOAD = "pwn<img src=x onerror=window.__pwned=4> *pwn* [pwn](javascript:window.__pwned=5) `pwn` $pwn$"
+FLAG = "__pwned"  # what the payloads' scripts set on `window`: never set in a reader's browser
+
+FOLDER_BOUND = ("run_id", "gpu_slug", "config", "preset")
+READ = {
+    "run": {"backend_flags": "math modes the pages check by name", "shape": "an input shape the claims parse"},
+    "kernels": {"category": "a kernel category the pages select by name"},
+    "bench": {"implementation": "ours or the reference's, set side by side by name"},
+    "partition": {"config": "a traced configuration, checked against today's definition",
+                  "switches": "its switches when traced, checked against today's definition"},
+}
+# The book reads every table but the allocator snapshot's summary, which `bench --memory-snapshot` writes beside
+# the snapshot in a folder of the user's, outside the data tree.
+NOT_READ = ("snapshot",)
+
+
+def kept(table: str) -> dict[str, str]:
+    """The string columns of `table` that `poison` leaves as they are, with why."""
+    out = {c: "an enum of the schema: any other value is refused on reading" for c in schema.ENUMS.get(table, {})}
+    out |= {c: "named by the row's folder (the label folder's own name carries markup instead)"
+            for c in FOLDER_BOUND if c in schema.TABLES[table]}
+    return out | READ.get(table, {})
+
+
+def _poison_json(text: str) -> str:
+    def walk(v):
+        if isinstance(v, str):
+            return v + PAYLOAD
+        if isinstance(v, dict):
+            return {k: walk(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [walk(x) for x in v]
+        return v
+
+    try:
+        return json.dumps(walk(json.loads(text))) if text else text
+    except ValueError:
+        return text + PAYLOAD
+
+
+def poison_table(path: Path) -> None:
+    table = table_of(path)
+    df = schema.read_table(path, table)
+    skip = kept(table)
+    for column, (typ, meaning) in schema.TABLES[table].items():
+        if typ != pa.string() or column in skip or column not in df:
+            continue
+        if meaning.startswith("JSON"):
+            df[column] = df[column].map(_poison_json)
+        else:
+            df[column] = df[column].astype(str) + PAYLOAD
+    schema.write_table(df, path, table)
+
+
+def poison_notebook(path: Path) -> None:
+    """A stored notebook given outputs of every kind the appendix renders, each holding markup: HTML, Markdown with
+    raw HTML and a `javascript:` link (a notebook's Markdown is rendered, without either), an image's bytes that
+    would end its attribute, a stream."""
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    cell = next(c for c in nb["cells"] if c.get("cell_type") == "code")
+    cell.setdefault("outputs", []).extend([
+        {"output_type": "display_data", "metadata": {}, "data": {"text/html": PAYLOAD}},
+        {"output_type": "display_data", "metadata": {},
+         "data": {"text/markdown": f"<script>window.{FLAG}=7</script> [pwn](javascript:window.{FLAG}=8)"}},
+        {"output_type": "display_data", "metadata": {}, "data": {"image/png": f'x" onerror="window.{FLAG}=6'}},
+        {"output_type": "stream", "name": "stdout", "text": PAYLOAD + "\n"}])
+    path.write_text(json.dumps(nb), encoding="utf-8")
+
+
+def poison(folder: Path) -> int:
+    """Every table and stored notebook under `folder` (a label's folder, or a data root) poisoned; how many
+    tables."""
+    visible = [p for p in sorted(Path(folder).rglob("*")) if not any(part.startswith(".") for part in p.parts)]
+    for path in visible:
+        if path.name == NOTEBOOK_FILE:
+            poison_notebook(path)
+    tables = [p for p in visible if p.suffix == ".parquet"]
+    for path in tables:
+        poison_table(path)
+    return len(tables)
+
+
+def add_failed_run(gpu: Path, config: str, group: str = "") -> None:
+    """A run of `config` under the label folder `gpu` (in its `group` folder: ablation) that ran out of memory in
+    its first step, in the environment and on the input of the label's baseline."""
+    from medddpm.configs import get_config
+    from medddpm.measure.run import run_row
+
+    base = schema.read_table(gpu / "baseline" / "run.parquet", "run").iloc[0]
+    row = run_row(get_config(config), base["preset"], env=base.to_dict(), gpu_name=base["gpu_name"], status="oom",
+                  message="torch.OutOfMemoryError: CUDA out of memory", group=group)
+    row |= {"run_id": row["run_id"].replace(row["gpu_slug"], gpu.name, 1), "gpu_slug": gpu.name,
+            **{k: base[k] for k in ("gpu_type", "host", "size", "shape", "mask_channels", "parameters")}}
+    folder = gpu / group / config
+    folder.mkdir(parents=True)
+    schema.write_table(pd.DataFrame([row]), folder / "run.parquet", "run")
+
+
+def poison_gpu(gpu: Path) -> None:
+    """A label folder's tables and notebooks poisoned, after a run that failed is added to it (its message is
+    shown only for a run that did not finish)."""
+    add_failed_run(gpu, next(c for c in FAILED_RUNS if not (gpu / c).exists()))
+    poison(gpu)
+
+
+# --- a tree of one GPU, every string of it markup -------------------------------------------------------
+
+SOURCE = "nvidia-h200"  # the committed GPU with counters, an ablation and bench timings beside its sweep
+RUNS = ("baseline", "opt1", "opt2", "opt12", "bf16", "best")  # baseline and opt1 keep their counters
+ABLATION = ("best", "best+precision=tf32", "best+compile=false")
+FAILED_RUNS = ("sdpa", "graphs", "compile")  # configurations of a run that ends in an error
+FAILED_LEVER = "best+recompute_attention=true"
+
+
+def poisoned_tree(out: Path) -> Path:
+    """A data tree under `out` whose one GPU is labelled `LABEL_PAYLOAD`, made of committed tables of every kind
+    (runs with and without counters, the ablation, bench timings, roofs, a scaling run, the traced partition),
+    a run and an ablation lever that failed, and a convergence study with a diverged run; then every table
+    poisoned. Returns the root."""
+    from conftest import REPO, relabel
+    from test_convergence import fake_study
+
+    from medddpm.store.layout import ABLATION_DIR, PARTITION_FILE, REFERENCE_DIR, ROOFS_FILE, SCALING_DIR, \
+        convergence_folder
+
+    data, label = REPO / "data", LABEL_PAYLOAD
+    gpu = out / label
+    for name in RUNS:
+        shutil.copytree(data / SOURCE / name, gpu / name, ignore=shutil.ignore_patterns(".*", NOTEBOOK_FILE))
+        if name not in ("baseline", "opt1"):
+            (gpu / name / "ncu.parquet").unlink(missing_ok=True)
+    for name in ABLATION:
+        shutil.copytree(data / SOURCE / ABLATION_DIR / name, gpu / ABLATION_DIR / name,
+                        ignore=shutil.ignore_patterns(".*", NOTEBOOK_FILE))
+    shutil.copytree(data / SOURCE / REFERENCE_DIR, gpu / REFERENCE_DIR)
+    shutil.copy(next(data.glob(f"*/{ROOFS_FILE}")), gpu / ROOFS_FILE)  # no run_id: any label's will do
+    relabel(gpu, SOURCE, label)
+    scaling = next(data.glob(f"*/{SCALING_DIR}/*.parquet"))
+    (gpu / SCALING_DIR).mkdir()
+    shutil.copy(scaling, gpu / SCALING_DIR / scaling.name)
+    relabel(gpu / SCALING_DIR, scaling.parent.parent.name, label)
+    shutil.copy(data / PARTITION_FILE, out / PARTITION_FILE)
+    add_failed_run(gpu, FAILED_LEVER, ABLATION_DIR)
+    study = convergence_folder(out, label)
+    fake_study(study, slug=label, diverged={"bf16": [1]})
+    runs = schema.read_table(study / "runs.parquet", "convergence_runs")
+    schema.write_table(runs.assign(gpu_slug=label), study / "runs.parquet", "convergence_runs")
+    poison_gpu(gpu)
+    poison_table(out / PARTITION_FILE)
+    return out
+
+
+# --- the check ----------------------------------------------------------------------------------------
+
+# The payloads' markup as it would stand in a page's HTML had a value been pasted in unescaped (or rendered as
+# Markdown): each is a problem wherever it appears.
+MARKUP = {
+    "<script>window.__pwned": "a script from the data",
+    "<img src=x onerror=window.__pwned": "an image whose error handler runs, from the data",
+    'href="javascript:window.__pwned': "a javascript: link from the data",
+    'onerror="window.__pwned': "an attribute ended early by the data",
+    "<em>pwn</em>": "Markdown emphasis from the data",
+    "<code>pwn</code>": "a code span from the data",
+    ">pwn</a>": "a Markdown link from the data",
+}
+
+
+def visible_text(page_html: str) -> str:
+    """What a reader sees: the text without scripts, styles, comments and tags, entities read, white space as one
+    space."""
+    text = re.sub(r"<(script|style)\b.*?</\1\s*>", " ", page_html, flags=re.S | re.I)
+    text = re.sub(r"<!--.*?-->", " ", text, flags=re.S)
+    return " ".join(html.unescape(re.sub(r"<[^>]+>", " ", text)).split())
+
+
+def problems(page_html: str, where: str = "") -> list[str]:
+    """Where `page_html` holds a payload as markup, or shows one other than as its whole literal text (or as the
+    part before its first colon: a page may end a source's words there, as the intro's cost text does)."""
+    out = []
+    for token, what in MARKUP.items():
+        if (i := page_html.find(token)) >= 0:
+            out.append(f"{where}: {what}: ...{page_html[max(0, i - 120):i + 80]!r}")
+    text = visible_text(page_html)
+    for payload in (PAYLOAD, LABEL_PAYLOAD):
+        whole = " ".join(payload.split())
+        cut = whole[:whole.index(":")]
+        for m in re.finditer(re.escape(whole[:24]), text):
+            rest = text[m.start():]
+            if not (rest.startswith(whole) or rest.startswith(cut) and not rest.startswith(cut + ":")):
+                out.append(f"{where}: a payload shown as other than its text: ...{rest[:len(whole) + 20]!r}")
+                break
+    return out
+
+
+def shows(page_html: str, payload: str = PAYLOAD) -> bool:
+    """Whether a reader sees `payload` as its whole text."""
+    return " ".join(payload.split()) in visible_text(page_html)
+
+
+# --- every page, executed here --------------------------------------------------------------------------
+
+CELL = re.compile(r"^```\{code-cell\}[^\n]*\n(?P<body>.*?)^```\s*$", re.M | re.S)
+
+
+def page_outputs(page: Path) -> list[str]:
+    """The HTML of every rich output of a book page executed in this process, as the book renders it: an output's
+    HTML where it has some, else its Markdown as CommonMark (myst-nb's rendering of a Markdown output); text
+    streams and plain text are set as literal text and left out."""
+    from IPython.core.displaypub import DisplayPublisher
+    from IPython.core.interactiveshell import InteractiveShell
+    from markdown_it import MarkdownIt
+
+    bundles: list[dict] = []
+
+    class Publisher(DisplayPublisher):
+        def publish(self, data, metadata=None, **kwargs):
+            bundles.append(data)
+
+    shell = InteractiveShell.instance()
+    shell.display_pub = Publisher(shell=shell)
+    ns = {"__name__": "__main__"}
+    here = os.getcwd()
+    os.chdir(page.parent)  # a page runs in its own folder, as the book runs it
+    try:
+        for m in CELL.finditer(page.read_text(encoding="utf-8")):
+            tree = ast.parse("\n".join(line for line in m["body"].split("\n") if not line.startswith(":")))
+            last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+            exec(compile(tree, str(page), "exec"), ns)
+            if last is not None and (value := eval(compile(ast.Expression(last.value), str(page), "eval"), ns)) \
+                    is not None:
+                bundles.append(shell.display_formatter.format(value)[0])
+    finally:
+        os.chdir(here)
+    md = MarkdownIt("commonmark")
+    return [b["text/html"] if "text/html" in b else md.render(b["text/markdown"]) for b in bundles
+            if "text/html" in b or "text/markdown" in b]
+
+
+def main(pages: list[str]) -> None:
+    """Every page named (book/<name>.md) executed on ``$MEDDDPM_DATA``; prints {page: {"problems": [...],
+    "shows": [payloads shown as text]}} as JSON."""
+    from conftest import REPO
+
+    report = {}
+    for name in pages:
+        outputs = page_outputs(REPO / "book" / f"{name}.md")
+        report[name] = {"problems": [p for i, h in enumerate(outputs) for p in problems(h, f"{name} output {i}")],
+                        "shows": [p for p in (PAYLOAD, LABEL_PAYLOAD) if any(shows(h, p) for h in outputs)]}
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parent))
+    main(sys.argv[1:])
