@@ -180,8 +180,9 @@ class BuiltBook:
 def built_book(tmp_path_factory) -> BuiltBook:
     """scripts/book.sh run once for the whole test run, on a copy of data/ with a second copy of its first
     GPU folder (FAKE_SLUG) added, every string of it and of its notebooks markup (`poison.poison_gpu`): the
-    browser test opens every page of it, the second-GPU test reads its charts. pytest-xdist's workers share it: the first to ask builds it under a lock into the run's
-    temporary folder, the others take what it left there (the HTML, or the build's error)."""
+    browser test opens every page of it, the second-GPU test reads its charts. pytest-xdist's workers share it:
+    the first to ask builds it under a lock into the run's temporary folder, the others take what it left there
+    (the HTML, or the build's error)."""
     from poison import poison_gpu
 
     base = tmp_path_factory.getbasetemp()

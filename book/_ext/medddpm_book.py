@@ -266,12 +266,12 @@ def _output_nodes(out: dict) -> list[nodes.Node]:
             uri = "data:image/svg+xml;base64," + base64.b64encode(value.encode()).decode()
             return [nodes.raw("", f'<img class="medddpm-nb-image" src="{uri}" alt="output"/>', format="html")]
         if mime.startswith("image/"):
-            data = "".join(value.split())
+            b64 = "".join(value.split())
             try:
-                base64.b64decode(data, validate=True)
+                base64.b64decode(b64, validate=True)
             except ValueError:
                 return [_literal(f"({mime} output whose bytes are not base64: left out)", classes=("output",))]
-            return [nodes.raw("", f'<img class="medddpm-nb-image" src="data:{mime};base64,{data}" alt="output"/>',
+            return [nodes.raw("", f'<img class="medddpm-nb-image" src="data:{mime};base64,{b64}" alt="output"/>',
                               format="html")]
         if mime == "text/markdown":
             return [nodes.raw("", _markdown_html(value, 3), format="html")]
