@@ -354,15 +354,12 @@ def cmd_ablation(args) -> None:
 def cmd_roofs(args) -> None:
     from medddpm.measure.timing import roofs
     from medddpm.measure.env import gpu_slug, pick_device
-    from medddpm.measure.sweep import machine_label
-    from medddpm.measure.validate import check_label
+    from medddpm.measure.sweep import label_for
     from medddpm.store.lock import output_lock
     from medddpm.store.schema import read_table
 
     dev = pick_device(args.device)
-    if args.gpu_label is not None:
-        check_label(args.gpu_label)
-    label = gpu_slug(args.gpu_label or machine_label(args.out, dev))
+    label = gpu_slug(label_for(args.out, dev, args.gpu_label))
     target = roofs.path(args.out, label)
     if target.is_file() and not args.force:
         print(roofs.describe(read_table(target, "roofs")))

@@ -44,7 +44,7 @@ from medddpm.measure.timing import roofs as measure_roofs
 from medddpm.measure.run import write_failed_run
 from medddpm.presets import get_preset
 from medddpm.model.unet import parse_size
-from medddpm.measure.validate import check_label, check_text
+from medddpm.measure.validate import check_label, check_label_device, check_text, known_device_types
 from medddpm.store.identity import encode, folder_name, key, run_identity
 from medddpm.store.layout import (KERNEL_LOG, NOTEBOOK_FILE, RUN_FILE, SEPARATOR, is_run, leftover_of, leftover_patterns,
                                    old_folder, run_folder, run_lock_file, run_table, stage_folder)
@@ -72,6 +72,16 @@ def machine_label(out: str | os.PathLike, device) -> str:
     folder = Path(out) / kind
     runs = [*folder.glob(f"*/{RUN_FILE}"), *folder.glob(f"*/*/{RUN_FILE}")]  # main runs, and groups (ablation/)
     return f"{kind}-{here}" if any(_run_host(p) != here for p in runs) else kind
+
+
+def label_for(out: str | os.PathLike, device, gpu_label: str | None) -> str:
+    """The label of this machine's rows under `out`: `gpu_label` where given (checked: it may not name another
+    device type than this one), else `machine_label`."""
+    if gpu_label is None:
+        return machine_label(out, device)
+    check_label(gpu_label)
+    check_label_device(gpu_label, device_type(device), known_device_types(out))
+    return gpu_label
 
 
 def _kernel_manager():
@@ -245,7 +255,7 @@ def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.P
         check_text(option, text)
     dev = pick_device(device)
     out = Path(out)
-    gpu_label = gpu_label or machine_label(out, dev)
+    gpu_label = label_for(out, dev, gpu_label)
     slug = gpu_slug(gpu_label)
     root = out / slug / group
 
