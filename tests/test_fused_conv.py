@@ -118,7 +118,8 @@ def test_every_output_and_partial_is_written():
     tiles = F.pad(rows, (0, 0, 0, pad), value=0.0).reshape(b, -1, 64, c_out)  # 105 voxels: tiles of 64 and 41
     torch.testing.assert_close(parts[0], tiles.sum(2), rtol=1e-5, atol=1e-5)
     a = F.silu(x * scale[:, None, None, None] + shift[:, None, None, None]).permute(0, 4, 1, 2, 3)
-    want = F.conv3d(a, weight.reshape(3, 3, 3, c_out, c_in).permute(3, 4, 0, 1, 2), padding=1) + bias[..., None, None, None]
+    w5 = weight.reshape(3, 3, 3, c_out, c_in).permute(3, 4, 0, 1, 2)  # (C_out, C_in, kd, kh, kw)
+    want = F.conv3d(a, w5, padding=1) + bias[..., None, None, None]
     torch.testing.assert_close(y.permute(0, 4, 1, 2, 3), want, rtol=1e-5, atol=1e-5)
 
 

@@ -38,7 +38,6 @@ Triton is imported). Elsewhere `unavailable` says why, and `configs.resolve` run
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -125,7 +124,7 @@ def _round_nearest_even(v, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
 @_jit
 def _gn_silu_conv3d(x_ptr, w_ptr, scale_ptr, shift_ptr, bias_ptr, act_scale_ptr, out_scale_ptr,
                     y_ptr, part_ptr, D, H, W, C_IN, C_OUT, PART_ROWS,
-                    PROLOGUE: tl.constexpr, SILU: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
+                    SILU: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
                     STATS: tl.constexpr, MINMAX: tl.constexpr, INTERPRET: tl.constexpr, A_MANT: tl.constexpr,
                     A_MIN_EXP: tl.constexpr, Y_MANT: tl.constexpr, Y_MIN_EXP: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -133,11 +132,12 @@ def _gn_silu_conv3d(x_ptr, w_ptr, scale_ptr, shift_ptr, bias_ptr, act_scale_ptr,
 
     x: (B, D, H, W, C_IN); w: (27, C_OUT, C_IN), taps in (kd, kh, kw) order, the reduction axis contiguous (what
     FP8 tensor cores want); scale, shift: (B, C_IN) float32; bias: (B, C_OUT) float32; y: (B, D, H, W, C_OUT).
-    PROLOGUE=False convolves x itself. FP8: the activation is multiplied by *act_scale before its cast, and
-    the accumulator by *out_scale = 1 / (activation scale * weight scale). STATS: part[0 | 1, b, tile, c] = the
-    sum over the tile's voxels of y as stored and of its squared deviation from the tile's mean (MINMAX: part[2 |
-    3] = min, max). INTERPRET: under the interpreter, operands and output are rounded to their types (A_*, Y_*) by
-    `_round_nearest_even` and multiplied in float32 (its dot of bf16 multiplies their bits as integers)."""
+    SILU: `SILU_EXACT`, `SILU_TANH` or `SILU_TANH_BF16X2` (bf16 operands only). FP8: the activation is
+    multiplied by *act_scale before its cast, and the accumulator by *out_scale = 1 / (activation scale * weight
+    scale). STATS: part[0 | 1, b, tile, c] = the sum over the tile's voxels of y as stored and of its squared
+    deviation from the tile's mean (MINMAX: part[2 | 3] = min, max). INTERPRET: under the interpreter, operands
+    and output are rounded to their types (A_*, Y_*) by `_round_nearest_even` and multiplied in float32 (its dot
+    of bf16 multiplies their bits as integers)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     b = tl.program_id(2)
@@ -166,29 +166,26 @@ def _gn_silu_conv3d(x_ptr, w_ptr, scale_ptr, shift_ptr, bias_ptr, act_scale_ptr,
         xa = tl.load(x_base + src[:, None] + offs_k[None, :], mask=ok[:, None], other=0.0)
         wb = tl.load(w_ptr + tap * C_OUT * C_IN + k0 + offs_n[None, :] * C_IN + offs_k[:, None],
                      mask=n_ok[None, :], other=0.0)
-        if PROLOGUE:
-            sc = tl.load(scale_ptr + b * C_IN + k0 + offs_k)
-            sh = tl.load(shift_ptr + b * C_IN + k0 + offs_k)
-            if SILU == 2:  # packed bf16 pairs: h = x * scale/2 + shift/2, silu = h + h * tanh(h), 3 instructions a pair
-                hb = tl.inline_asm_elementwise("fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r",
-                                               [xa.to(tl.bfloat16), (0.5 * sc).to(tl.bfloat16)[None, :],
-                                                (0.5 * sh).to(tl.bfloat16)[None, :]],
-                                               dtype=tl.bfloat16, is_pure=True, pack=2)
-                t = tl.inline_asm_elementwise("tanh.approx.bf16x2 $0, $1;", "=r,r", [hb],
-                                              dtype=tl.bfloat16, is_pure=True, pack=2)
-                a = tl.inline_asm_elementwise("fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r", [hb, t, hb],
-                                              dtype=tl.bfloat16, is_pure=True, pack=2)
-            elif SILU == 1:  # silu(a) = h + h * tanh(h), h = a / 2: one special-function instruction
-                h = xa.to(tl.float32) * (0.5 * sc)[None, :] + (0.5 * sh)[None, :]
-                t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [h],
-                                              dtype=tl.float32, is_pure=True, pack=1)
-                a = h + h * t
-            else:
-                a = xa.to(tl.float32) * sc[None, :] + sh[None, :]
-                a = a / (1.0 + tl.exp(-a))
-            a = tl.where(ok[:, None], a, 0.0)  # the convolution pads the normalized activation with zeros
+        sc = tl.load(scale_ptr + b * C_IN + k0 + offs_k)
+        sh = tl.load(shift_ptr + b * C_IN + k0 + offs_k)
+        if SILU == 2:  # packed bf16 pairs: h = x * scale/2 + shift/2, silu = h + h * tanh(h), 3 instructions a pair
+            hb = tl.inline_asm_elementwise("fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r",
+                                           [xa.to(tl.bfloat16), (0.5 * sc).to(tl.bfloat16)[None, :],
+                                            (0.5 * sh).to(tl.bfloat16)[None, :]],
+                                           dtype=tl.bfloat16, is_pure=True, pack=2)
+            t = tl.inline_asm_elementwise("tanh.approx.bf16x2 $0, $1;", "=r,r", [hb],
+                                          dtype=tl.bfloat16, is_pure=True, pack=2)
+            a = tl.inline_asm_elementwise("fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r", [hb, t, hb],
+                                          dtype=tl.bfloat16, is_pure=True, pack=2)
+        elif SILU == 1:  # silu(a) = h + h * tanh(h), h = a / 2: one special-function instruction
+            h = xa.to(tl.float32) * (0.5 * sc)[None, :] + (0.5 * sh)[None, :]
+            t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [h],
+                                          dtype=tl.float32, is_pure=True, pack=1)
+            a = h + h * t
         else:
-            a = xa
+            a = xa.to(tl.float32) * sc[None, :] + sh[None, :]
+            a = a / (1.0 + tl.exp(-a))
+        a = tl.where(ok[:, None], a, 0.0)  # the convolution pads the normalized activation with zeros
         if FP8:
             a = tl.minimum(tl.maximum(a.to(tl.float32) * act_scale, -448.0), 448.0)
         if INTERPRET:  # operands rounded as on the GPU, multiplied in float32
@@ -242,10 +239,10 @@ def _tuned():
 
 
 def _launch(x, w, scale, shift, bias, act_scale, out_scale, y, *, silu: int, ieee: bool, stats: bool,
-            minmax: bool, prologue: bool = True, config: dict | None = None) -> tuple[torch.Tensor | None, int]:
+            minmax: bool, config: dict | None = None) -> tuple[torch.Tensor | None, int]:
     """Run `_gn_silu_conv3d` on NDHWC x into NDHWC y; returns the (2 or 4, B, tiles, C_out) partials where
-    `stats` (else None), and the tiles' BLOCK_M. `config`: fixed block sizes and warps ({"BLOCK_M": ..., "num_warps": ...}) instead of the autotuner's
-    choice (the interpreter always takes fixed ones)."""
+    `stats` (else None), and the tiles' BLOCK_M. `config`: fixed block sizes ({"BLOCK_M": ..., "BLOCK_N": ...,
+    "BLOCK_K": ...}) instead of the autotuner's choice (the interpreter always takes fixed ones)."""
     b, d, h, w_, c_in = x.shape
     c_out = y.shape[-1]
     voxels = d * h * w_
@@ -261,7 +258,7 @@ def _launch(x, w, scale, shift, bias, act_scale, out_scale, y, *, silu: int, iee
                         dtype=torch.float32)
     a_fmt, y_fmt = _FORMAT[w.dtype], _FORMAT[y.dtype]
     args = (x, w, scale, shift, bias, act_scale, out_scale, y, parts, d, h, w_, c_in, c_out, rows)
-    meta = dict(PROLOGUE=prologue, SILU=silu, FP8=w.dtype == torch.float8_e4m3fn, IEEE=ieee, STATS=stats,
+    meta = dict(SILU=silu, FP8=w.dtype == torch.float8_e4m3fn, IEEE=ieee, STATS=stats,
                 MINMAX=minmax, INTERPRET=interpret, A_MANT=a_fmt[0], A_MIN_EXP=a_fmt[1],
                 Y_MANT=y_fmt[0], Y_MIN_EXP=y_fmt[1])
     if config is not None:
@@ -345,8 +342,9 @@ def gn_silu_conv3d(x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, gamm
         out_scale = (1.0 / (act_scale * w_scale)).view(1)
     y = torch.empty((b, c_out, d, h, w_), device=x.device, dtype=out_dtype, memory_format=torch.channels_last_3d)
     ieee = operands == "float32" and torch.backends.cudnn.conv.fp32_precision == "ieee"
-    parts, block_m = _launch(xl, w, scale, shift, bias.float().contiguous(), act_scale, out_scale, y.permute(0, 2, 3, 4, 1),
-                    silu=_silu_mode(operands, x.device), ieee=ieee, stats=stats, minmax=stats and operands == "fp8")
+    parts, block_m = _launch(xl, w, scale, shift, bias.float().contiguous(), act_scale, out_scale,
+                             y.permute(0, 2, 3, 4, 1), silu=_silu_mode(operands, x.device), ieee=ieee, stats=stats,
+                             minmax=stats and operands == "fp8")
     if not stats:
         return (y, *(x.new_empty((b, 0), dtype=torch.float32) for _ in range(4)))  # four tensors: no aliases
     return (y, *channel_moments(parts, d * h * w_, block_m))
@@ -413,9 +411,10 @@ def norm_silu_conv(x: torch.Tensor, norm: torch.nn.GroupNorm, conv: torch.nn.Con
     of the convolution's own."""
     assert kind in CONV_KINDS[1:], f"fused convolution kind must be one of {CONV_KINDS[1:]}, got {kind!r}"
     operands, out_dtype = operands_for(x, kind)
-    if stats is None:
-        mean, rstd = _group_stats(x.to(torch.promote_types(x.dtype, torch.float32)), norm.num_groups, norm.eps)
-        x_min, x_max = (x.amin(dim=(2, 3, 4)), x.amax(dim=(2, 3, 4))) if operands == "fp8" else (None, None)
+    if stats is None:  # of x detached: the operator's backward differentiates the norm through its statistics
+        xd = x.detach()
+        mean, rstd = _group_stats(xd.to(torch.promote_types(x.dtype, torch.float32)), norm.num_groups, norm.eps)
+        x_min, x_max = (xd.amin(dim=(2, 3, 4)), xd.amax(dim=(2, 3, 4))) if operands == "fp8" else (None, None)
     else:
         mean, rstd = group_stats_from_parts(stats.mean, stats.var, norm.num_groups, norm.eps)
         x_min, x_max = (stats.min, stats.max) if operands == "fp8" else (None, None)

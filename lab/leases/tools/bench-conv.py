@@ -368,7 +368,8 @@ def print_tables(doc: dict, convs: collections.Counter) -> None:
     for r in doc["kernels"]:
         by_shape[tuple(r["shape"])][r["kind"]] = r
     kinds = [k for k in KERNEL_KINDS if any(k in v for v in by_shape.values())]
-    print(f"{'conv':>12} {'x':>2} " + " ".join(f"{k[:13]:>13}" for k in kinds) + "  ms; triton TF/s roof; err fp32: cudnn triton fp8")
+    print(f"{'conv':>12} {'x':>2} " + " ".join(f"{k[:13]:>13}" for k in kinds)
+          + "  ms; triton TF/s roof; err fp32: cudnn triton fp8")
     for shape, rows in by_shape.items():
         cells = []
         for k in kinds:
