@@ -3,15 +3,19 @@ its output against the float64 reference for each operand type, its epilogue's s
 its gradients against eager autograd, and where it runs. Tiny volumes with odd sides: the interpreter runs each
 program's loop in Python (about 2 s a call on a 2-core machine)."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import random_batch
 
 from medddpm.configs import get_config, resolve
 from medddpm.model import fused_conv
 from medddpm.model.blocks import ResBlock
 from medddpm.model.group_norm import group_stats_from_parts
-from medddpm.model.unet import UNet3D
+from medddpm.model.unet import ModelSpec, UNet3D
+from medddpm.train.engine import Engine
 
 CL = torch.channels_last_3d
 
@@ -222,3 +226,20 @@ def test_compiled_fused_res_block_is_the_eager_one():
         torch._dynamo.reset()
     for name, a, e in zip(["y", "x"] + [n for n, _ in block.named_parameters()], got, want):
         assert _rel(a, e) < 1e-5, (name, _rel(a, e))
+
+
+@pytest.mark.slow
+def test_a_training_step_of_the_fused_variant():
+    """The engine builds `sdpa+conv=triton` (bf16 autocast, channels-last) with the fused kind on the CPU under the
+    interpreter, and its first step's loss is the cuDNN variant's within bf16's rounding (8^3, two levels)."""
+    spec = ModelSpec(size=8, mask_channels=3, base_channels=32, channel_mult=(1, 2), attention_ds=(2,))
+    x, c = random_batch(spec)
+    t, noise = torch.tensor([100]), torch.randn(1, 1, 8, 8, 8, generator=torch.Generator().manual_seed(1))
+    losses = {}
+    for name in ("sdpa", "sdpa+conv=triton"):
+        engine = Engine(spec, name, device="cpu", ema=False)
+        assert engine.run.conv == get_config(name).conv and "conv" not in engine.run.not_applicable
+        kinds = {m.conv_kind for m in engine.model.modules() if isinstance(m, ResBlock)}
+        assert kinds == {get_config(name).conv}
+        losses[name] = float(engine.step([(engine.prepare(x), engine.prepare(c), t, noise)]))
+    assert math.isfinite(losses["sdpa"]) and abs(losses["sdpa+conv=triton"] / losses["sdpa"] - 1) < 2e-2, losses
