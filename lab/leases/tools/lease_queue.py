@@ -135,7 +135,8 @@ class Item:
         raise NotImplementedError
 
     def command(self, tree: Tree, label: str) -> str:
-        """bash, run from the repository root with DEADLINE (seconds it may take), ITEM_OUT and COMMIT set."""
+        """bash, run from the repository root with DEADLINE (seconds it may take), OUT and ITEM_OUT (its own folder,
+        packed with it), LABEL and COMMIT set."""
         raise NotImplementedError
 
     def packs(self, tree: Tree, label: str) -> list[Path]:
@@ -191,7 +192,7 @@ class Resume(Item):
         return any(r.get("device", "cpu") != "cpu" and "error" not in r for r in records if isinstance(r, dict))
 
     def command(self, tree, label):
-        return (f"CONFIGS={self.config} OUT=$ITEM_OUT bash lab/leases/2026-12-07-resume-floor.sh; "
+        return (f"CONFIGS={self.config} bash lab/leases/2026-12-07-resume-floor.sh; "
                 f"python3 lab/leases/tools/resume_floor.py judge $ITEM_OUT/resume-floor-{self.config}.json")
 
     def recorded(self, rc, logs):
@@ -245,7 +246,7 @@ class Study(Item):
 
     def command(self, tree, label):
         return (f"LIMIT=$((DEADLINE - 40)) CONFIGS={','.join(self.configs)} JOBS={self.jobs} STUDY_OUT={DATA_OUT} "
-                "OUT=$ITEM_OUT bash lab/leases/2026-12-06-study.sh")
+                "bash lab/leases/2026-12-06-study.sh")
 
     def packs(self, tree, label):
         return [DATA_OUT / label / "convergence"]
@@ -311,7 +312,7 @@ class Sweep(Item):
         return State(seconds=s, source=source)
 
     def command(self, tree, label):
-        return (f"SWEEP_OUT={DATA_OUT} SWEEP_ARGS='--phases {PHASES} --gpu-label {label}' OUT=$ITEM_OUT "
+        return (f"SWEEP_OUT={DATA_OUT} SWEEP_ARGS='--phases {PHASES} --gpu-label {label}' "
                 f"bash lab/leases/tools/device-sweep.sh $DEADLINE {self.preset} {self.config}")
 
     def packs(self, tree, label):
@@ -344,7 +345,7 @@ class Ablation(Item):
 
     def command(self, tree, label):
         return (f"LABEL={label} ABLATION_OUT={DATA_OUT} VARIANTS={shlex.quote(','.join(self.owed(tree, label)))} "
-                "DEADLINE=$DEADLINE OUT=$ITEM_OUT bash lab/leases/2026-12-04-ablation.sh")
+                "DEADLINE=$DEADLINE bash lab/leases/2026-12-04-ablation.sh")
 
     def packs(self, tree, label):
         return [DATA_OUT / label / "ablation"]
@@ -372,7 +373,7 @@ class EndToEnd(Item):
                      "(brats) on the H200, 220 steps each, the loader's cache, two sweep starts")
 
     def command(self, tree, label):
-        return f"DEADLINE=$DEADLINE E2E_OUT={DATA_OUT} LABEL={label} OUT=$ITEM_OUT bash lab/leases/2026-12-05-end-to-end.sh"
+        return f"DEADLINE=$DEADLINE E2E_OUT={DATA_OUT} LABEL={label} bash lab/leases/2026-12-05-end-to-end.sh"
 
     def packs(self, tree, label):
         return [p for folders in self.folders([DATA_OUT]).values() for p in folders]
@@ -406,7 +407,7 @@ class Repeat(Item):
     def command(self, tree, label):
         out = self.out(LAB_OUT, tree.commit, self.k)
         return (f"mkdir -p {out}/{label} && cp {DATA_OUT}/{label}/roofs.parquet {out}/{label}/ 2>/dev/null; "
-                f"SWEEP_OUT={out} SWEEP_ARGS='--phases= --gpu-label {label}' OUT=$ITEM_OUT "
+                f"SWEEP_OUT={out} SWEEP_ARGS='--phases= --gpu-label {label}' "
                 f"bash lab/leases/tools/device-sweep.sh $DEADLINE paper {' '.join(self.configs)}")
 
     def packs(self, tree, label):
@@ -431,7 +432,7 @@ class Script(Item):
         return State(seconds=self.seconds, source=self.source)
 
     def command(self, tree, label):
-        return f"DEADLINE=$DEADLINE OUT=$ITEM_OUT LABEL={label} bash {self.path}"
+        return f"bash {self.path}"
 
     def recorded(self, rc, logs):
         return rc == 0
@@ -557,7 +558,9 @@ def run(tree: Tree, label: str, limit: float, out: Path, items: list[Item] | Non
         logs.mkdir(parents=True, exist_ok=True)
         deadline = int(left - PACK_S)
         item_label = item.card or label
-        env = os.environ | {"DEADLINE": str(deadline), "ITEM_OUT": str(logs.absolute()), "LABEL": item_label}
+        # OUT too: a lease script packs into its OUT, and the call's $OUT holds only what the queue packs
+        env = os.environ | {"DEADLINE": str(deadline), "ITEM_OUT": str(logs.absolute()), "OUT": str(logs.absolute()),
+                            "LABEL": item_label}
         print(f"[{minutes(time.monotonic() - t0)}] {item.name}: start, {deadline} s given, "
               f"{minutes(state.seconds)} estimated", flush=True)
         t = time.monotonic()
