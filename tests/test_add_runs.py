@@ -71,6 +71,8 @@ BAD = {
     "an unknown configuration": (lambda r: _edit(r / "run.parquet", config="fastest"), "run.parquet", "fastest"),
     "the identity's label": (lambda r: _edit(r / "run.parquet", identity=_identity(label="nvidia-h200")),
                              "run.parquet", "label"),
+    "an identity that is not JSON": (lambda r: _edit(r / "run.parquet", identity="{config: opt1"), "run.parquet",
+                                     "column identity"),
     "the identity's steps": (lambda r: _edit(r / "run.parquet", identity=_identity(steps=3)), "run.parquet", "steps"),
     "the wrong folder": (lambda r: _rename(r, "opt1~0badc0de"), "run.parquet", "not the folder of its identity"),
     "another configuration's folder": (lambda r: _rename(r, "opt12"), "run.parquet", "belongs in opt1"),
@@ -148,9 +150,33 @@ def test_a_tgz_and_a_folder_of_tgz_files_are_read_as_the_tree_they_hold(tree, tm
     assert len(said["added"]) == 2 and not said["refused"]
     said = add_runs(drop, tmp_path / "b")
     assert len(said["added"]) == 2 and not said["refused"]
+    _edit(tree / H100 / "opt1" / "run.parquet", status="error")
+    with tarfile.open(drop / "more.tgz", "w:gz") as tar:
+        tar.add(tree / H100 / "opt1", arcname=f"{H100}/opt1")
     (drop / "broken.tgz").write_bytes(b"not a tar")
-    (line,) = add_runs(drop, tmp_path / "c")["refused"]
-    assert "broken.tgz" in line and "\n" not in line
+    said = add_runs(drop, tmp_path / "c")
+    assert len(said["added"]) == 2, "the readable archive's runs are added"
+    broken, error = said["refused"]
+    assert "broken.tgz" in broken and "\n" not in broken
+    assert error.startswith(f"{drop / 'more.tgz'}:/{H100}/opt1/run.parquet: status error"), error
+
+
+def test_a_run_being_measured_is_refused_and_added_by_the_next_call(tree, tmp_path):
+    import fcntl
+
+    from medddpm.store.layout import run_lock_file
+
+    out = tmp_path / "data"
+    lock = run_lock_file(out / H100, "opt1")
+    lock.parent.mkdir(parents=True)
+    with open(lock, "w") as held:  # as a sweep of another process holds it
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write("pid=1\nhost=elsewhere\nsince=now\nwhat=sweep\n")
+        held.flush()
+        said = add_runs(tree, out)
+    (line,) = said["refused"]
+    assert "opt1" in line and "in use" in line, line
+    assert f"added: {out / H100 / 'opt1'}" in add_runs(tree, out)["added"]
 
 
 def test_every_committed_run_passes_the_checks():

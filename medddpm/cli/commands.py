@@ -335,9 +335,10 @@ def cmd_add_runs(args) -> None:
     from medddpm.measure.add_runs import add_runs
 
     said = add_runs(args.path, args.out)
-    for outcome in ("added", "kept", "refused"):
-        for line in said[outcome]:
-            print(line if outcome != "refused" else f"refused: {line}", file=sys.stderr if outcome == "refused" else sys.stdout)
+    for line in said["added"] + said["kept"]:
+        print(line)
+    for line in said["refused"]:
+        print(f"refused: {line}", file=sys.stderr)
     print(f"{len(said['added'])} added, {len(said['kept'])} already in {args.out} (kept as they were), "
           f"{len(said['refused'])} refused")
     if said["refused"]:

@@ -23,6 +23,7 @@ and the reason; the other runs are added.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -37,6 +38,7 @@ from medddpm.measure.env import gpu_slug, tracked_by_git
 from medddpm.measure.sweep import final_folder, plan_runs, recorded, run_lock, stands
 from medddpm.measure.timing.bench import train_summary
 from medddpm.store import schema
+from medddpm.store.lock import FolderInUse
 from medddpm.store.identity import encode, folder_name, key, split_folder
 from medddpm.store.layout import (ABLATION_DIR, KERNEL_LOG, NOTEBOOK_FILE, ROOFS_FILE, RUN_FILE, RUN_TABLES, SEPARATOR,
                                   hidden, old_folder, run_table, stage_folder)
@@ -66,16 +68,19 @@ class Checked:
 def _identity_of(row, label: str, group: str, name: str, where: Path) -> tuple[str, str, str]:
     """(plain folder name, the run's identity, the default identity of that name) of a run folder named `name`."""
     text = str(row["identity"])
-    recorded_fields = json.loads(text) if text else None
-    if recorded_fields is not None and encode(recorded_fields) != text:
-        raise Refused(f"{where}: column identity is not the sweep's canonical JSON")
+    try:
+        recorded_fields = json.loads(text) if text else None
+    except ValueError:
+        recorded_fields = []
+    if recorded_fields is not None and (not isinstance(recorded_fields, dict) or encode(recorded_fields) != text):
+        raise Refused(f"{where}: column identity is not the sweep's JSON object of the run's identity")
     fields = recorded_fields or {}
     mask = fields.get("mask_channels")
-    params = {"batch": int(row["batch"])} | ({"mask_channels": int(mask)} if mask is not None else {})
     try:
+        params = {"batch": int(row["batch"])} | ({"mask_channels": int(mask)} if mask is not None else {})
         plan = plan_runs([get_config(row["config"])], preset=str(row["preset"]), gpu_label=label, params=params,
                          group=group)[0]
-    except ValueError as e:
+    except (TypeError, ValueError) as e:
         raise Refused(f"{where}: {str(e).splitlines()[0]}") from None
     plain, suffix = split_folder(name)
     if recorded_fields is None:  # a row of before identities: the default identity of its folder's name
@@ -188,19 +193,21 @@ def _runs_in(root: Path) -> tuple[list[tuple[Path, str, str]], list[Path], list[
     return runs, roofs, refused
 
 
-def _unpacked(path: Path, into: Path) -> list[Path]:
-    """The data trees `path` holds: itself (a folder), and each .tgz in it or that it is, unpacked under `into`."""
+def _unpacked(path: Path, into: Path) -> tuple[list[tuple[Path, str]], list[str]]:
+    """The data trees `path` holds, each with the name its refusals give it: itself (a folder), and each .tgz in it
+    or that it is, unpacked under `into`; and the refusals of archives that cannot be read."""
     archives = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.name.endswith((".tgz", ".tar.gz")))
-    trees = [] if path.is_file() else [path]
+    trees, refused = ([] if path.is_file() else [(path, str(path))]), []
     for i, archive in enumerate(archives):
         target = into / str(i)
         try:
             with tarfile.open(archive) as tar:
                 tar.extractall(target, filter="data")  # no links out of the tree, no absolute paths
         except (tarfile.TarError, OSError) as e:
-            raise Refused(f"{archive}: not a readable .tgz ({str(e).splitlines()[0]})") from None
-        trees.append(target)
-    return trees
+            refused.append(f"{archive}: not a readable .tgz ({str(e).splitlines()[0]})")
+            continue
+        trees.append((target, f"{archive}:"))
+    return trees, refused
 
 
 def _add_roofs(path: Path, out: Path, label: str) -> str:
@@ -221,7 +228,11 @@ def _add_roofs(path: Path, out: Path, label: str) -> str:
 def _publish(run: Checked, out: Path) -> tuple[str, Path]:
     """Copy a checked run into the tree by the sweep's rules: ('added' | 'kept', its folder)."""
     root = out / run.label / run.group
-    with run_lock(root / run.plain, "add-runs"):
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(run_lock(root / run.plain, "add-runs"))
+        except FolderInUse as e:
+            raise Refused(f"{run_table(run.source, 'run')}: {e}; add it again once that has ended") from None
         final = final_folder(root, run.plain, run.identity, run.default)
         before = recorded(final)
         if stands(before, run.identity):
@@ -246,24 +257,21 @@ def add_runs(path: str | os.PathLike, out: str | os.PathLike = "data") -> dict[s
         raise FileNotFoundError(f"{path}: no such folder or .tgz")
     said = {"added": [], "kept": [], "refused": []}
     with tempfile.TemporaryDirectory(prefix="medddpm-add-runs-") as tmp:
-        try:
-            trees = _unpacked(path, Path(tmp))
-        except Refused as e:
-            return said | {"refused": [str(e)]}
-        for tree in trees:
+        trees, said["refused"] = _unpacked(path, Path(tmp))
+        for tree, name in trees:
             runs, roofs, refused = _runs_in(tree)
-            said["refused"] += refused
+            said["refused"] += [line.replace(str(tree), name) for line in refused]
             for folder, label, group in runs:
                 try:
                     outcome, final = _publish(check_run(folder, label, group), out)
                     said[outcome].append(f"{outcome}: {final}")
                 except Refused as e:
-                    said["refused"].append(str(e).replace(tmp, "<archive>"))
+                    said["refused"].append(str(e).replace(str(tree), name))
             for roof in roofs:
                 try:
                     line = _add_roofs(roof, out, roof.parent.name)
                 except Refused as e:
-                    said["refused"].append(str(e).replace(tmp, "<archive>"))
+                    said["refused"].append(str(e).replace(str(tree), name))
                     continue
                 said["added" if line.startswith("added") else "kept"].append(line)
     return said

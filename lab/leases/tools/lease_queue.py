@@ -496,9 +496,10 @@ def show(rows: list[tuple[Item, State]], label: str) -> str:
         what = (f"skip: {state.done}" if state.done else
                 f"owed {minutes(state.seconds)}" + (f" (starts with {minutes(state.start_s)})" if state.start_s else "")
                 + f"  [{state.source}]")
-        lines.append(f"{i:3d}. {item.name:<22} {what}")
+        lines.append(f"{i:3d}. {item.name:<22}{' *' if item.card is None and not state.done else '  '} {what}")
     owed = sum(s.seconds for _, s in rows if not s.done)
-    lines.append(f"owed on {label}: {minutes(owed)} in {sum(1 for _, s in rows if not s.done)} items")
+    lines.append(f"owed on {label}: {minutes(owed)} in {sum(1 for _, s in rows if not s.done)} items (* either card: "
+                 "owed once, on whichever comes first)")
     return "\n".join(lines)
 
 
