@@ -245,7 +245,11 @@ class Study(Item):
         return State(seconds=seconds, source=source, start_s=min(s for s, _ in per.values()) + 60)
 
     def command(self, tree, label):
-        return (f"LIMIT=$((DEADLINE - 40)) CONFIGS={','.join(self.configs)} JOBS={self.jobs} STUDY_OUT={DATA_OUT} "
+        # parallel runs share the GPU by time-slicing, so n at once end together after n runs' time, and a run still
+        # going when the call ends is lost with a fresh machine: as many at once as end before the deadline
+        run_s = int(max(self.run_s(tree, label, c)[0] for c in self.configs))
+        return (f"LIMIT=$((DEADLINE - 40)) CONFIGS={','.join(self.configs)} STUDY_OUT={DATA_OUT} "
+                f"JOBS=$(( j = (DEADLINE - 60) / {run_s}, j < 1 ? 1 : (j > {self.jobs} ? {self.jobs} : j) )) "
                 "bash lab/leases/2026-12-06-study.sh")
 
     def packs(self, tree, label):
