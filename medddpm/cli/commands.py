@@ -331,6 +331,20 @@ def exit_if_failed(results: list[dict]) -> None:
         sys.exit(1)
 
 
+def cmd_add_runs(args) -> None:
+    from medddpm.measure.add_runs import add_runs
+
+    said = add_runs(args.path, args.out)
+    for line in said["added"] + said["kept"]:
+        print(line)
+    for line in said["refused"]:
+        print(f"refused: {line}", file=sys.stderr)
+    print(f"{len(said['added'])} added, {len(said['kept'])} already in {args.out} (kept as they were), "
+          f"{len(said['refused'])} refused")
+    if said["refused"]:
+        sys.exit(1)
+
+
 def cmd_summary(args) -> None:
     from medddpm.measure.sweep import summary
 
