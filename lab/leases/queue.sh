@@ -8,8 +8,9 @@
 #   DRY_RUN=1 [CARD=nvidia-h200] [LIMIT=560] bash lab/leases/queue.sh      (on the CPU: the order, skips and minutes)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-if [ -n "${DRY_RUN:-}" ]; then
-  exec python3 lab/leases/tools/lease_queue.py plan
+if [ -n "${DRY_RUN:-}" ]; then  # on the CPU: the project's .venv where there is one
+  py=python3; [ -x .venv/bin/python ] && py=.venv/bin/python
+  PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} exec "$py" lab/leases/tools/lease_queue.py plan
 fi
 out=${OUT:-runs/out}; mkdir -p "$out" runs/queue
 out=$(cd "$out" && pwd)
