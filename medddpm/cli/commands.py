@@ -335,7 +335,7 @@ def exit_if_failed(results: list[dict]) -> None:
 
 
 def cmd_summary(args) -> None:
-    from medddpm.measure.sweep import summary
+    from medddpm.measure.summary import summary
 
     print(summary(args.out, device=args.device, gpu_label=args.gpu_label, book=args.book))
 
