@@ -6,9 +6,9 @@ import math
 
 import pandas as pd
 
+from medddpm.analysis.roofs import COMPUTE
 from medddpm.configs import CONFIGS, PAPER, ablation
 from medddpm.report.loading import Data, _sort
-from medddpm.analysis.roofs import COMPUTE
 from medddpm.report.roofs import step_efficiency
 from medddpm.report.step_time import device_label
 from medddpm.report.tables import cpu_rows, gpus_first
