@@ -266,3 +266,19 @@ def test_the_roofline_puts_tf32_convolutions_on_the_tensor_cores():
     top = tf32.sort_values("duration_ns").iloc[-1]
     assert top["flops_per_s"] > 67e12, "its longest TF32 kernel runs above the CUDA cores' FP32 peak"
     assert (points.loc[points["config"] == "baseline", "flops_tensor"] == 0).all()
+
+
+def test_a_step_is_floored_by_the_faster_of_its_precision_and_fp32():
+    """Autocast leaves part of a bf16 step in FP32: on a GPU the bf16 roof is the higher and floors it; on a CPU
+    without bf16 instructions FP32's is, and the page names the roof it reads."""
+    gpu = ar.card_roofs(schema.empty("roofs"), "nvidia-h200", "nvidia-h200")
+    assert report.step_roof(gpu, "bf16")[0] == "bf16" and report.step_roof(gpu, "fp32")[0] == "fp32"
+    cpu = ar.card_roofs(made_up("cpu-vm", "nvidia-h200", 1e-3).assign(gpu_type="cpu").query("roof != 'tf32'"),
+                        "cpu-vm", "cpu")
+    cpu["bf16"] = ar.Roof(cpu["fp32"].value / 7, ar.MEASURED, "measured under cpu-vm")
+    name, roof = report.step_roof(cpu, "bf16")
+    assert name == "fp32" and roof.value == cpu["fp32"].value and report.step_roof(cpu, "tf32") is None
+    floors = pd.DataFrame({"gpu_slug": "cpu-vm", "precision": ["bf16", "fp32"], "roof": ["fp32", "fp32"],
+                           "peak_tflops": 0.07, "floor_ms": 1.0, "best_config": ["bf16", "baseline"], "best_ms": 2.0,
+                           "fraction_of_peak": 0.5})
+    assert report.beyond.floors_table(floors)["precision"].tolist() == ["bf16 (fp32 roof)", "fp32"]
