@@ -125,7 +125,7 @@ def all_charts(data: report.Data, **kw) -> dict[str, alt.TopLevelMixin]:
     mem = report.memory_runs(run)
     predicted, kernels = cards.predictions(data)
     return {
-        "step_time": charts.step_time(summary, report.floors(data.run, roofs=data.roofs), **kw),
+        "step_time": charts.step_time(summary, report.beyond.floors(data), **kw),
         "speedup": charts.speedup(summary, **kw),
         "cost": charts.cost(summary, **kw),
         "bench": charts.bench(data.bench, **kw),
@@ -772,7 +772,7 @@ def test_a_machine_kept_beside_ours_has_the_peaks_of_its_device_type(real):
                        run_id=h200["run_id"].str.replace("nvidia-h200/", "nvidia-h200-box/", regex=False))
     other = h200.assign(gpu_slug="nvidia-x-box", gpu_type="nvidia-x",
                         run_id=h200["run_id"].str.replace("nvidia-h200/", "nvidia-x-box/", regex=False))
-    f = report.floors(pd.concat([real.run, mine, other], ignore_index=True))
+    f = report.beyond.floors(report.Data(**{**real.__dict__, "run": pd.concat([real.run, mine, other], ignore_index=True)}))
     ours = f[f["gpu_slug"] == "nvidia-h200"].set_index("precision")["floor_ms"]
     theirs = f[f["gpu_slug"] == "nvidia-h200-box"].set_index("precision")["floor_ms"]
     assert not ours.empty and theirs.sort_index().tolist() == pytest.approx(ours.sort_index().tolist())

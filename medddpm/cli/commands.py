@@ -118,11 +118,14 @@ def cmd_claims(args) -> None:
         return
     cpus = set(data.run.loc[data.run["gpu_type"] == "cpu", "gpu_slug"])  # every CPU label: cpu, cpu-<host>
     for slug, rows in table.groupby("gpu_slug", sort=False):
-        counts = rows["verdict"].value_counts()
-        print(f"{slug}: " + ", ".join(f"{counts.get(v, 0)} {v}" for v in claims.VERDICTS))
+        counts, judged = rows["verdict"].value_counts(), rows["judged"].value_counts()
+        print(f"{slug}: " + ", ".join(f"{counts.get(v, 0)} {v}" for v in claims.VERDICTS)
+              + f"; {len(rows) - counts.get(report.NA, 0)} judged, {judged.get(claims.IN_PART, 0)} of them in part")
     if cpus & set(table["gpu_slug"]):
         print(f"  {', '.join(sorted(cpus & set(table['gpu_slug'])))}: {claims.ON_CPU}")
     gpus = table[~table["gpu_slug"].isin(cpus)]
+    said = claims.settle_text(gpus).replace("**", "").replace("`", "")
+    print("\n" + "\n".join(textwrap.fill(line, 100, subsequent_indent="    ") for line in said.split("\n") if line))
     width = max((len(s) for s in gpus["gpu_slug"]), default=0) + 2
     for _, rows in gpus.groupby("claim_id", sort=False):  # each card's verdict side by side
         r = rows.iloc[0]
@@ -130,7 +133,7 @@ def cmd_claims(args) -> None:
                                         f"the paper's card: {r['paper_card']}" if r["paper_card"] else ""]))
         print(f"\n{r['short']} [{about}]")
         for d in rows.itertuples():
-            print(f"  {d.gpu_slug:<{width}}{d.verdict}")
+            print(f"  {d.gpu_slug:<{width}}{d.verdict}" + (f" ({d.judged})" if d.judged == claims.IN_PART else ""))
             print(textwrap.fill(d.evidence, 100, initial_indent=" " * (width + 2),
                                 subsequent_indent=" " * (width + 2)))
 
@@ -346,7 +349,7 @@ def cmd_add_runs(args) -> None:
 
 
 def cmd_summary(args) -> None:
-    from medddpm.measure.sweep import summary
+    from medddpm.measure.summary import summary
 
     print(summary(args.out, device=args.device, gpu_label=args.gpu_label, book=args.book))
 

@@ -237,12 +237,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="data", help="the data tree to add them to (default data)")
     p.set_defaults(func=cmd_add_runs)
 
-    p = sub.add_parser("summary", help="what this machine measured, its fastest configuration against the "
-                                       "committed rows of its device type, and where the book is")
+    p = sub.add_parser("summary", help="what a label measured (this machine's, or --gpu-label's), its fastest "
+                                       "configuration against the committed rows of its device type, else the "
+                                       "nearest other card in the data, and where the book is")
     p.add_argument("--out", default="data", help="the data tree (default data)")
     add_device_arg(p)
-    p.add_argument("--gpu-label", metavar="LABEL", help="the label the sweep wrote under (default: as the sweep "
-                                                        "derives it on this machine)")
+    p.add_argument("--gpu-label", metavar="LABEL", help="the label to summarise, read as the device type its rows "
+                                                        "recorded (default: this machine's, as the sweep derives it)")
     p.add_argument("--book", metavar="HTML", help="the built book's first page, to say where it is")
     p.set_defaults(func=cmd_summary)
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 import shutil
 import sys
@@ -439,6 +438,7 @@ def failed(results: list[dict]) -> bool:
     """Whether a configuration of the sweep did not give its measurement (the command exits 1 then)."""
     return any(r["status"] in FAILED for r in results)
 
+
 def _main_runs(folder: Path) -> list:
     """The run rows of `folder`'s main runs (`data/<label>/<config>/`, not those of another identity), in
     configuration order."""
@@ -448,52 +448,3 @@ def _main_runs(folder: Path) -> list:
     rows = [r for r in rows if run_folder(r["config"], r["preset"], max(int(r["batch"]), 1)) == r["config"]]
     order = {name: k for k, name in enumerate(CONFIGS)}
     return sorted(rows, key=lambda r: (order.get(r["config"], len(order)), r["config"]))
-
-
-def summary(out: str | os.PathLike = "data", *, device: str | None = None, gpu_label: str | None = None,
-            book: str | os.PathLike | None = None) -> str:
-    """What this machine measured under `out`, its fastest configuration against the committed rows of its
-    device type (`out/<type>/`: the rows of the type measured elsewhere), and where the book is."""
-    import textwrap
-
-    dev = pick_device(device)
-    out = Path(out)
-    label = gpu_slug(gpu_label or machine_label(out, dev))
-    kind = device_type(dev)
-    folder = out / label
-    mine = _main_runs(folder)
-    lines = [f"This machine: {kind} on host {host_name()}, labelled {label}."]
-    if not mine:
-        lines.append(f"Nothing measured yet in {folder}/ (python -m medddpm sweep measures it).")
-        return "\n".join(textwrap.fill(line, 100, subsequent_indent="  ", break_on_hyphens=False) for line in lines)
-    ok = [r for r in mine if r["status"] == "ok" and not math.isnan(r["train_median_ms"])]
-    first = mine[0]
-    lines.append(f"Measured {len(mine)} configuration(s) into {folder}/ ({first['preset']} preset, "
-                 f"{first['shape']} voxels, {int(first['parameters']):,} parameters), {len(ok)} ok:")
-    for r in mine:
-        what = (f"{r['train_median_ms']:9.1f} ms a training micro-step (median of {int(r['timed_steps'])})"
-                if r["status"] == "ok" else f"{r['status']}: {r['message']}")
-        lines.append(f"  {r['config']:<12} {what}")
-    if ok:
-        best = min(ok, key=lambda r: r["train_median_ms"])
-        line = f"Fastest here: {best['config']}, {best['train_median_ms']:.1f} ms."
-        theirs = {r["config"]: r for r in _main_runs(out / kind)} if label != kind else {}
-        ref = theirs.get(best["config"])
-        if label == kind:
-            line += f" No other rows of {kind} in {out}/ to compare with: these are the first."
-        elif ref is None or ref["status"] != "ok":
-            line += f" The committed {kind} rows ({out / kind}/) have no {best['config']} to compare with."
-        elif (ref["preset"], ref["shape"]) != (best["preset"], best["shape"]):
-            line += (f" The committed {kind} {best['config']} is of another size ({ref['preset']}, {ref['shape']}),"
-                     f" not comparable.")
-        else:
-            ratio = best["train_median_ms"] / ref["train_median_ms"]
-            line += (f" The committed {kind} row ({out / kind / best['config']}/): {ref['train_median_ms']:.1f} ms;"
-                     f" this machine takes {ratio:.2f}x its time ({1 / ratio:.2f}x its speed).")
-        lines.append(line)
-    if book is not None:
-        book = Path(book)
-        lines.append(f"The book: {book.resolve()} ({label} beside the committed devices)" if book.is_file()
-                     else f"The book is not built yet ({book}: bash scripts/book.sh builds it).")
-    return "\n".join(line if line.startswith("  ") else textwrap.fill(line, 100, subsequent_indent="  ", break_on_hyphens=False)
-                     for line in lines)

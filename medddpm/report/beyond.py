@@ -6,10 +6,10 @@ import math
 
 import pandas as pd
 
+from medddpm.analysis.roofs import COMPUTE
 from medddpm.configs import CONFIGS, PAPER, ablation
-from medddpm.model.flops import count
-from medddpm.model.unet import ModelSpec
 from medddpm.report.loading import Data, _sort
+from medddpm.report.roofs import step_efficiency
 from medddpm.report.step_time import device_label
 from medddpm.report.tables import cpu_rows, gpus_first
 
@@ -93,21 +93,28 @@ def beyond_paper() -> pd.DataFrame:
                          if c not in PAPER])
 
 
-def bench_flops(data: Data, summary: pd.DataFrame) -> float | None:
-    """FLOPs of the bench's micro-step, counted on the meta device (no memory, no arithmetic), for GPUs that have
-    bench timings but no sweep yet; None where every benched GPU has a sweep."""
-    b = data.bench[data.bench["implementation"] == "ours"] if not data.bench.empty else data.bench
-    if b.empty or not set(b["gpu_slug"]) - set(summary["gpu_slug"]):
-        return None
-    shape = b[["size", "mask_channels", "base_channels"]].drop_duplicates()
-    assert len(shape) == 1, f"bench files of several model shapes: {shape.to_dict('records')}"
-    s = shape.iloc[0]
-    return count(ModelSpec(size=int(s["size"]), mask_channels=int(s["mask_channels"]),
-                           base_channels=int(s["base_channels"])))["train_flops"]
+FLOOR_COLUMNS_ALL = ["gpu_slug", "precision", "roof", "peak_tflops", "source", "basis", "floor_ms", "best_config",
+                     "best_ms", "fraction_of_peak", "timing_source"]
+
+
+def floors(data: Data) -> pd.DataFrame:
+    """Per card and precision with a roof for it: the shortest micro-step the roof allows (the step's FLOPs over
+    the roof) beside the fastest configuration that ran in that precision. Its share, floor over fastest, is that
+    configuration's efficiency as `roofs.step_efficiency` gives it to every page (the roof on the book's basis,
+    the sweep's timing, else the bench's)."""
+    e = step_efficiency(data)
+    if e.empty:
+        return pd.DataFrame(columns=FLOOR_COLUMNS_ALL)
+    best = e.loc[e.groupby(["gpu_slug", "precision"], sort=False)["train_median_ms"].idxmin()]
+    out = best.assign(floor_ms=best["flops_per_step"] / (best["peak_tflops"] * 1e12) * 1e3, source=best["peak_source"],
+                      best_config=best["config"], best_ms=best["train_median_ms"], fraction_of_peak=best["efficiency"],
+                      timing_source=best["timing"])
+    order = out["precision"].map({r: i for i, r in enumerate(COMPUTE)})
+    return out.assign(_order=order).sort_values(["gpu_slug", "_order"], ignore_index=True)[FLOOR_COLUMNS_ALL]
 
 
 def check_floors(floors: pd.DataFrame) -> None:
-    """A floor is a share of the fastest step: the peak's time can only be shorter than a measured one."""
+    """A floor is a share of the fastest step: the roof's time can only be shorter than a measured one."""
     assert floors["fraction_of_peak"].between(0, 1).all(), floors
 
 
@@ -153,15 +160,23 @@ def channels_last_text(summary: pd.DataFrame, bench: pd.DataFrame, cpus: set[str
     return "Channels-last on its own:\n\n" + "\n".join(lines) if lines else ""
 
 
-FLOOR_COLUMNS = {"gpu_slug": "device", "peak_tflops": "peak TFLOP/s", "floor_ms": "floor ms", "best_config": "fastest",
-                 "best_ms": "fastest ms", "fraction_of_peak": "floor / fastest"}
+FLOOR_COLUMNS = {"gpu_slug": "device", "precision": "precision", "peak_tflops": "roof TFLOP/s", "floor_ms": "floor ms",
+                 "best_config": "fastest", "best_ms": "fastest ms", "fraction_of_peak": "floor / fastest"}
+
+
+def floors_table(floors: pd.DataFrame) -> pd.DataFrame:
+    """`floors` as the page shows it (`FLOOR_COLUMNS`), a precision read against another roof named beside it."""
+    shown = floors.assign(precision=[p if r == p else f"{p} ({r} roof)" for p, r in zip(floors["precision"],
+                                                                                        floors["roof"])])
+    return shown[list(FLOOR_COLUMNS)].rename(columns=FLOOR_COLUMNS)
 
 
 def floors_text(floors: pd.DataFrame) -> str:
     return "\n".join(
-        f"- **{r.gpu_slug}**, {r.precision} peak {r.peak_tflops:.0f} TFLOP/s ({r.source}): floor {r.floor_ms:.3g} ms; "
-        f"the fastest {r.precision} configuration, `{r.best_config}`, takes {r.best_ms:.3g} ms, "
-        f"{r.fraction_of_peak:.0%} of that peak ({r.timing_source})." for r in floors.itertuples())
+        f"- **{r.gpu_slug}**, {r.precision}: against the {r.roof} roof ({r.peak_tflops:.4g} TFLOP/s, {r.basis}"
+        + (", the higher of the two the step runs in" if r.roof != r.precision else "") + f") the floor is "
+        f"{r.floor_ms:.3g} ms; the fastest {r.precision} configuration, `{r.best_config}`, takes {r.best_ms:.3g} ms, "
+        f"{r.fraction_of_peak:.0%} of that roof ({r.timing_source})." for r in floors.itertuples())
 
 
 def check_ablation(abl: pd.DataFrame) -> None:
