@@ -14,11 +14,12 @@ from typing import Literal, get_args, get_type_hints
 import torch
 
 from medddpm.model import fused_conv
+from medddpm.model.group_norm import triton_unavailable
 
 Precision = Literal["fp32", "tf32", "bf16", "fp16"]
 AttentionKind = Literal["math", "sdpa"]
 UpsampleKind = Literal["interpolate", "separable", "separable_ndhwc"]
-GroupNormKind = Literal["aten", "chunked", "fused"]
+GroupNormKind = Literal["aten", "chunked", "fused", "triton"]
 ConvKind = Literal["cudnn", "triton", "triton_fp8"]
 
 
@@ -56,12 +57,14 @@ class Config:
     pin_layout: bool = switch(False, "compiled: pin channels-last 3D at every convolution input",
                               "channels-last 3D pinned at every convolution input of compiled graphs (as requested)")
     # "chunked": statistics per channel over voxel chunks, then per group; "fused": those statistics, the SiLU
-    # after the norm in the same function, and a hand-written backward (model._GroupNormSiLU)
+    # after the norm in the same function, and a hand-written backward (model._GroupNormSiLU); "triton": the norm,
+    # the SiLU and the timestep features added before them as Triton kernels (model.group_norm_triton)
     group_norm: GroupNormKind = switch("aten", "GroupNorm kernel: chunked statistics, or those fused with the SiLU "
-                                               "after it",
+                                               "after it, or Triton kernels",
                                        "aten | chunked (GroupNorm statistics per channel over voxel chunks, then per "
                                        "group) | fused (chunked statistics, the SiLU after it and a hand-written "
-                                       "backward in one function)")
+                                       "backward in one function) | triton (GroupNorm-SiLU forward and backward as "
+                                       "Triton kernels with split reductions)")
     pad_channels: bool = switch(False, "narrow stem and output convolutions padded to 8 channels",
                                 "stem and output convolutions zero-padded to 8 channels")  # model.PaddedConv3d
     # the output convolution as a GEMM and a sum of its 27 shifted taps, not cuDNN (model.TapConv3d)
@@ -257,6 +260,7 @@ class Resolved:
     fused_adam: bool
     pin_layout: bool
     recompute_pointwise: bool
+    group_norm: str
     not_applicable: dict[str, str]  # flag -> why it is off on this device
     conv: str = "cudnn"
 
@@ -294,12 +298,17 @@ def resolve(config: Config, device: torch.device | str) -> Resolved:
         na["recompute_pointwise"] = "an Inductor fusion choice: needs compile"
     if config.narrow_checkpoints and not config.checkpointing:
         na["narrow_checkpoints"] = "moves layers into the checkpoints of the blocks after them: needs checkpointing"
+    group_norm = config.group_norm
+    why = triton_unavailable(device) if group_norm == "triton" else None
+    if why:
+        na["group_norm"] = f"{why}; ran as fused"
+        group_norm = "fused"
     conv = config.conv
     why = conv != "cudnn" and fused_conv.unavailable(device, fp8=conv == "triton_fp8")
     if why:
         na["conv"], conv = f"{why}; ran as conv=cudnn", "cudnn"
     return Resolved(config, device, precision, config.channels_last, config.compile, graphs, config.fused_adam, pin,
-                    recompute, not_applicable=na, conv=conv)
+                    recompute, group_norm, not_applicable=na, conv=conv)
 
 
 def set_precision_flags(precision: str) -> dict[str, str]:

@@ -335,7 +335,7 @@ def test_fused_group_norm_in_bf16_is_float32_rounded_once():
     torch.testing.assert_close(y.double(), want, rtol=2 ** -8, atol=1e-3)
     torch.testing.assert_close(x.grad.double(), dx_want, rtol=2 ** -7, atol=2e-3)
     assert norm.weight.grad.dtype == torch.float32
-    with pytest.raises(AssertionError, match="only the fused group norm takes its SiLU in"):
+    with pytest.raises(AssertionError, match="only the fused and triton group norms take their SiLU in"):
         GroupNorm32(32, 64, kind="chunked", silu=True)
 
 

@@ -132,8 +132,8 @@ class ResBlock(nn.Module):
             return self._fused(x, emb)
         skip = self.skip(x)
         h = self.in_layers(x)
-        h = h + self.emb_layers(emb).to(h.dtype)[:, :, None, None, None]
-        return skip + self.out_layers(h)
+        norm, act, conv = self.out_layers  # the timestep features are added by the norm (GroupNorm32's shift)
+        return skip + conv(act(norm(h, self.emb_layers(emb).to(h.dtype))))
 
     def _fused(self, x, emb):
         (norm1, _, conv1), (norm2, _, conv2) = self.in_layers, self.out_layers

@@ -81,7 +81,7 @@ class Engine:
         torch.manual_seed(seed)
 
         model = UNet3D(spec, attention=config.attention, recompute_attention=config.recompute_attention,
-                       upsample=config.upsample, checkpointing=config.checkpointing, group_norm=config.group_norm,
+                       upsample=config.upsample, checkpointing=config.checkpointing, group_norm=self.run.group_norm,
                        pad_channels=config.pad_channels, tap_gemm=config.tap_gemm,
                        store_skip_grad=config.store_skip_grad, narrow_checkpoints=config.narrow_checkpoints,
                        conv=self.run.conv)
