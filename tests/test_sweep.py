@@ -46,6 +46,7 @@ def test_smoke_sweep_writes_every_table_for_the_paper_configurations(tmp_path):
         quality = read_table(folder / "quality.parquet")
         assert len(quality) == 3 and quality["rel_err"].notna().all()
         assert (folder / "produce.ipynb").exists(), "the executed notebook is stored next to its data"
+        assert "?it/s]" not in (folder / "produce.ipynb").read_text(), "the stored notebook keeps no progress bars"
         assert not (folder / "ncu.parquet").exists(), "no GPU, no counters"
         assert set(RUN_TABLES) - {"ncu"} <= {f.stem for f in folder.glob("*.parquet")}
     opt1 = read_table(tmp_path / "data" / "cpu" / "opt1" / "run.parquet")

@@ -328,7 +328,9 @@ def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.P
     root = out / slug / group
     plans = [(p.config, p.plain, p.identity, p.default) for p in _plans(configs, settings, slug, group)]
     params |= {"preset": preset, "out": str(out), "gpu_label": gpu_label, "device": device, "group": group}
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    # TQDM_DISABLE: the producer's progress bars, streamed into the stored notebook, would be kept there as hundreds
+    # of redraws a run (the appendix renders every stored notebook); the sweep shows its own progress
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), "TQDM_DISABLE": "1"}
     results = []
     with contextlib.ExitStack() as held:
         for plain in dict.fromkeys(plain for _, plain, _, _ in plans):
