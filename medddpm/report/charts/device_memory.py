@@ -10,8 +10,8 @@ import altair as alt
 import numpy as np
 import pandas as pd
 
-from medddpm.report.charts.theme import (MS, _config_legend, _configs_in, _gpu_param, _height, _light, _no_gpu,
-                                         config_color, figure, gpu_rows, parts_color, title)
+from medddpm.report.charts.theme import (MS, _config_legend, _configs_in, _default_gpu, _gpu_param, _height, _light,
+                                         _no_gpu, config_color, figure, gpu_rows, parts_color, title)
 from medddpm.report.loading import config_order
 from medddpm.report.memory import FIT_VERDICTS, card_memory
 
@@ -19,8 +19,13 @@ FIT_COLORS = ["#54a24b", "#eeca3b", "#e45756"]  # fits, tight, does not fit (mem
 
 
 def _model_param(df: pd.DataFrame, name: str = "model") -> alt.Parameter:
+    """The model dropdown, starting on a model the default GPU (`_gpu_param`'s) ran, the one it ran most
+    configurations of: a GPU that never ran the first model in the list would open on an empty chart."""
     options = sorted(df["model"].unique())
-    return alt.param(name=name, value=options[0], bind=alt.binding_select(options=options, name="model "))
+    mine = df[df["gpu_slug"] == _default_gpu(df["gpu_slug"])] if "gpu_slug" in df else df
+    counts = mine.groupby("model")["config"].nunique() if len(mine) else pd.Series(dtype=int)
+    first = max(options, key=lambda m: (counts.get(m, 0), -options.index(m)))
+    return alt.param(name=name, value=first, bind=alt.binding_select(options=options, name="model "))
 
 
 def card_label(name: str, gib: float) -> str:
