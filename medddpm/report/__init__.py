@@ -28,7 +28,7 @@ from medddpm.report.step_time import *  # noqa: F401,F403
 
 # The submodules a page reaches as ``report.<name>``: imported on first use (PEP 562), so that a page that draws
 # no chart never loads Altair and one that trains nothing never loads the workshop's torch code.
-SUBMODULES = ("appendix", "beyond", "cards", "charts", "claim_evidence", "claims", "convergence", "counters",
+SUBMODULES = ("appendix", "beyond", "card_compare", "cards", "charts", "claim_evidence", "claims", "convergence", "counters",
               "end_to_end", "equivalence", "explore", "intro", "kernels", "loading", "memory", "methodology",
               "quality", "reproduce", "roofs", "scaling", "step_time", "tables", "workshop")
 
