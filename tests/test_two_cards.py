@@ -21,6 +21,7 @@ from medddpm import report
 from medddpm.analysis import roofs as ar
 from medddpm.report import card_compare, cards, charts, tables, workshop
 from medddpm.report.charts import timing
+from test_charts import _units
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 H100, H200 = "nvidia-h100-80gb-hbm3", "nvidia-h200"
@@ -72,6 +73,34 @@ def test_the_memory_charts_open_on_a_gpu_and_model_with_rows(root):
         gpu, model = _param(spec, "gpu"), _param(spec, "model")
         shown = [r for r in _rows(spec) if r.get("gpu_slug") == gpu and r.get("model") == model and "config" in r]
         assert shown, f"opens on {gpu} / {model}, which has no rows"
+    # seven cards under the columns of what fits where, the H100 among them: their names never run into each other
+    labels = _x_labels(charts.memory_fits(fit).to_dict(), 688)
+    assert len(labels) == len(table) >= 7
+    spans = sorted((x - 2.8 * max(map(len, lines)), x + 2.8 * max(map(len, lines))) for x, lines in labels)
+    assert all(b0 >= a1 for (_, a1), (b0, _) in zip(spans, spans[1:])), labels
+
+
+def _x_labels(spec: dict, width: int) -> list[tuple[float, list[str]]]:
+    """The x-axis labels of a chart drawn `width` px wide (vl-convert, as the book's bundle draws it): each
+    label's centre and its lines."""
+    import json
+    import xml.etree.ElementTree as ET
+
+    import vl_convert
+
+    spec = json.loads(json.dumps(spec).replace('"width": "container"', f'"width": {width}'))
+    ns = {"s": "http://www.w3.org/2000/svg"}
+    out = []
+    for axis in ET.fromstring(vl_convert.vegalite_to_svg(spec)).iterfind(".//s:g[@aria-roledescription='axis']", ns):
+        if not axis.get("aria-label", "").startswith("X-axis"):
+            continue
+        for g in axis.iterfind(".//s:g", ns):
+            if "role-axis-label" in g.get("class", ""):
+                for t in g.iterfind("s:text", ns):
+                    x = float(re.match(r"translate\(([-\d.]+)", t.get("transform")).group(1))
+                    lines = [ts.text or "" for ts in t.iterfind("s:tspan", ns)] or [t.text or ""]
+                    out.append((x, lines))
+    return out
 
 
 def test_the_score_counts_only_the_configurations_both_cards_ran(predicted, names):
@@ -135,7 +164,7 @@ def test_a_power_capped_run_is_named_where_the_cards_are_compared(data, names):
     assert "1,890 MHz against 1,980 MHz" in notes and "672 W mean against its 700 W limit" in notes
     assert "The **H200**'s runs recorded no clocks" in notes
     comp = card_compare.comparison(data)
-    shown = card_compare.comparison_table(comp).set_index(["configuration", "card"])
+    shown = card_compare.comparison_table(comp, card_compare.POWER_COLUMNS).set_index(["configuration", "card"])
     assert shown.loc[("best", H100), "clocks while timed"].startswith("held down")
     assert shown.loc[("baseline", H100), "clocks while timed"] == "free"
     assert (shown.xs(H200, level="card")["clocks while timed"] == card_compare.NOT_RECORDED).all()
@@ -146,9 +175,15 @@ def test_a_power_capped_run_is_named_where_the_cards_are_compared(data, names):
 def test_tables_show_cards_by_short_names_and_kernels_by_theirs(data, predicted, names):
     assert names == {H100: "H100 80GB HBM3", H200: "H200"}
     judged = cards.held_against_measured(predicted[0])
-    out = tables.table_html(cards.prediction_table(judged), names=names, devices=("A", "B"))
+    one = cards.prediction_table(judged)
+    assert "A" not in one and "B" not in one, "one pair of cards is named in the text, not in every row"
+    assert "H200 → H100 80GB HBM3" in cards.prediction_text(judged, names)
+    back = judged.assign(from_card=H100, card=H200)  # two pairs: the cards in their own columns
+    out = tables.table_html(cards.prediction_table(pd.concat([judged, back])), names=names, devices=("A", "B"))
     assert ">H100 80GB HBM3<" in out and f">{H100}<" not in out, "the long label is not a cell's text"
     assert f'title="{H100}"' in out, "the label stays a hover away"
+    assert "for the **H100 80GB HBM3**, which has not run these 6" in cards.pending_text(cards.pending(predicted[0]),
+                                                                                           names)
     wide = tables.table_html(cards.roofs_wide(report.roofs_view(data)), names=names)
     assert ">H100 80GB HBM3</th>" in wide and f">{H100}</th>" not in wide
     # a kernel named by the model's misses is its short name, never its C++ signature
@@ -231,17 +266,6 @@ def test_the_estimates_of_unmeasured_cards_say_what_they_are(predicted, names):
     assert heads and all(("roof part" in c) or ("whole" in c) for c in heads)
     assert any(c.startswith("A100 SXM4 80GB from H200") for c in heads)
     assert "datasheet" in sources
-
-
-def _units(spec):
-    if isinstance(spec, dict):
-        if "mark" in spec:
-            yield spec
-        for v in spec.values():
-            yield from _units(v)
-    elif isinstance(spec, list):
-        for v in spec:
-            yield from _units(v)
 
 
 def test_the_comparison_charts_draw_both_cards_and_name_their_units(data):

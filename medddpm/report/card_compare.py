@@ -120,26 +120,27 @@ def check_comparison(comp: pd.DataFrame) -> None:
     assert comp["memory_share"].dropna().between(0, 1).all(), comp
 
 
-COMPARISON_COLUMNS = {"config": "configuration", "gpu_slug": "card", "train_median_ms": "ms",
-                      "ratio_text": "× reference (spread)", "energy_per_step_j": "J / step",
-                      "mean_power_w": "mean W", "clock_text": "SM clock", "clock_state": "clocks while timed",
-                      "sample_s": "sample (s)", "peak_gib": "peak GiB"}
+# The comparison in two tables that fit the page's column: time and memory, then energy, power and clocks.
+TIME_COLUMNS = {"config": "configuration", "gpu_slug": "card", "train_median_ms": "median ms",
+                "ratio_text": "× the reference (spread)", "sample_s": "one sample (s)", "peak_gib": "peak GiB"}
+POWER_COLUMNS = {"config": "configuration", "gpu_slug": "card", "energy_per_step_j": "J a micro-step",
+                 "mean_power_w": "mean W", "clock_text": "SM clock", "limit_text": "power limit",
+                 "clock_state": "clocks while timed"}
+COMPARISON_FORMATS = {"median ms": "{:.4g}", "J a micro-step": "{:.3g}", "mean W": "{:.0f}", "one sample (s)": "{:.3g}",
+                      "peak GiB": "{:.2f}"}
 
 
-def comparison_table(comp: pd.DataFrame) -> pd.DataFrame:
-    """`comparison` as the page shows it: a row per configuration and card, the ratio with its spread in one
-    cell ("1.15x (1.14-1.15)", the reference's own row "1"), the SM clock with the power limit."""
-    ratio = ["1 (reference)" if s == ref else f"{r:.3f}x ({lo:.3f}-{hi:.3f})"
+def comparison_table(comp: pd.DataFrame, columns: dict[str, str] = TIME_COLUMNS) -> pd.DataFrame:
+    """`comparison` as the page shows it, in `columns` (`TIME_COLUMNS` or `POWER_COLUMNS`): the ratio with its
+    spread in one cell ("1.148x (1.147-1.150)", the reference's own row "1"), the SM clock and the power limit
+    as NVML reported them, or "not recorded"."""
+    ratio = ["1 (the reference)" if s == ref else f"{r:.3f}x ({lo:.3f}-{hi:.3f})"
              for s, ref, r, lo, hi in zip(comp["gpu_slug"], comp["reference"], comp["ratio"], comp["ratio_lo"],
                                           comp["ratio_hi"])]
-    clock = [NOT_RECORDED if pd.isna(c) else f"{c:,.0f} MHz" + ("" if pd.isna(w) else f", limit {w:,.0f} W")
-             for c, w in zip(comp["sm_clock_mhz"], comp["power_limit_w"])]
-    shown = comp.assign(ratio_text=ratio, clock_text=clock)
-    return shown[list(COMPARISON_COLUMNS)].rename(columns=COMPARISON_COLUMNS)
-
-
-COMPARISON_FORMATS = {"ms": "{:.4g}", "J / step": "{:.3g}", "mean W": "{:.0f}", "sample (s)": "{:.3g}",
-                      "peak GiB": "{:.2f}"}
+    clock = [NOT_RECORDED if pd.isna(c) else f"{c:,.0f} MHz" for c in comp["sm_clock_mhz"]]
+    limit = [NOT_RECORDED if pd.isna(w) else f"{w:,.0f} W" for w in comp["power_limit_w"]]
+    shown = comp.assign(ratio_text=ratio, clock_text=clock, limit_text=limit)
+    return shown[list(columns)].rename(columns=columns)
 
 
 def ratio_text(comp: pd.DataFrame, names: dict[str, str] | None = None) -> str:
@@ -336,7 +337,7 @@ def card_facts(data: Data, roofs_view: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out).rename_axis("").reset_index()
 
 
-__all__ = ["COMPARISON_COLUMNS", "COMPARISON_FORMATS", "COMPUTE_CATEGORIES", "MEMORY_CATEGORIES", "NOT_RECORDED",
+__all__ = ["COMPARISON_FORMATS", "POWER_COLUMNS", "TIME_COLUMNS", "COMPUTE_CATEGORIES", "MEMORY_CATEGORIES", "NOT_RECORDED",
            "bandwidth_ratio", "card_facts", "category_range", "category_table", "check_comparison", "clock_notes",
            "clock_state", "comparison", "comparison_table", "gpu_runs", "memory_bound_share", "ratio_text",
            "reference_card", "why", "why_text"]

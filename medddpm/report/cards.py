@@ -323,6 +323,14 @@ PENDING_COLUMNS = {"from_card": "A", "card": "B", "config": "configuration", "fr
                    "covered": "A's step with counters"}
 
 
+def _shown(table: pd.DataFrame, columns: dict[str, str]) -> pd.DataFrame:
+    """`table` in the page's column names; the cards' columns only where it holds more than one pair of cards
+    (one pair is named in the text above the table, and two columns repeating it would crowd the page)."""
+    if table[["from_card", "card"]].drop_duplicates().shape[0] <= 1:
+        columns = {k: v for k, v in columns.items() if k not in ("from_card", "card")}
+    return table[list(columns)].rename(columns=columns)
+
+
 def roofs_wide(view: pd.DataFrame) -> pd.DataFrame:
     """`roofs.roofs_view` as a roof per row and a card per column, each value with its unit and its source."""
     shown = view.assign(shown=[f"{v / 1e12:.3g} {'TB/s' if u == 'byte/s' else 'TFLOP/s'} ({s})"
@@ -365,13 +373,20 @@ def pending(predicted: pd.DataFrame) -> pd.DataFrame:
 
 
 def prediction_table(measured: pd.DataFrame) -> pd.DataFrame:
-    """`held_against_measured` with the page's column names (`PREDICTION_COLUMNS`)."""
-    return measured[list(PREDICTION_COLUMNS)].rename(columns=PREDICTION_COLUMNS)
+    """`held_against_measured` with the page's column names (`PREDICTION_COLUMNS`, `_shown`)."""
+    return _shown(measured, PREDICTION_COLUMNS)
 
 
 def pending_table(waiting: pd.DataFrame) -> pd.DataFrame:
-    """`pending` with the page's column names (`PENDING_COLUMNS`)."""
-    return waiting[list(PENDING_COLUMNS)].rename(columns=PENDING_COLUMNS)
+    """`pending` with the page's column names (`PENDING_COLUMNS`, `_shown`)."""
+    return _shown(waiting, PENDING_COLUMNS)
+
+
+def pending_text(waiting: pd.DataFrame, names: dict[str, str] | None = None) -> str:
+    """Whose predictions `pending` holds: for which card, from which card's profile, how many configurations."""
+    names = names or {}
+    return " ".join(f"From the **{names.get(a, a)}**'s profile, for the **{names.get(b, b)}**, which has not run "
+                    f"these {len(g)} configurations yet:" for (a, b), g in waiting.groupby(["from_card", "card"]))
 
 
 def score(measured: pd.DataFrame) -> dict[str, tuple[int, int]]:
@@ -433,5 +448,5 @@ def estimates_table(predicted: pd.DataFrame, names: dict[str, str] | None = None
 __all__ = ["ALTERNATIVE", "ESTIMATE", "MEASURED", "MODELS", "PENDING_COLUMNS", "PREDICTION", "PREDICTION_COLUMNS",
            "PREDICTION_FORMATS", "TARGET", "card_name", "category_ratios", "check_predictions", "estimates_table",
            "held_against_measured", "kernel_rates", "measured_cards", "misses", "misses_table", "one_card_text",
-           "pending", "pending_table", "predict_kernels", "prediction_table", "prediction_text", "predictions",
+           "pending", "pending_table", "pending_text", "predict_kernels", "prediction_table", "prediction_text", "predictions",
            "roofs_wide", "score", "step_times", "why"]

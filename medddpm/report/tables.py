@@ -45,13 +45,13 @@ def card_names(run: pd.DataFrame) -> dict[str, str]:
 
 
 def _device_cell(names: dict[str, str]):
-    """A device column's cell: its short name (`card_names`) with the label as the hover title, on one line
-    (a browser breaks a label after its hyphens)."""
+    """A device column's cell: its short name (`card_names`) with the label as the hover title, which breaks
+    only between its words; a label without a short name on one line (a browser breaks it after its hyphens)."""
     def cell(v):  # `v` comes escaped (Styler's escape="html")
         shown = names.get(html.unescape(str(v)))
         if shown is None:
             return f'<span style="white-space: nowrap">{v}</span>'
-        return f'<span style="white-space: nowrap" title="{v}">{html.escape(shown)}</span>'
+        return f'<span style="hyphens: none" title="{v}">{html.escape(shown)}</span>'
     return cell
 
 

@@ -350,7 +350,7 @@ def cost_estimates(eff: pd.DataFrame, data: report.Data, cards=ar.PAPER_CARDS, p
             if peak is None:
                 continue
             rows.append(dict(zip(cols, [
-                ar.DATASHEET[kind].name, kind, peak / 1e12, r.gpu_slug, r.efficiency,
+                ar.DATASHEET[kind].name.removeprefix("NVIDIA "), kind, peak / 1e12, r.gpu_slug, r.efficiency,
                 gpu_hours(flops_per_step=r.flops_per_step, peak_flops=peak, efficiency=r.efficiency),
                 steps * measured[kind] / 1e3 / 3600 if kind in measured else math.nan,
                 types.get(r.gpu_slug, r.gpu_slug) == kind])))
