@@ -337,7 +337,7 @@ def card_facts(data: Data, roofs_view: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out).rename_axis("").reset_index()
 
 
-__all__ = ["COMPARISON_FORMATS", "POWER_COLUMNS", "TIME_COLUMNS", "COMPUTE_CATEGORIES", "MEMORY_CATEGORIES", "NOT_RECORDED",
-           "bandwidth_ratio", "card_facts", "category_range", "category_table", "check_comparison", "clock_notes",
-           "clock_state", "comparison", "comparison_table", "gpu_runs", "memory_bound_share", "ratio_text",
-           "reference_card", "why", "why_text"]
+__all__ = ["COMPARISON_FORMATS", "COMPUTE_CATEGORIES", "MEMORY_CATEGORIES", "NOT_RECORDED", "POWER_COLUMNS",
+           "TIME_COLUMNS", "bandwidth_ratio", "card_facts", "category_range", "category_table", "check_comparison",
+           "clock_notes", "clock_state", "comparison", "comparison_table", "gpu_runs", "memory_bound_share",
+           "ratio_text", "reference_card", "why", "why_text"]

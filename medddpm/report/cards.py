@@ -448,5 +448,5 @@ def estimates_table(predicted: pd.DataFrame, names: dict[str, str] | None = None
 __all__ = ["ALTERNATIVE", "ESTIMATE", "MEASURED", "MODELS", "PENDING_COLUMNS", "PREDICTION", "PREDICTION_COLUMNS",
            "PREDICTION_FORMATS", "TARGET", "card_name", "category_ratios", "check_predictions", "estimates_table",
            "held_against_measured", "kernel_rates", "measured_cards", "misses", "misses_table", "one_card_text",
-           "pending", "pending_table", "pending_text", "predict_kernels", "prediction_table", "prediction_text", "predictions",
-           "roofs_wide", "score", "step_times", "why"]
+           "pending", "pending_table", "pending_text", "predict_kernels", "prediction_table", "prediction_text",
+           "predictions", "roofs_wide", "score", "step_times", "why"]

@@ -101,10 +101,10 @@ def sold_size(name: str) -> float:
 
 def card_memory(run: pd.DataFrame | None = None, catalogue=CARDS) -> pd.DataFrame:
     """The cards the page answers for, smallest first, a row each: its name, the size it is sold with (GB, the
-    vendor's figure; for a card known only from a run, as its name states it, else NaN) and the memory its driver reports in GiB (`card_gib`),
-    with where that figure comes from (`kind`: measured by a run here, else cited). A run that measured its device
-    (``gpu_total_bytes``) replaces the catalogue's figure of that device type, and adds its card where the
-    catalogue has none of that type."""
+    vendor's figure; for a card known only from a run, as its name states it, else NaN) and the memory its driver
+    reports in GiB (`card_gib`), with where that figure comes from (`kind`: measured by a run here, else cited).
+    A run that measured its device (``gpu_total_bytes``) replaces the catalogue's figure of that device type, and
+    adds its card where the catalogue has none of that type."""
     rows = {c.gpu_type: {"card": c.name, "gpu_type": c.gpu_type, "sold_gb": float(c.sold_gb),
                          "card_gib": c.reported_bytes / _GIB, "kind": CITED_CARD, "source": c.source}
             for c in catalogue}

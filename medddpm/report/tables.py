@@ -24,8 +24,8 @@ def card_names(run: pd.DataFrame) -> dict[str, str]:
     """A short display name per device label of `run`: its device's name without the maker ("NVIDIA H100 80GB
     HBM3" -> "H100 80GB HBM3"), with the host where the label is `<type>-<host>` (a machine kept beside the
     committed rows of its type: "H200 (lab3)"); a label of the user's own choosing (`--gpu-label`) and a CPU's
-    stay as they are. A long label such as nvidia-h100-80gb-hbm3 breaks only at its hyphens, over several lines
-    of a table's column."""
+    stay as they are. In a narrow column a label such as nvidia-h100-80gb-hbm3 breaks at each hyphen, over four
+    lines; its short name breaks between its words, if at all."""
     if run.empty:
         return {}
     names = {}
