@@ -20,6 +20,7 @@ import pandas as pd
 import torch
 
 from medddpm import report
+from medddpm.analysis import roofs as ar
 from medddpm.configs import Config, set_precision_flags
 from medddpm.train.timing import summarize, time_steps
 
@@ -268,17 +269,35 @@ def stall_table(ncu_df: pd.DataFrame, *, top: int = 8) -> pd.DataFrame:
 # ---------------------------------------------------------------------------------------- cost
 
 
-def efficiencies(data: report.Data) -> pd.DataFrame:
-    """Per GPU with known peaks (its measured roofs, else its datasheet's: `roofs.peaks_of`) and precision measured
+PEAK_SOURCES = (ar.DATASHEET_SOURCE, ar.MEASURED)
+EFFICIENCY_CONFIGS = {"fp32": "baseline", "tf32": "opt1", "bf16": "bf16", "fp16": "fp16"}
+
+
+def _peaks(slug: str, data: report.Data, source: str) -> dict[str, tuple[float, str]]:
+    """A GPU's compute peaks (FLOP/s) per precision from one source, each with where it comes from: its
+    datasheet's, or its own measured roofs (`roofs.card_roofs`, the measurement only)."""
+    if source == ar.DATASHEET_SOURCE:
+        kind = report.gpu_types(data.run, data.roofs).get(slug, slug)
+        return {r: (roof.value, f"datasheet: {roof.detail}") for r, roof in ar.datasheet_roofs(kind).items()
+                if r in ar.COMPUTE}
+    return {r: (roof.value, roof.detail) for r, roof in report.roofs.card_roofs(slug, data.run, data.roofs).items()
+            if r in ar.COMPUTE and roof.source == ar.MEASURED}
+
+
+def efficiencies(data: report.Data, source: str = ar.DATASHEET_SOURCE) -> pd.DataFrame:
+    """Per GPU with peaks from `source` (its datasheet's by default, or its measured roofs) and precision measured
     there: achieved TFLOP/s of a training micro-step (strict FP32 = the baseline; TF32 = opt1; bf16 = the bf16
     configuration; fp16 = the fp16 one), from the sweep, else from the bench timings, and the fraction of the peak
-    it is."""
+    it is. An efficiency carries over to another card only against a peak of the same source: read against its
+    measured roof and applied to a datasheet peak, a card's own step comes back shorter than it ran."""
+    if source not in PEAK_SOURCES:
+        raise ValueError(f"source must be one of {PEAK_SOURCES}, not {source!r}")
     run = data.ok
     rows = []
     slugs = sorted(set(run["gpu_slug"]) | (set(data.bench["gpu_slug"]) if not data.bench.empty else set()))
     for slug in slugs:
-        for precision, (peak, source) in report.peaks_of(slug, run, data.roofs).items():
-            config = {"fp32": "baseline", "tf32": "opt1", "bf16": "bf16", "fp16": "fp16"}[precision]
+        for precision, (peak, peak_source) in _peaks(slug, data, source).items():
+            config = EFFICIENCY_CONFIGS[precision]
             r = run[(run["gpu_slug"] == slug) & (run["config"] == config)]
             if len(r):
                 r = r.iloc[0]
@@ -305,9 +324,60 @@ def efficiencies(data: report.Data) -> pd.DataFrame:
                 achieved, src = flops / (train_ms / 1e3), f"bench ({b['source'].iloc[0]})"
             rows.append({"gpu_slug": slug, "precision": precision, "config": config, "train_median_ms": train_ms,
                          "flops_per_step": flops, "achieved_tflops": achieved / 1e12, "peak_tflops": peak / 1e12,
-                         "efficiency": achieved / peak, "measured_in": src, "peak_source": source})
+                         "efficiency": achieved / peak, "measured_in": src, "peak_kind": source,
+                         "peak_source": peak_source})
     return pd.DataFrame(rows, columns=["gpu_slug", "precision", "config", "train_median_ms", "flops_per_step",
-                                       "achieved_tflops", "peak_tflops", "efficiency", "measured_in", "peak_source"])
+                                       "achieved_tflops", "peak_tflops", "efficiency", "measured_in", "peak_kind",
+                                       "peak_source"])
+
+
+def cost_estimates(eff: pd.DataFrame, data: report.Data, cards=ar.PAPER_CARDS, precision: str = "fp32") -> pd.DataFrame:
+    """Exercise 4's estimates: the reference's training (100,000 optimizer steps of two micro-steps) on each of
+    `cards` (device types) from its datasheet's peak in `precision`, at each measured GPU's efficiency against its
+    own datasheet peak (`efficiencies`, datasheet source: the same source on both sides). Where the data holds a
+    run of the estimated card, its measured hours stand beside the estimate; `own` marks the estimate made from
+    that card's own efficiency, which gives them back."""
+    mine = eff[(eff["precision"] == precision) & (eff["peak_kind"] == ar.DATASHEET_SOURCE)]
+    types = report.gpu_types(data.run, data.roofs)
+    measured = {types.get(r.gpu_slug, r.gpu_slug): r.train_median_ms for r in mine.itertuples()}
+    steps = report.REFERENCE_STEPS * report.REFERENCE_ACCUM
+    cols = ["GPU", "gpu_type", f"{precision.upper()} peak TFLOP/s", "efficiency from", "efficiency",
+            "estimated hours", "measured hours", "own"]
+    rows = []
+    for r in mine.itertuples():
+        for kind in cards:
+            peak = ar.DATASHEET[kind].roofs.get(precision)
+            if peak is None:
+                continue
+            rows.append(dict(zip(cols, [
+                ar.DATASHEET[kind].name.removeprefix("NVIDIA "), kind, peak / 1e12, r.gpu_slug, r.efficiency,
+                gpu_hours(flops_per_step=r.flops_per_step, peak_flops=peak, efficiency=r.efficiency),
+                steps * measured[kind] / 1e3 / 3600 if kind in measured else math.nan,
+                types.get(r.gpu_slug, r.gpu_slug) == kind])))
+    return pd.DataFrame(rows, columns=cols)
+
+
+def check_estimates(estimates: pd.DataFrame) -> None:
+    """Every estimate is positive, and a card estimated from its own efficiency gets back its measured hours."""
+    assert (estimates["estimated hours"] > 0).all(), estimates
+    own = estimates[estimates["own"]]
+    assert np.allclose(own["estimated hours"], own["measured hours"], rtol=1e-9), own
+
+
+def profiled_counts(data: report.Data, table: str = "kernels") -> pd.DataFrame:
+    """How many rows each run has in a profile `table` ("kernels": kernels and operators; "ncu": launches with
+    counters), a row per configuration and a column per device: the count, "none" where the run has no such
+    rows, and "not run" where the device never ran the configuration. A zero would read as a measurement."""
+    ok = data.ok[data.ok["batch"] == 1]
+    frame = getattr(data, table)
+    frame = frame[frame["run_id"].isin(set(ok["run_id"]))]
+    n = frame.groupby("run_id")["kernel_id"].nunique() if table == "ncu" else frame.groupby("run_id").size()
+    devices = report.tables.gpus_first(ok["gpu_slug"])
+    configs = [c for c in report.config_order(ok["config"]) if c in set(ok["config"])]
+    out = pd.DataFrame("not run", index=pd.Index(configs, name="configuration"), columns=devices, dtype=object)
+    for r in ok.itertuples():
+        out.loc[r.config, r.gpu_slug] = str(int(n[r.run_id])) if r.run_id in n.index else "none"
+    return out.reset_index()
 
 
 def gpu_hours(*, flops_per_step: float, peak_flops: float, efficiency: float,
@@ -461,10 +531,23 @@ def stalls_text(st: pd.DataFrame) -> str:
     return text
 
 
-def estimates_text(estimates: pd.DataFrame) -> str:
-    """Exercise 4's estimates in hours and days, and the weakest assumption behind them."""
-    e = estimates.set_index("GPU")["estimated hours"]
-    return ("- " + "; ".join(f"**{g}**: {h:,.0f} h ({h / 24:.1f} days)" for g, h in e.items()) + ".\n"
+def estimates_text(estimates: pd.DataFrame, names: dict[str, str] | None = None) -> str:
+    """Exercise 4's estimates in hours and days, per card whose efficiency they carry, each against the
+    measured hours where the estimated card is the measured one; and the weakest assumption behind them."""
+    names = names or {}
+    lines = []
+    for src, g in estimates.groupby("efficiency from", sort=False):
+        parts = []
+        for _, r in g.iterrows():
+            h, m = r["estimated hours"], r["measured hours"]
+            part = f"{r['GPU']}: {h:,.1f} h ({h / 24:.1f} days)"
+            if r["own"]:
+                part += f", the {m:,.1f} h its own measured step gives"
+            elif pd.notna(m):
+                part += f", against {m:,.1f} h from its measured step ({h / m - 1:+.1%})"
+            parts.append(part)
+        lines.append(f"- At the **{names.get(src, src)}**'s efficiency: " + "; ".join(parts) + ".")
+    return ("\n".join(lines) + "\n"
             "- The weakest assumption is that the efficiency carries over. It is a property of the GPU as much as of "
             "the model: the memory-bound kernels of a step (exercise 3) follow memory bandwidth, not the FLOP peak, "
             "and the ratio of the two, the cache sizes and the convolution kernels cuDNN has differ from one GPU to "

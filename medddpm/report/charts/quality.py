@@ -7,7 +7,8 @@ import numpy as np
 import pandas as pd
 
 from medddpm.report.charts.theme import (VERDICT_COLORS, _config_param, _configs_in, _empty, _gpu_param, _light,
-                                         _no_gpu, _step_axis, config_color, figure, gpu_rows, is_cpu, log_axis, title)
+                                         _no_gpu, _step_axis, card_color, card_offset, card_order, config_color, figure,
+                                         gpu_rows, is_cpu, log_axis, title)
 
 PANEL_COLUMNS, PANEL_WIDTH, PANEL_HEIGHT = 4, 122, 90  # four panels and their axes fit a 700 px column
 
@@ -79,11 +80,13 @@ def rel_err(qsum: pd.DataFrame, tolerance: float, *, cpu: bool = False) -> alt.L
     df = _light(q.assign(shown=q["rel_err"].clip(lower=floor), exact=np.where(q["rel_err"] == 0, "bitwise equal", "")))
     pick = alt.selection_point(fields=["gpu_slug"], bind="legend")
     scale, axis = log_axis(lo, 0, "relative L2 error of one forward pass vs strict FP32 (log scale)")
-    pts = alt.Chart(df).mark_point(filled=True, size=110).encode(
+    gpus = card_order(df["gpu_slug"])
+    pts = alt.Chart(df).mark_point(filled=True, size=90, opacity=1).encode(
         y=alt.Y("config:N", sort=_configs_in(df), title=None),
+        yOffset=card_offset(gpus),  # the cards side by side: the same error on two cards stays two points
         x=alt.X("shown:Q", scale=scale, axis=axis),
-        color=alt.Color("config:N", scale=config_color(df["config"]), legend=None),
-        shape=alt.Shape("gpu_slug:N", title="GPU (click)"),
+        color=alt.Color("gpu_slug:N", scale=card_color(gpus), sort=gpus,
+                        legend=alt.Legend(title="GPU (click)", orient="bottom", direction="vertical", labelLimit=400)),
         opacity=alt.condition(pick, alt.value(1.0), alt.value(0.15)),
         tooltip=[alt.Tooltip("gpu_slug:N", title="GPU"), alt.Tooltip("config:N", title="configuration"),
                  alt.Tooltip("precision_used:N", title="precision that ran"),
@@ -93,9 +96,9 @@ def rel_err(qsum: pd.DataFrame, tolerance: float, *, cpu: bool = False) -> alt.L
     tol = alt.Chart(pd.DataFrame({"x": [tolerance]})).mark_rule(strokeDash=[4, 3], color="#e45756").encode(
         x="x:Q", tooltip=[alt.Tooltip("x:Q", title="tolerance (relative L2 error)", format=".0e")])
     return alt.layer(tol, pts).properties(
-        width="container", height=alt.Step(22),
-        title=title("Forward-pass error against strict FP32", "red dashed: the tolerance; an exact match sits at the "
-                    "left edge"))
+        width="container", height=alt.Step(11),  # a step per card in each configuration's band
+        title=title("Forward-pass error against strict FP32", "a colour per GPU, side by side; red dashed: the "
+                    "tolerance; an exact match sits at the left edge"))
 
 
 @figure
