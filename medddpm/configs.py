@@ -13,10 +13,13 @@ from typing import Literal, get_args, get_type_hints
 
 import torch
 
+from medddpm.model import fused_conv
+
 Precision = Literal["fp32", "tf32", "bf16", "fp16"]
 AttentionKind = Literal["math", "sdpa"]
 UpsampleKind = Literal["interpolate", "separable", "separable_ndhwc"]
 GroupNormKind = Literal["aten", "chunked", "fused"]
+ConvKind = Literal["cudnn", "triton", "triton_fp8"]
 
 
 class ConfigError(ValueError):
@@ -83,6 +86,13 @@ class Config:
     recompute_pointwise: bool = switch(False, "compiled: recompute reused pointwise results, not store them",
                                        "compiled training graphs recompute a reused pointwise result in each kernel "
                                        "that reads it, not store it (as requested)")
+    # each residual block's GroupNorm-SiLU-convolution as one Triton kernel: the norm and SiLU applied as the
+    # convolution loads its input, the next norm's statistics reduced as it stores its output (model.fused_conv)
+    conv: ConvKind = switch("cudnn", "residual blocks' GroupNorm-SiLU-convolutions: cuDNN after the norm, or one "
+                                     "fused Triton kernel with bf16 or FP8 operands",
+                            "cudnn | triton (GroupNorm-SiLU in the convolution's operand load, the next norm's "
+                            "statistics in its epilogue: one Triton kernel, bf16 operands) | triton_fp8 (the same, "
+                            "FP8 e4m3 operands with per-tensor scales)")
     # with tap_gemm: the GEMM writes the 27 taps' shares tap-major over the input with a zero halo, so that the sum
     # shifts each tap's shares as one contiguous slice (no mask, no pad) and its backward's rows are contiguous too
     tap_major: bool = switch(False, "tap_gemm: the taps' shares tap-major over a zero-haloed input",
@@ -263,6 +273,7 @@ class Resolved:
     pin_layout: bool
     recompute_pointwise: bool
     not_applicable: dict[str, str]  # flag -> why it is off on this device
+    conv: str = "cudnn"
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -302,8 +313,12 @@ def resolve(config: Config, device: torch.device | str) -> Resolved:
         na["conv_autotune"] = "an Inductor autotuning choice: needs compile"
     if config.narrow_checkpoints and not config.checkpointing:
         na["narrow_checkpoints"] = "moves layers into the checkpoints of the blocks after them: needs checkpointing"
+    conv = config.conv
+    why = conv != "cudnn" and fused_conv.unavailable(device, fp8=conv == "triton_fp8")
+    if why:
+        na["conv"], conv = f"{why}; ran as conv=cudnn", "cudnn"
     return Resolved(config, device, precision, config.channels_last, config.compile, graphs, config.fused_adam, pin,
-                    recompute, not_applicable=na)
+                    recompute, not_applicable=na, conv=conv)
 
 
 def set_precision_flags(precision: str) -> dict[str, str]:

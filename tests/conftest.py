@@ -13,6 +13,8 @@ from pathlib import Path
 # graphs' buffers, not the kernels' vector code, and a cold compile of the compiled step took 31 s instead of
 # 46 s. Set before torch is imported, so that the sweeps and notebooks the tests start inherit it too.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
+# Triton kernels run under Triton's interpreter on the CPU; it must be set before Triton is imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

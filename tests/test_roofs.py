@@ -193,3 +193,27 @@ def test_the_roofline_puts_tf32_convolutions_on_the_tensor_cores():
     top = tf32.sort_values("duration_ns").iloc[-1]
     assert top["flops_per_s"] > 67e12, "its longest TF32 kernel runs above the CUDA cores' FP32 peak"
     assert (points.loc[points["config"] == "baseline", "flops_tensor"] == 0).all()
+
+
+def test_a_label_naming_another_device_type_is_refused_before_any_measurement(tmp_path):
+    """`roofs --gpu-label nvidia-h200` on another device would file that device's roofs as an H200's."""
+    from medddpm.cli.main import main
+    from medddpm.measure.validate import check_label_device, known_device_types
+
+    known = known_device_types(tmp_path)
+    assert {"nvidia-h200", "nvidia-h100-80gb-hbm3", "cpu"} <= known
+    with pytest.raises(ValueError, match="names a nvidia-h200 but this device is a nvidia-h100-80gb-hbm3"):
+        check_label_device("nvidia-h200", "nvidia-h100-80gb-hbm3", known)
+    with pytest.raises(ValueError, match="names a nvidia-h200"):
+        check_label_device("NVIDIA H200-node7", "nvidia-h100-80gb-hbm3", known)
+    for ok in ("nvidia-h100-80gb-hbm3", "nvidia-h100-80gb-hbm3-vm", "lab-box-3", "h100-container"):
+        check_label_device(ok, "nvidia-h100-80gb-hbm3", known)
+    check_label_device("cpu-vm", "cpu", known)
+    # the data names a type the datasheets do not: a label of it is refused on another device too
+    (tmp_path / "rtx-9000" / "baseline").mkdir(parents=True)
+    pd.DataFrame({"gpu_type": ["rtx-9000"]}).to_parquet(tmp_path / "rtx-9000" / "baseline" / "run.parquet")
+    with pytest.raises(ValueError, match="names a rtx-9000"):
+        check_label_device("rtx-9000", "cpu", known_device_types(tmp_path))
+    # the command line: one line, nothing written
+    assert main(["roofs", "--out", str(tmp_path), "--device", "cpu", "--gpu-label", "nvidia-h200"]) == 2
+    assert not (tmp_path / "nvidia-h200").exists()

@@ -331,6 +331,20 @@ def exit_if_failed(results: list[dict]) -> None:
         sys.exit(1)
 
 
+def cmd_add_runs(args) -> None:
+    from medddpm.measure.add_runs import add_runs
+
+    said = add_runs(args.path, args.out)
+    for line in said["added"] + said["kept"]:
+        print(line)
+    for line in said["refused"]:
+        print(f"refused: {line}", file=sys.stderr)
+    print(f"{len(said['added'])} added, {len(said['kept'])} already in {args.out} (kept as they were), "
+          f"{len(said['refused'])} refused")
+    if said["refused"]:
+        sys.exit(1)
+
+
 def cmd_summary(args) -> None:
     from medddpm.measure.sweep import summary
 
@@ -354,15 +368,12 @@ def cmd_ablation(args) -> None:
 def cmd_roofs(args) -> None:
     from medddpm.measure.timing import roofs
     from medddpm.measure.env import gpu_slug, pick_device
-    from medddpm.measure.sweep import machine_label
-    from medddpm.measure.validate import check_label
+    from medddpm.measure.sweep import label_for
     from medddpm.store.lock import output_lock
     from medddpm.store.schema import read_table
 
     dev = pick_device(args.device)
-    if args.gpu_label is not None:
-        check_label(args.gpu_label)
-    label = gpu_slug(args.gpu_label or machine_label(args.out, dev))
+    label = gpu_slug(label_for(args.out, dev, args.gpu_label))
     target = roofs.path(args.out, label)
     if target.is_file() and not args.force:
         print(roofs.describe(read_table(target, "roofs")))

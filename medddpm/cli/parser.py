@@ -12,7 +12,7 @@ from medddpm.store.schema import PHASES
 from medddpm.cli.args import (DEVICE_HELP, PRESET_NAMES, WIDTH, add_config_args, add_device_arg, add_model_args,
                               fraction, phases_arg, positive, seeds_arg, size_arg)
 from medddpm.cli.commands import (cmd_ablation, cmd_bench, cmd_claims, cmd_configs, cmd_counters, cmd_info, cmd_roofs, cmd_peak, cmd_sample, cmd_saved, cmd_scale, cmd_study, cmd_summary, cmd_sweep, cmd_train)
-from medddpm.cli.commands import cmd_export_data, cmd_sample_batches
+from medddpm.cli.commands import cmd_add_runs, cmd_export_data, cmd_sample_batches
 
 
 LABEL_HELP = ("the folder under OUT for this machine's runs (default: the device type, e.g. nvidia-h200, or "
@@ -229,6 +229,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_micro_steps(p, None, "timed micro-steps (default: the preset's)")
     p.add_argument("--warmup", type=positive, help="untimed micro-steps first (default: the preset's)")
     p.set_defaults(func=cmd_ablation)
+
+    p = sub.add_parser("add-runs", help="check runs a sweep made on another machine (schema, identity, spread, status) "
+                                        "and add those that pass under data/<label>/, by the sweep's rules")
+    p.add_argument("path", metavar="PATH", help="a sweep's --out folder (<label>/<run>/), a .tgz of one, or a folder of "
+                                                "such .tgz files")
+    p.add_argument("--out", default="data", help="the data tree to add them to (default data)")
+    p.set_defaults(func=cmd_add_runs)
 
     p = sub.add_parser("summary", help="what this machine measured, its fastest configuration against the "
                                        "committed rows of its device type, and where the book is")

@@ -19,11 +19,18 @@ STAT_CHUNKS = 256  # voxel chunks of the first statistics pass: rows enough to f
 def _group_stats(x: torch.Tensor, groups: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Per (sample, channel) mean and 1/std of x's GroupNorm groups, (B, C) each, from per-channel
     statistics over voxel chunks (see `group_norm_chunked`). In x's dtype: call it on float32."""
-    b, c, *spatial = x.shape
-    assert c % groups == 0, f"{c} channels do not split into {groups} groups"
     var, mean = torch.var_mean(_chunk_rows(x), dim=2, correction=0)  # (B, K, C)
-    k = var.shape[1]
-    var, mean = var.view(b, k, groups, c // groups), mean.view(b, k, groups, c // groups)
+    return group_stats_from_parts(mean, var, groups, eps)
+
+
+def group_stats_from_parts(mean: torch.Tensor, var: torch.Tensor, groups: int,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (sample, channel) mean and 1/std of the GroupNorm groups, (B, C) each, from the mean and variance of
+    equal-count parts of each channel, (B, K, C) or (B, C): by the law of total variance (the mean of the parts'
+    variances plus the variance of their means; Chan et al. 1979)."""
+    b, c = mean.shape[0], mean.shape[-1]
+    assert c % groups == 0, f"{c} channels do not split into {groups} groups"
+    var, mean = var.reshape(b, -1, groups, c // groups), mean.reshape(b, -1, groups, c // groups)
     g_mean = mean.mean(dim=(1, 3), keepdim=True)  # (B, 1, G, 1)
     g_var = var.mean(dim=(1, 3), keepdim=True) + (mean - g_mean).square().mean(dim=(1, 3), keepdim=True)
     per_channel = lambda t: t.expand(b, 1, groups, c // groups).reshape(b, c)  # noqa: E731
@@ -92,29 +99,37 @@ class _GroupNormSiLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight, bias, mean, rstd = ctx.saved_tensors
-        b, c, *spatial = x.shape
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        dyf = dy.to(xf.dtype)
-        scale, shift = _affine(mean, rstd, weight, bias)
-        xhat = (xf - _bcast(mean, x)) * _bcast(rstd, x)
-        if ctx.silu:
-            a = xf * _bcast(scale, x) + _bcast(shift, x)
-            s = torch.sigmoid(a)
-            da = dyf * s * (1 + a * (1 - s))
-        else:
-            da = dyf
-        # per (sample, channel) sums over voxels: dbeta = sum da, dgamma = sum da * xhat
-        sum_da = _chunk_rows(da).sum(dim=2).sum(dim=1)
-        sum_da_xhat = _chunk_rows(da * xhat).sum(dim=2).sum(dim=1)
-        gamma = weight if weight is not None else torch.ones_like(sum_da[0])
-        n = (c // ctx.groups) * math.prod(spatial)  # elements of a group
-        group_mean = lambda t: t.view(b, ctx.groups, -1).sum(-1, keepdim=True).expand(  # noqa: E731
-            b, ctx.groups, c // ctx.groups).reshape(b, c) / n
-        m1, m2 = group_mean(gamma * sum_da), group_mean(gamma * sum_da_xhat)  # means of dxhat, dxhat * xhat
-        dx = da * _bcast(scale, x) - _bcast(rstd * m1, x) - xhat * _bcast(rstd * m2, x)
-        dweight = sum_da_xhat.sum(0) if weight is not None else None
-        dbias = sum_da.sum(0) if bias is not None else None
-        return dx.to(x.dtype), dweight, dbias, None, None, None
+        dx, dweight, dbias = group_norm_silu_backward(x, weight, bias, mean, rstd, ctx.groups, ctx.silu, dy)
+        return dx, dweight, dbias, None, None, None
+
+
+def group_norm_silu_backward(x, weight, bias, mean, rstd, groups: int, silu: bool, dy):
+    """The gradients of silu(group_norm(x)) (of group_norm(x) with `silu=False`) for x, weight and bias, given
+    the output's gradient dy and the (B, C) statistics of x (see `_GroupNormSiLU`): dx in x's dtype, dweight and
+    dbias (None where the norm has no affine parameters) in float32 or wider."""
+    b, c, *spatial = x.shape
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    dyf = dy.to(xf.dtype)
+    scale, shift = _affine(mean, rstd, weight, bias)
+    xhat = (xf - _bcast(mean, x)) * _bcast(rstd, x)
+    if silu:
+        a = xf * _bcast(scale, x) + _bcast(shift, x)
+        s = torch.sigmoid(a)
+        da = dyf * s * (1 + a * (1 - s))
+    else:
+        da = dyf
+    # per (sample, channel) sums over voxels: dbeta = sum da, dgamma = sum da * xhat
+    sum_da = _chunk_rows(da).sum(dim=2).sum(dim=1)
+    sum_da_xhat = _chunk_rows(da * xhat).sum(dim=2).sum(dim=1)
+    gamma = weight if weight is not None else torch.ones_like(sum_da[0])
+    n = (c // groups) * math.prod(spatial)  # elements of a group
+    group_mean = lambda t: t.view(b, groups, -1).sum(-1, keepdim=True).expand(  # noqa: E731
+        b, groups, c // groups).reshape(b, c) / n
+    m1, m2 = group_mean(gamma * sum_da), group_mean(gamma * sum_da_xhat)  # means of dxhat, dxhat * xhat
+    dx = da * _bcast(scale, x) - _bcast(rstd * m1, x) - xhat * _bcast(rstd * m2, x)
+    dweight = sum_da_xhat.sum(0) if weight is not None else None
+    dbias = sum_da.sum(0) if bias is not None else None
+    return dx.to(x.dtype), dweight, dbias
 
 
 def _bcast(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -92,7 +92,8 @@ class Engine:
         model = UNet3D(spec, attention=config.attention, recompute_attention=config.recompute_attention,
                        upsample=config.upsample, checkpointing=config.checkpointing, group_norm=config.group_norm,
                        pad_channels=config.pad_channels, tap_gemm=config.tap_gemm, tap_major=config.tap_major,
-                       store_skip_grad=config.store_skip_grad, narrow_checkpoints=config.narrow_checkpoints)
+                       store_skip_grad=config.store_skip_grad, narrow_checkpoints=config.narrow_checkpoints,
+                       conv=self.run.conv)
         self.model = model.to(self.device, memory_format=self.run.memory_format)
         self.denoiser = self._compile(self.model) if self.run.compile else self.model
         # Sampling saves nothing for a backward, so `recompute_pointwise` only adds work there (a tenth of the

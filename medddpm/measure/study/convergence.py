@@ -36,8 +36,8 @@ from tqdm import tqdm  # text bars: tqdm.auto draws ipywidgets bars, a message p
 
 from medddpm.configs import get_config
 from medddpm.measure.study import sample_metrics as sm
-from medddpm.measure.env import environment, gpu_slug, pick_device
-from medddpm.measure.validate import check_label
+from medddpm.measure.env import device_type, environment, gpu_slug, pick_device
+from medddpm.measure.validate import check_label, check_label_device, known_device_types
 from medddpm.model.diffusion import TIMESTEPS
 from medddpm.model.unet import ModelSpec
 from medddpm.store import convergence as store
@@ -330,6 +330,8 @@ def study(configs: list[str], seeds: list[int], settings: Settings = Settings(),
     devices = [str(pick_device(d)) for d in (devices or [device])]
     deadline = None if time_limit is None else time.monotonic() + time_limit
     env = environment(torch.device(devices[0]))
+    if gpu_label is not None:  # a label of another device type would file this device's study as that card's
+        check_label_device(gpu_label, device_type(torch.device(devices[0])), known_device_types(out))
     slug = gpu_slug(gpu_label or env["gpu_name"])
     env["gpu_name"] = gpu_label or env["gpu_name"]
     folder = convergence_folder(out, slug)
