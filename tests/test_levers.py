@@ -19,7 +19,8 @@ H200 = REPO / "data" / "nvidia-h200" / "best"
     ("triton_poi_fused__to_copy__unsafe_view_add_constant_pad_nd_slice_142", "fused", "padding (constant_pad_nd)"),
     ("triton_poi_fused__to_copy__unsafe_view_add_clone_expand_mul_neg_rsub_sigmoid_sub_view_22", "fused",
      "GroupNorm-SiLU backward"),
-    ("triton_poi_fused__to_copy__unsafe_view_add_clone_expand_mul_neg_silu_view_138", "fused", "GroupNorm-SiLU forward"),
+    ("triton_poi_fused__to_copy__unsafe_view_add_clone_expand_mul_neg_silu_view_138", "fused",
+     "GroupNorm-SiLU forward"),
     ("triton_red_fused__to_copy_permute_var_mean_view_136", "fused", "GroupNorm statistics"),
     ("triton_poi_fused_add_cat_mul_slice_stack_view_134", "fused", "separable upsampling"),
     ("triton_poi_fused__to_copy_convolution_8", "fused", "bias adds and skip concatenations"),
@@ -126,8 +127,8 @@ def test_parity_holds_within_twice_best_s_and_is_lost_beyond():
     assert levers.parity_held(_quality(3e-2, 1.5e-4), best)
     assert not levers.parity_held(_quality(5e-2, 1e-4), best), "forward error past twice best's"
     assert not levers.parity_held(_quality(2e-2, 3e-4), best), "losses past twice best's"
-    exact = _quality(0.0, 0.0)
-    assert levers.parity_held(exact, exact) and not levers.parity_held(_quality(1e-7, 0.0), exact)
+    exact = _quality(0.0, 0.0)  # float32 against strict FP32: another order of summation passes, more does not
+    assert levers.parity_held(_quality(1.5e-6, 2e-8), exact) and not levers.parity_held(_quality(1e-3, 0.0), exact)
     faster = {"verdict": "faster"}
     assert levers.lever_counts(faster, True)
     assert not levers.lever_counts(faster, False) and not levers.lever_counts(faster, None)

@@ -333,7 +333,7 @@ def lever_verdicts(call: dict[str, pd.DataFrame], base: str = "best") -> pd.Data
 
     cols = ["gpu_slug", "phase", "config", "blocks", "median_ms", "diff_ms", "spread_ms", "verdict", "parity", "counts"]
     rows = []
-    rep = call["repeats"]
+    rep = call["repeats"].sort_values(["gpu_slug", "phase", "call_id", "position"], ascending=[True, False, True, True])
     for (slug, phase), g in rep.groupby(["gpu_slug", "phase"], sort=False):
         last = g[g["call_id"] == g["call_id"].max()]
         quality = call["quality"][call["quality"]["gpu_slug"] == slug]
@@ -341,14 +341,14 @@ def lever_verdicts(call: dict[str, pd.DataFrame], base: str = "best") -> pd.Data
         for config, v in last.groupby("config", sort=False):
             verdict = levers.paired_verdict(last, base, config) if config != base else {
                 "diff_ms": 0.0, "spread_ms": levers.repeat_spread(last, base), "verdict": ""}
-            held = (levers.parity_held(q[config], q[base]) if config in q and base in q else None) \
-                if phase == "train" and config != base else None
+            judged = phase == "train" and config != base  # parity is the training step's (the quality phase)
+            held = (levers.parity_held(q[config], q[base]) if config in q and base in q else None) if judged else None
             rows.append({"gpu_slug": slug, "phase": phase, "config": config, "blocks": len(v),
-                         "median_ms": float(v["block_ms"].median()), **{k: verdict[k] for k in
-                                                                       ("diff_ms", "spread_ms", "verdict")},
+                         "median_ms": float(v["block_ms"].median()),
+                         **{k: verdict[k] for k in ("diff_ms", "spread_ms", "verdict")},
                          "parity": {True: "held", False: "lost", None: ""}[held],
-                         "counts": levers.lever_counts(verdict, held) if phase == "train" and config != base else False})
-    return _sort(pd.DataFrame(rows, columns=cols), "phase")
+                         "counts": levers.lever_counts(verdict, held) if judged else False})
+    return pd.DataFrame(rows, columns=cols)  # per GPU: training first, the base, then the variants in call order
 
 
 def levers_after(data: Data, call: dict[str, pd.DataFrame], base: str = "best") -> pd.DataFrame:
@@ -369,7 +369,7 @@ def levers_after(data: Data, call: dict[str, pd.DataFrame], base: str = "best") 
     return out[["gpu_slug", "lever", *[c for c in out.columns if c not in ("gpu_slug", "lever")]]]
 
 
-def levers_owed_text(verdicts: pd.DataFrame) -> str:
+def levers_owed_text(verdicts: pd.DataFrame, base: str = "best") -> str:
     """What the lever call decided, per GPU; or that the call is owed."""
     if verdicts.empty:
         return ("The call that measures `best` beside its new variants (interleaved blocks of steps in one process, "
@@ -380,8 +380,8 @@ def levers_owed_text(verdicts: pd.DataFrame) -> str:
         wins = g[g["counts"]]["config"].tolist() if phase == "train" else \
             g[g["verdict"] == "faster"]["config"].tolist()
         lines.append(f"- **{slug}**, {'training micro-step' if phase == 'train' else 'denoising step'}: "
-                     f"{len(g) - 1} variants against `best` "
-                     f"({g.loc[g['config'] == 'best', 'median_ms'].iloc[0]:.2f} ms; neighbouring blocks of `best` "
+                     f"{len(g) - 1} variants against `{base}` "
+                     f"({g.loc[g['config'] == base, 'median_ms'].iloc[0]:.2f} ms; neighbouring blocks of `{base}` "
                      f"lie up to {g['spread_ms'].iloc[0]:.2f} ms apart); "
                      + (f"faster beyond that{' with parity held' if phase == 'train' else ''}: "
                         + ", ".join(f"`{c}`" for c in wins) if wins else "none is faster beyond that") + ".")

@@ -101,7 +101,8 @@ class Engine:
         # `denoise`, which takes the label map's share of the stem (`sampling_condition`)
         sampling = Conditioned(self.model) if config.condition_once else self.model
         separate = self.run.recompute_pointwise or config.condition_once
-        self._sampler = (self._compile(sampling, training=False) if self.run.compile else sampling) if separate else None
+        compiled = self._compile(sampling, training=False) if separate and self.run.compile else sampling
+        self._sampler = compiled if separate else None
         self._condition: torch.Tensor | None = None  # `condition_once`: the label map's share, one buffer
         self.diffusion = GaussianDiffusion(timesteps=timesteps).to(self.device)
         # capturable keeps Adam's step counter on the device, which graph replay requires.

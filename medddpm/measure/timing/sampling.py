@@ -53,8 +53,8 @@ def _row(engine: Engine, spec: ModelSpec, batch: int, *, warmup: int, steps: int
 
 
 def sample_batches(spec: ModelSpec, config: Config | str, batches: list[int], *, device: torch.device | str,
-                   warmup: int = 3, steps: int = 20, seed: int = 0, timesteps: int = TIMESTEPS, label: str | None = None,
-                   call_id: str | None = None, engine: Engine | None = None) -> pd.DataFrame:
+                   warmup: int = 3, steps: int = 20, seed: int = 0, timesteps: int = TIMESTEPS,
+                   label: str | None = None, call_id: str | None = None, engine: Engine | None = None) -> pd.DataFrame:
     """The `sample_batches` table of one configuration: a row per batch in `batches` (increasing), until one runs
     out of memory (its row says oom; larger ones are not tried). One engine serves every batch: a compiled
     configuration compiles its denoising step once per batch shape (`dynamic=False`), a CUDA graph is captured
