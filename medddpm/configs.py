@@ -96,6 +96,21 @@ class Config:
                             "cudnn | triton (GroupNorm-SiLU in the convolution's operand load, the next norm's "
                             "statistics in its epilogue: one Triton kernel, bf16 operands) | triton_fp8 (the same, "
                             "FP8 e4m3 operands with per-tensor scales)")
+    # with tap_gemm: the GEMM writes the 27 taps' shares tap-major over the input with a zero halo, so that the sum
+    # shifts each tap's shares as one contiguous slice (no mask, no pad) and its backward's rows are contiguous too
+    tap_major: bool = switch(False, "tap_gemm: the taps' shares tap-major over a zero-haloed input",
+                             "the output convolution's tap shares written tap-major over its input with a zero "
+                             "halo, summed as contiguous shifted slices (with tap_gemm)")
+    # compiled graphs: each forward convolution autotuned between cuDNN and Inductor's Triton templates, which can
+    # also take the bias and the pointwise work after it as an epilogue (Inductor's max_autotune for convolutions)
+    conv_autotune: bool = switch(False, "compiled: autotune forward convolutions between cuDNN and Triton templates",
+                                 "compiled graphs choose each forward convolution among cuDNN and Inductor's "
+                                 "Triton templates by timing them (as requested)")
+    # sampling: the label map is the same in every denoising step, so the stem convolution's share of it (and the
+    # bias) is computed once per sample; each step adds the noisy image's share as 27 shifted taps
+    condition_once: bool = switch(False, "sampling: the stem's share of the label map once per sample",
+                                  "sampling computes the stem convolution's share of the label map once per "
+                                  "sample, and each denoising step only the noisy image's share")
     description: str = field(default="", compare=False)
 
     def __post_init__(self):
@@ -296,6 +311,10 @@ def resolve(config: Config, device: torch.device | str) -> Resolved:
     recompute = config.recompute_pointwise and config.compile
     if config.recompute_pointwise and not recompute:
         na["recompute_pointwise"] = "an Inductor fusion choice: needs compile"
+    if config.tap_major and not config.tap_gemm:
+        na["tap_major"] = "lays out the output convolution's tap shares: needs tap_gemm"
+    if config.conv_autotune and not config.compile:
+        na["conv_autotune"] = "an Inductor autotuning choice: needs compile"
     if config.narrow_checkpoints and not config.checkpointing:
         na["narrow_checkpoints"] = "moves layers into the checkpoints of the blocks after them: needs checkpointing"
     group_norm = config.group_norm

@@ -389,6 +389,34 @@ def cmd_roofs(args) -> None:
     print(f"wrote {path}")
 
 
+def cmd_sample_batches(args) -> None:
+    from medddpm.measure.env import gpu_slug, pick_device
+    from medddpm.measure.sweep import machine_label
+    from medddpm.measure.timing.sampling import best_batch, parse_batches, sample_batches, write_sample_batches
+    from medddpm.measure.validate import check_label
+    from medddpm.store.layout import levers_table
+
+    configs = parse_config_list(args.configs)  # every name and batch checked before any work
+    batches = parse_batches(args.batches)
+    if args.gpu_label is not None:
+        check_label(args.gpu_label)
+    device = pick_device(args.device)
+    spec = spec_from(args)
+    label = gpu_slug(args.gpu_label or machine_label(args.out, device))
+    path = levers_table(args.out, label, "sample_batches")
+    for c in configs:
+        rows = sample_batches(spec, c, batches, device=device, warmup=args.warmup, steps=args.micro_steps,
+                              seed=args.seed, label=label)
+        write_sample_batches(path, rows)  # after each configuration: a later failure keeps what was measured
+        for r in rows.itertuples():
+            what = f"{r.step_median_ms:8.2f} ms a step, {r.volume_s:7.2f} s a volume" if r.status == "ok" else \
+                f"{r.status}: {r.message}"
+            print(f"{c.name:<36} batch {r.batch:>3}: {what}")
+        for r in best_batch(rows).itertuples():
+            print(f"{c.name}: best batch {r.batch}, {r.volume_s:.2f} s a volume ({r.timesteps} steps)")
+    print(f"wrote {path}")
+
+
 def cmd_counters(args) -> None:
     import time
 

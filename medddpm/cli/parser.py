@@ -12,7 +12,7 @@ from medddpm.store.schema import PHASES
 from medddpm.cli.args import (DEVICE_HELP, PRESET_NAMES, WIDTH, add_config_args, add_device_arg, add_model_args,
                               fraction, phases_arg, positive, seeds_arg, size_arg)
 from medddpm.cli.commands import (cmd_ablation, cmd_bench, cmd_claims, cmd_configs, cmd_counters, cmd_info, cmd_roofs, cmd_peak, cmd_sample, cmd_saved, cmd_scale, cmd_study, cmd_summary, cmd_sweep, cmd_train)
-from medddpm.cli.commands import cmd_add_runs, cmd_export_data
+from medddpm.cli.commands import cmd_add_runs, cmd_export_data, cmd_sample_batches
 
 
 LABEL_HELP = ("the folder under OUT for this machine's runs (default: the device type, e.g. nvidia-h200, or "
@@ -303,6 +303,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-label", metavar="LABEL", help=LABEL_HELP)
     p.add_argument("--force", action="store_true", help="measure again where the label has roofs (else: show them)")
     p.set_defaults(func=cmd_roofs)
+
+    p = sub.add_parser("sample-batches", help="seconds per generated volume over batch sizes: each configuration's "
+                                              "denoising step timed at each batch, until one does not fit, into "
+                                              "OUT/<label>/levers/sample_batches.parquet")
+    add_model_args(p)
+    p.add_argument("--configs", default="best", help="comma-separated names (default best)")
+    p.add_argument("--batches", default="1,2,4,8", help="increasing batch sizes, comma-separated (default 1,2,4,8)")
+    p.add_argument("--warmup", type=positive, default=3, help="untimed denoising steps at each batch (default 3)")
+    add_micro_steps(p, 20, "timed denoising steps at each batch (default 20)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the embedded label maps (default 0)")
+    add_device_arg(p)
+    p.add_argument("--out", default="data", help="the data tree (default data)")
+    p.add_argument("--gpu-label", metavar="LABEL", help=LABEL_HELP)
+    p.set_defaults(func=cmd_sample_batches)
 
     p = sub.add_parser("counters", help="Nsight Compute counters for runs already measured (GPU): a run's "
                                         "ncu.parquet is replaced when the new counters cover more of its step")
