@@ -60,7 +60,10 @@ def _sweep_command(configs: list[str], preset: str, out: str, params: dict, forc
     """The equivalent command line, written into each script so that a reader sees what the job does."""
     argv = ["python", "-m", "medddpm", "sweep", "--configs", ",".join(configs), "--preset", preset, "--out", out]
     for k, v in sorted(params.items()):
-        argv += [f"--{k.replace('_', '-')}", str(v)]
+        if isinstance(v, bool):  # a switch: named where on
+            argv += [f"--{k.replace('_', '-')}"] if v else []
+        else:
+            argv += [f"--{k.replace('_', '-')}", str(v)]
     if force:
         argv.append("--force")
     if device:

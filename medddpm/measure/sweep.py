@@ -49,7 +49,7 @@ from medddpm.store.layout import (KERNEL_LOG, NOTEBOOK_FILE, RUN_FILE, SEPARATOR
                                    old_folder, run_folder, run_lock_file, run_table, stage_folder)
 from medddpm.store.lock import output_lock
 from medddpm.store.schema import PHASES, read_table, write_table
-from medddpm.store.storage import Interrupted, publish_folder, recover_folder, storage_error
+from medddpm.store.storage import Interrupted, open_regular, publish_folder, recover_folder, storage_error
 
 ROOT = REPO
 NOTEBOOK = ROOT / "notebooks" / NOTEBOOK_FILE
@@ -58,7 +58,11 @@ NOTEBOOK = ROOT / "notebooks" / NOTEBOOK_FILE
 def _run_host(path: Path) -> str:
     """The host recorded in a run.parquet; '' for rows written before hosts were recorded (committed ones)."""
     try:
-        return str(pq.read_table(path, columns=["host"]).column("host")[0]) if "host" in pq.read_schema(path).names else ""
+        with open_regular(path, "a run table") as f:  # never a named pipe, which would block the sweep
+            if "host" not in pq.read_schema(f).names:
+                return ""
+            f.seek(0)
+            return str(pq.read_table(f, columns=["host"]).column("host")[0])
     except (OSError, ValueError, IndexError):
         return ""
 
@@ -248,11 +252,12 @@ def _settings(preset: str, params: dict | None, gpu_label: str | None = None) ->
         check_label(gpu_label)
     # an empty name is refused by open_dataset, never taken for the preset's embedded data
     source = spec_preset.data if params.get("data") is None else params["data"]
-    data = open_dataset(source, size=size)
+    resample = bool(params.get("resample_mask"))
+    data = open_dataset(source, size=size, resample_mask=resample)
     mask = params.get("mask_channels")
     mask_variant = mask if mask not in (None, data.mask_channels) else None  # the data's own width: no variant
     if mask_variant is not None:
-        data = open_dataset(source, size=size, mask_channels=mask_variant)
+        data = open_dataset(source, size=size, mask_channels=mask_variant, resample_mask=resample)
     # the preset's model, at this size, must take this data (a BraTS model needs four modalities and labels)
     image_channels = getattr(data, "image_channels", 1)
     shape = dataclasses.replace(spec_preset, size=size).spec(mask_channels=data.mask_channels,
@@ -270,7 +275,8 @@ def _plans(configs: list[Config], s: _Settings, slug: str, group: str) -> list[P
             batch=s.batch, warmup=given.get("warmup", spec_preset.warmup),
             steps=given.get("micro_steps") or spec_preset.micro_steps,
             sample_steps=given.get("sample_steps") or spec_preset.sample_steps, data=data_source,
-            mask_channels=s.mask_variant, label=slug, group=group))
+            mask_channels=s.mask_variant, label=slug, group=group,
+            resample_mask=bool(s.params.get("resample_mask"))))
 
     return [Plan(c, run_folder(c.name, s.preset, s.batch, s.mask_variant), identity(c, s.params, s.shape, s.source),
                  identity(c, {}, s.default_shape, spec_preset.data)) for c in configs]
