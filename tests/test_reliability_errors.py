@@ -18,7 +18,6 @@ import pytest
 
 from medddpm.cli.main import main
 from medddpm.configs import ConfigError, get_config
-from medddpm.errors import UserError
 from medddpm.measure.study import convergence as conv
 from medddpm.report import loading
 from test_reliability import _cli, env, producer  # noqa: F401 - fixtures used below
@@ -32,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_every_error_class_of_the_product_is_one_family():
+    from medddpm.errors import UserError
     from medddpm.measure.profile.counters import CountersError
     from medddpm.store.lock import FolderInUse
     from medddpm.store.schema import SchemaError

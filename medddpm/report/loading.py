@@ -282,7 +282,7 @@ def load(table: str, root: str | os.PathLike | None = None, *, variants: bool = 
     for folder in run["folder"]:
         path = run_table(root / folder, table)
         if not os.path.lexists(path):
-            continue  # a phase that did not run (a CPU has no ncu table; a failed run has few tables; `expected_tables`)
+            continue  # a phase that did not run (a CPU has no ncu table; a failed run has few): `expected_tables`
         try:
             df = _read(path, table)
         except DataError as e:

@@ -53,7 +53,8 @@ def load_checkpoint(path: str | os.PathLike, *, device: torch.device | str = "cp
             engine.ema.load_state_dict(state["ema"])
             engine.ema.copy_to(engine.model)
     except (RuntimeError, KeyError, TypeError, ValueError) as e:
-        raise checkpoint.CheckpointError(f"{path}: its weights do not fit its model ({checkpoint.load_error(e)})") from None
+        raise checkpoint.CheckpointError(f"{path}: its weights do not fit its model ({checkpoint.load_error(e)})") \
+            from None
     engine.model.eval()
     return engine
 
