@@ -219,10 +219,10 @@ def cmd_bench(args) -> None:
             raise ValueError(f"--memory-snapshot records the CUDA caching allocator; {device} has none")
         Path(args.memory_snapshot).mkdir(parents=True, exist_ok=True)
     spec = spec_from(args)
-    sampling = args.phase == "sample"
-    check_memory(args, spec, configs, device, training=not sampling, sampling=int(sampling))
     if args.reference and not (Path(args.reference) / "diffusion_model" / "unet.py").is_file():
         raise FileNotFoundError(f"{args.reference}: not a clone of mobaidoctor/med-ddpm (no diffusion_model/unet.py)")
+    sampling = args.phase == "sample"
+    check_memory(args, spec, configs, device, training=not sampling, sampling=int(sampling))
     results = {"environment": environment(device), "spec": spec.__dict__ | {"mult": list(spec.mult)},
                "phase": args.phase, "runs": []}
     bench = bench_sample if args.phase == "sample" else bench_train
@@ -318,11 +318,6 @@ def cmd_sweep(args) -> None:
     from medddpm.measure.sweep import sweep
 
     configs = parse_config_list(args.configs)  # every name checked before any work
-    if args.backend != "slurm":  # this machine's device (a slurm job's node is not known here)
-        from medddpm.measure.env import pick_device
-
-        check_memory(args, preset_spec(args.preset, args.size, args.mask_channels), configs, pick_device(args.device),
-                     batch=args.batch or 1, sampling=(args.batch or 1) * ("sample" in args.phases.split(",")))
     params = {k: getattr(args, k) for k in ("micro_steps", "warmup", "sample_steps", "size", "batch", "mask_channels", "data",
                                             "ncu_timeout", "time_limit") if getattr(args, k) is not None}
     if args.resample_mask:
@@ -338,7 +333,8 @@ def cmd_sweep(args) -> None:
                             constraint=args.constraint, python=args.python, folder=args.slurm_folder,
                             gpu_types=[t.strip() for t in (args.gpu_type or "").split(",") if t.strip()] or [None])
         jobs = submit_slurm(configs, preset=args.preset, out=args.out, opts=opts, params=params, force=args.force,
-                            device=args.device, gpu_label=args.gpu_label, dry_run=args.dry_run)
+                            device=args.device, gpu_label=args.gpu_label, dry_run=args.dry_run,
+                            force_memory=args.force_memory)
         if args.dry_run:
             print_scripts(jobs)
         else:
@@ -351,25 +347,14 @@ def cmd_sweep(args) -> None:
         from medddpm.measure.cluster import run_local
 
         results = run_local(configs, preset=args.preset, out=args.out, params=params, force=args.force,
-                            gpu_label=args.gpu_label)
+                            gpu_label=args.gpu_label, force_memory=args.force_memory)
     else:
         results = sweep(configs, preset=args.preset, out=args.out, device=args.device, gpu_label=args.gpu_label,
-                        force=args.force, params=params, replace_committed=names(args.replace_committed))
+                        force=args.force, params=params, replace_committed=names(args.replace_committed),
+                        force_memory=args.force_memory)
     for r in results:
         print(f"{r['config']:<12}{r['status']:<14}{r['seconds']:>8.0f} s  {r['folder']}")
     exit_if_failed(results)
-
-
-def preset_spec(preset: str, size=None, mask_channels: int | None = None):
-    """A preset's model at `size`, before its data is opened: the label channels given, the preset's own, else
-    one (the least, so that a memory estimate stays a lower bound)."""
-    import dataclasses
-
-    from medddpm.presets import get_preset
-
-    p = get_preset(preset)
-    p = dataclasses.replace(p, size=size) if size is not None else p
-    return p.spec(mask_channels=mask_channels or (None if p.mask_channels else 1))
 
 
 def names(text: str) -> tuple[str, ...]:
@@ -409,14 +394,11 @@ def cmd_ablation(args) -> None:
     from medddpm.configs import ablation
     from medddpm.measure.sweep import sweep
 
-    from medddpm.measure.env import pick_device
-
     configs = ablation(args.base)
-    check_memory(args, preset_spec(args.preset), configs, pick_device(args.device))
     params = {k: getattr(args, k) for k in ("micro_steps", "warmup") if getattr(args, k) is not None} | {"phases": ""}
     results = sweep(configs, preset=args.preset, out=args.out, device=args.device, gpu_label=args.gpu_label,
                     force=args.force, params=params, group="ablation",
-                    replace_committed=names(args.replace_committed))
+                    replace_committed=names(args.replace_committed), force_memory=args.force_memory)
     for r in results:
         print(f"{r['config']:<34}{r['status']:<14}{r['seconds']:>8.0f} s  {r['folder']}")
     exit_if_failed(results)

@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=positive, metavar="S",
                    help="seconds one configuration's run may take: Nsight Compute, the last phase, gets what the "
                         "others left (at most --ncu-timeout), and keeps what it profiled when it runs out")
-    add_force_memory(p, "a configuration's training step's")
+    add_force_memory(p, "a configuration's training step's (or sample's)")
     g = p.add_argument_group("backends", "where the configurations run (default: one after another, here)")
     g.add_argument("--backend", choices=["here", "local", "slurm"], default="here",
                    help="here; local: one configuration per visible GPU at once; slurm: one job per "
