@@ -321,7 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", default="1,2,4,8", help="increasing batch sizes, comma-separated (default 1,2,4,8)")
     p.add_argument("--warmup", type=positive, default=3, help="untimed denoising steps at each batch (default 3)")
     add_micro_steps(p, 20, "timed denoising steps at each batch (default 20)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the embedded label maps (default 0)")
+    p.add_argument("--seed", type=seed_arg, default=0, metavar="N",
+                   help="seed of the weights and the embedded label maps (default 0)")
     add_device_arg(p)
     p.add_argument("--out", default="data", help="the data tree (default data)")
     p.add_argument("--gpu-label", metavar="LABEL", help=LABEL_HELP)
