@@ -114,13 +114,14 @@ def check_fits(spec: ModelSpec, configs: Config | list[Config], device: torch.de
     over = [(c, need) for c in configs if (need := count(spec, c, batch=batch)).total > have]
     if not over:
         return None
-    size = "x".join(map(str, spec.shape)) + (f", {batch} volumes at once" if batch > 1 else "")
+    subject = f"{kind} of the {'x'.join(map(str, spec.shape))} model" + (
+        f", {batch} volumes at once," if batch > 1 else "")
     if len(over) == 1:
         (config, need), = over
-        line = (f"{kind} of the {size} model under {config.name} needs {need.describe()}, more than {what} "
+        line = (f"{subject} under {config.name} needs {need.describe()}, more than {what} "
                 f"({have / _GIB:,.1f} GiB)")
     else:
-        line = (f"{kind} of the {size} model needs more than {what} ({have / _GIB:,.1f} GiB) under "
+        line = (f"{subject} needs more than {what} ({have / _GIB:,.1f} GiB) under "
                 + ", ".join(f"{c.name} (at least {need.total / _GIB:,.1f} GiB)" for c, need in over))
     if force:
         return f"note: {line}; starting all the same (--force-memory)"
