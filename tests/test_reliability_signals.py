@@ -64,14 +64,14 @@ def test_sigterm_in_training_keeps_the_last_checkpoint_and_the_same_command_resu
         return real(self, batches)
 
     monkeypatch.setattr(Engine, "step", step)
-    assert train_cli(out, "--save-every", "1", steps=3) == TERMINATED
+    assert train_cli(out, "--save-every", "1", steps=2) == TERMINATED
     one_line(capsys, "terminated (SIGTERM): ", f"the checkpoint of step 1 in {out} is kept", "the same command resumes")
     assert sorted(p.name for p in out.iterdir()) == [checkpoint.CHECKPOINT, loop.LOSS_LOG]
     assert not leftovers(tmp_path), "no lock file"
     monkeypatch.setattr(Engine, "step", real)
-    assert train_cli(out, "--save-every", "1", steps=3) == 0
-    assert torch.load(out / checkpoint.CHECKPOINT, weights_only=True)["step"] == 3
-    assert [r["step"] for r in loop.read_loss_log(out)] == [1, 2, 3]
+    assert train_cli(out, "--save-every", "1", steps=2) == 0
+    assert torch.load(out / checkpoint.CHECKPOINT, weights_only=True)["step"] == 2
+    assert [r["step"] for r in loop.read_loss_log(out)] == [1, 2]
 
 
 def test_sigterm_in_a_sweep_keeps_the_finished_runs_and_the_same_command_measures_the_rest(tmp_path, capsys,
