@@ -13,6 +13,7 @@ from typing import Literal, get_args, get_type_hints
 
 import torch
 
+from medddpm.errors import UserError
 from medddpm.model import fused_conv
 from medddpm.model.group_norm import triton_unavailable
 
@@ -23,7 +24,7 @@ GroupNormKind = Literal["aten", "chunked", "fused", "triton"]
 ConvKind = Literal["cudnn", "triton", "triton_fp8"]
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """An unknown configuration or a flag of the wrong type or value (one line)."""
 
 
@@ -216,6 +217,8 @@ def get_config(name: str | Config) -> Config:
         key, eq, value = change.partition("=")
         if not eq or not key:
             raise ConfigError(f"bad switch {change!r} in {name!r}; expected FLAG=VALUE")
+        if key in flags:  # the last value would win unseen, and the name would say two things
+            raise ConfigError(f"switch {key} is set twice in {name!r}; set each switch once")
         flags[key] = {"true": True, "false": False}.get(value.lower(), value)
     return CONFIGS[base].with_flags(name=name, **flags)
 

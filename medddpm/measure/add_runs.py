@@ -42,7 +42,7 @@ from medddpm.store.lock import FolderInUse
 from medddpm.store.identity import encode, folder_name, key, split_folder
 from medddpm.store.layout import (ABLATION_DIR, KERNEL_LOG, NOTEBOOK_FILE, ROOFS_FILE, RUN_FILE, RUN_TABLES, SEPARATOR,
                                   hidden, old_folder, run_table, stage_folder)
-from medddpm.store.storage import atomic_write, publish_folder
+from medddpm.store.storage import NotRegularFile, atomic_write, open_regular, publish_folder
 
 FILES = {f"{t}.parquet" for t in RUN_TABLES} | {NOTEBOOK_FILE, KERNEL_LOG}  # what a run folder may hold
 TIMES = ("train_p10_ms", "train_median_ms", "train_p90_ms")
@@ -135,7 +135,7 @@ def check_run(folder: str | os.PathLike, label: str, group: str = "") -> Checked
     run_file = run_table(folder, "run")
     try:
         run = schema.read_table(run_file, "run")
-    except (schema.SchemaError, OSError) as e:
+    except (schema.SchemaError, NotRegularFile, OSError) as e:
         raise Refused(f"{run_file}: {str(e).removeprefix(f'{run_file}: ').splitlines()[0]}") from None
     if len(run) != 1:
         raise Refused(f"{run_file}: {len(run)} rows, a run table holds one")
@@ -166,7 +166,7 @@ def check_run(folder: str | os.PathLike, label: str, group: str = "") -> Checked
             continue
         try:
             df = schema.read_table(path, table)
-        except (schema.SchemaError, OSError) as e:
+        except (schema.SchemaError, NotRegularFile, OSError) as e:
             raise Refused(f"{path}: {str(e).removeprefix(f'{path}: ').splitlines()[0]}") from None
         if len(df) and df["run_id"].iloc[0] != row["run_id"]:
             raise Refused(f"{path}: rows of run {df['run_id'].iloc[0]}, not of {row['run_id']}")
@@ -201,9 +201,9 @@ def _unpacked(path: Path, into: Path) -> tuple[list[tuple[Path, str]], list[str]
     for i, archive in enumerate(archives):
         target = into / str(i)
         try:
-            with tarfile.open(archive) as tar:
+            with open_regular(archive, "an archive") as f, tarfile.open(fileobj=f) as tar:  # never a named pipe's wait
                 tar.extractall(target, filter="data")  # no links out of the tree, no absolute paths
-        except (tarfile.TarError, OSError) as e:
+        except (tarfile.TarError, OSError, NotRegularFile) as e:
             refused.append(f"{archive}: not a readable .tgz ({str(e).splitlines()[0]})")
             continue
         trees.append((target, f"{archive}:"))
@@ -213,7 +213,7 @@ def _unpacked(path: Path, into: Path) -> tuple[list[tuple[Path, str]], list[str]
 def _add_roofs(path: Path, out: Path, label: str) -> str:
     try:
         roofs = schema.read_table(path, "roofs")
-    except (schema.SchemaError, OSError) as e:
+    except (schema.SchemaError, NotRegularFile, OSError) as e:
         raise Refused(f"{path}: {str(e).removeprefix(f'{path}: ').splitlines()[0]}") from None
     if set(roofs["gpu_slug"]) != {label}:
         raise Refused(f"{path}: roofs of {', '.join(sorted(set(roofs['gpu_slug'])))}, but it lies under {label}/")

@@ -42,14 +42,15 @@ from medddpm.train.data import open_dataset
 from medddpm.measure.timing import roofs as measure_roofs
 from medddpm.measure.run import write_failed_run
 from medddpm.presets import get_preset
-from medddpm.model.unet import parse_size
+from medddpm.train.budget import SAMPLING, TRAINING, check_fits
+from medddpm.model.unet import ModelSpec, parse_size
 from medddpm.measure.validate import check_label, check_label_device, check_text, known_device_types
 from medddpm.store.identity import encode, folder_name, key, run_identity
 from medddpm.store.layout import (KERNEL_LOG, NOTEBOOK_FILE, RUN_FILE, SEPARATOR, is_run, leftover_of, leftover_patterns,
                                    old_folder, run_folder, run_lock_file, run_table, stage_folder)
 from medddpm.store.lock import output_lock
 from medddpm.store.schema import PHASES, read_table, write_table
-from medddpm.store.storage import Interrupted, publish_folder, recover_folder, storage_error
+from medddpm.store.storage import Interrupted, open_regular, publish_folder, recover_folder, storage_error
 
 ROOT = REPO
 NOTEBOOK = ROOT / "notebooks" / NOTEBOOK_FILE
@@ -58,7 +59,11 @@ NOTEBOOK = ROOT / "notebooks" / NOTEBOOK_FILE
 def _run_host(path: Path) -> str:
     """The host recorded in a run.parquet; '' for rows written before hosts were recorded (committed ones)."""
     try:
-        return str(pq.read_table(path, columns=["host"]).column("host")[0]) if "host" in pq.read_schema(path).names else ""
+        with open_regular(path, "a run table") as f:  # never a named pipe, which would block the sweep
+            if "host" not in pq.read_schema(f).names:
+                return ""
+            f.seek(0)
+            return str(pq.read_table(f, columns=["host"]).column("host")[0])
     except (OSError, ValueError, IndexError):
         return ""
 
@@ -224,6 +229,7 @@ class _Settings:
     source: str
     shape: tuple
     default_shape: tuple
+    spec: ModelSpec  # the model each configuration trains: the preset's, at the sweep's size, for its data
 
 
 def _settings(preset: str, params: dict | None, gpu_label: str | None = None) -> _Settings:
@@ -248,17 +254,18 @@ def _settings(preset: str, params: dict | None, gpu_label: str | None = None) ->
         check_label(gpu_label)
     # an empty name is refused by open_dataset, never taken for the preset's embedded data
     source = spec_preset.data if params.get("data") is None else params["data"]
-    data = open_dataset(source, size=size)
+    resample = bool(params.get("resample_mask"))
+    data = open_dataset(source, size=size, resample_mask=resample)
     mask = params.get("mask_channels")
     mask_variant = mask if mask not in (None, data.mask_channels) else None  # the data's own width: no variant
     if mask_variant is not None:
-        data = open_dataset(source, size=size, mask_channels=mask_variant)
+        data = open_dataset(source, size=size, mask_channels=mask_variant, resample_mask=resample)
     # the preset's model, at this size, must take this data (a BraTS model needs four modalities and labels)
     image_channels = getattr(data, "image_channels", 1)
-    shape = dataclasses.replace(spec_preset, size=size).spec(mask_channels=data.mask_channels,
-                                                             image_channels=image_channels).shape
+    spec = dataclasses.replace(spec_preset, size=size).spec(mask_channels=data.mask_channels,
+                                                            image_channels=image_channels)
     default_shape = spec_preset.spec(mask_channels=data.mask_channels, image_channels=image_channels).shape
-    return _Settings(preset, params, batch, mask_variant, source, shape, default_shape)
+    return _Settings(preset, params, batch, mask_variant, source, spec.shape, default_shape, spec)
 
 
 def _plans(configs: list[Config], s: _Settings, slug: str, group: str) -> list[Plan]:
@@ -270,7 +277,8 @@ def _plans(configs: list[Config], s: _Settings, slug: str, group: str) -> list[P
             batch=s.batch, warmup=given.get("warmup", spec_preset.warmup),
             steps=given.get("micro_steps") or spec_preset.micro_steps,
             sample_steps=given.get("sample_steps") or spec_preset.sample_steps, data=data_source,
-            mask_channels=s.mask_variant, label=slug, group=group))
+            mask_channels=s.mask_variant, label=slug, group=group,
+            resample_mask=bool(s.params.get("resample_mask"))))
 
     return [Plan(c, run_folder(c.name, s.preset, s.batch, s.mask_variant), identity(c, s.params, s.shape, s.source),
                  identity(c, {}, s.default_shape, spec_preset.data)) for c in configs]
@@ -300,8 +308,12 @@ def measured_before(configs: str | list[Config], *, preset: str, gpu_label: str,
 def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.PathLike = "data",
           device: str | None = None, gpu_label: str | None = None, force: bool = False,
           params: dict | None = None, notebook: Path = NOTEBOOK, timeout_s: int | None = None,
-          group: str = "", roofs: bool = True, replace_committed: tuple[str, ...] = ()) -> list[dict]:
+          group: str = "", roofs: bool = True, replace_committed: tuple[str, ...] = (),
+          force_memory: bool = False) -> list[dict]:
     """Measure each configuration; returns one {config, status, seconds, folder} per configuration.
+
+    A configuration whose training step (or sample, where that phase runs) is estimated to exceed the device's
+    memory (`train.budget`) is refused in one line before any work, unless `force_memory`.
 
     `group`: runs that belong together apart from the main ones, in ``data/<gpu-slug>/<group>/<run>/``
     (the ablation's). Each configuration's folder is locked for the whole sweep (`store.lock`): a second
@@ -322,6 +334,11 @@ def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.P
     for option, text in (("--out", str(out)), ("--data", settings.source), ("--device", device)):
         check_text(option, text)
     dev = pick_device(device)
+    # what cannot fit the device is refused here, not recorded as a failed run after the attempt
+    sampled = "sample" in str(params.get("phases", ",".join(PHASES))).split(",")
+    for kind, volumes in ((TRAINING, batch), (SAMPLING, batch if sampled else 0)):
+        if volumes and (note := check_fits(settings.spec, configs, dev, force=force_memory, kind=kind, batch=volumes)):
+            print(note, file=sys.stderr)
     out = Path(out)
     gpu_label = label_for(out, dev, gpu_label)
     slug = gpu_slug(gpu_label)

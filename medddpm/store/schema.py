@@ -19,9 +19,10 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from medddpm.errors import UserError
 from medddpm.configs import Config, switch_kind, switches
 from medddpm.store.layout import table_of
-from medddpm.store.storage import atomic_write
+from medddpm.store.storage import atomic_write, open_regular
 
 S, I, F, B = pa.string(), pa.int64(), pa.float64(), pa.bool_()
 
@@ -433,7 +434,7 @@ RENAMED: dict[str, dict[str, str]] = {
 PHASES = ("sample", "torch", "quality", "ncu")
 
 
-class SchemaError(ValueError):
+class SchemaError(UserError):
     """A table does not match its documented schema (one line)."""
 
 
@@ -570,9 +571,10 @@ def read_table(path: str | os.PathLike, table: str | None = None) -> pd.DataFram
     one the schema has retired (`RETIRED`) is dropped, one added since (`ADDED`) is filled in."""
     path = Path(path)
     table = table or table_of(path)
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise FileNotFoundError(f"missing data file {path}")
-    arrow = pq.read_table(path)
+    with open_regular(path, "a table") as f:  # a folder, a named pipe or a symlink loop: one line naming it
+        arrow = pq.read_table(f)
     renamed = RENAMED.get(table, {})
     if any(n in renamed for n in arrow.schema.names):  # a table written before a column's rename
         arrow = arrow.rename_columns([renamed.get(n, n) for n in arrow.schema.names])
