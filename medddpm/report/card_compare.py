@@ -25,6 +25,7 @@ import pandas as pd
 from medddpm.analysis import roofs as ar
 from medddpm.model.diffusion import TIMESTEPS
 from medddpm.report.loading import Data, _GIB, config_order, gpu_types, is_cpu
+from medddpm.report.roofs import pair_roofs
 
 # Kernel categories (`analysis.kernels.CATEGORIES`) whose kernels run on the tensor cores or FMA pipes at a high
 # arithmetic intensity: what the two cards' equal SMs and clocks set. Every other category but "other" moves data
@@ -288,10 +289,9 @@ def category_table(cat: pd.DataFrame) -> pd.DataFrame:
 
 
 def bandwidth_ratio(data: Data, slug: str, ref: str) -> tuple[float, str] | None:
-    """The reference's DRAM bandwidth over the card's, from one kind of source (`analysis.roofs.pair_of`), and
-    which: what a step wholly at the bandwidth roof would take longer."""
-    types = gpu_types(data.run, data.roofs)
-    a, b, used = ar.pair_of(data.roofs, (ref, types.get(ref, ref)), (slug, types.get(slug, slug)))
+    """The reference's DRAM bandwidth over the card's, on the book's basis (`roofs.pair_roofs`), and which source:
+    what a step wholly at the bandwidth roof would take longer."""
+    a, b, used = pair_roofs(data, ref, slug)
     return (a["dram"] / b["dram"], used) if "dram" in a and "dram" in b else None
 
 

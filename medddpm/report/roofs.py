@@ -7,7 +7,7 @@ stands in for a card's own, even one of the same device type.
 The book sets its cards side by side, so it reads all of them against one source per roof (`book_basis`): their
 measured roofs once every card with a datasheet has measured its own, their datasheets until then. Every figure
 that divides by a roof (the first page's strict-FP32 efficiency, Beyond's floors, the workshop's efficiencies, the
-cards page, the roofline) reads `card_roofs` or `step_efficiency` here, so a card's efficiency has one value
+cards page's model, the roofline) reads `card_roofs`, `pair_roofs` or `step_efficiency` here, so a card's efficiency has one value
 wherever the book prints it, and `basis_text` says which roofs it is read against. The measured values stay beside
 the datasheet's in `roofs_view`, as a measurement a reader checks against the datasheet.
 """
@@ -53,6 +53,16 @@ def card_roofs(slug: str, run: pd.DataFrame | None = None, roofs: pd.DataFrame |
     cards = cards_of(run, roofs, bench)
     kind = cards.get(slug, slug)
     return ar.on_basis(roofs, slug, kind, ar.basis(roofs, cards | {slug: kind}))
+
+
+def pair_roofs(data: Data, a: str, b: str) -> tuple[dict, dict, str]:
+    """Two cards' roofs (byte/s, FLOP/s) as a page that sets them side by side reads them: on the book's basis, that
+    of every card of the data with the two among them (`analysis.roofs.pair_of`), and the source used. A card the
+    data holds no run of (one estimated from its datasheet) has no measured roofs, so that its pair is read
+    datasheet against datasheet."""
+    cards = cards_of(data.run, data.roofs, data.bench)
+    ka, kb = cards.get(a, a), cards.get(b, b)
+    return ar.pair_of(data.roofs, (a, ka), (b, kb), ar.basis(data.roofs, cards | {a: ka, b: kb}))
 
 
 def peaks_of(slug: str, run: pd.DataFrame | None = None, roofs: pd.DataFrame | None = None,
@@ -245,5 +255,5 @@ def step_efficiency(data: Data, slug: str | None = None, config: str | None = No
 
 
 __all__ = ["DATASHEET_FP32", "EFFICIENCY_COLUMNS", "ROOF_LABELS", "bandwidth_of", "basis_text", "book_basis",
-           "card_roofs", "cards_of", "check_roofs", "gpu_labels", "peaks_of", "roofs_view", "source_text",
+           "card_roofs", "cards_of", "check_roofs", "gpu_labels", "pair_roofs", "peaks_of", "roofs_view", "source_text",
            "step_efficiency", "step_roof"]
