@@ -181,6 +181,29 @@ def test_cards_stand_side_by_side_told_apart_by_colour(data):
         assert len(set(colours)) == len(colours) == 2
 
 
+def test_the_claims_grid_frames_a_verdict_judged_in_part_and_names_the_cards_apart(data, names):
+    """A verdict judged in part (the H100's step-time halves) is a frame of its colour round a white cell, never
+    filled like one judged in full; the cards head their columns by their short names, apart."""
+    import vl_convert
+
+    from medddpm.report import claims
+
+    table = claims.verdicts(data)
+    spec = charts.claims_grid(table, names=names).to_dict()
+    svg = vl_convert.vegalite_to_svg({**spec, "width": 450})
+    rects = re.findall(r'<g class="mark-rect role-mark[^"]*"[^>]*>(.*?)</g>', svg, re.S)
+    filled, framed = (re.findall(r'<path[^>]*fill="([^"]+)"[^>]*stroke="([^"]+)"', body) for body in rects)
+    part = table[table["judged"] == claims.IN_PART]
+    assert len(part) >= 2 and set(part["gpu_slug"]) == {H100}
+    assert len(framed) == len(part) and {f for f, _ in framed} == {"white"}
+    assert {s for _, s in framed} == {charts.theme.VERDICT_COLORS[v] for v in part["verdict"]}
+    assert len(filled) == len(table) - len(part), "a verdict judged in part is not a filled cell too"
+    labels = _x_labels(spec, 450)
+    assert sorted(lines[0] for _, lines in labels) == sorted(names.values())
+    (x0, a), (x1, b) = sorted(labels)
+    assert x1 - x0 > 3.2 * (len(a[0]) + len(b[0])), labels
+
+
 def test_a_power_capped_run_is_named_where_the_cards_are_compared(data, names):
     notes = " ".join(card_compare.clock_notes(data, names))
     assert "`best` on the **H100 80GB HBM3** ran held down (sw power cap) in 100% of its samples" in notes
