@@ -237,6 +237,32 @@ def test_tables_show_cards_by_short_names_and_kernels_by_theirs(data, predicted,
     assert len(miss) and miss["kernel"].str.len().max() <= 60 and not miss["kernel"].str.contains(r"\(").any()
 
 
+def test_the_first_page_and_the_roofs_name_the_cards_by_their_short_names(data, names):
+    """A column headed by a card, a chart's rows and legend, and the roofs' source in words: the short names, so
+    that nvidia-h100-80gb-hbm3 never breaks over a header's lines."""
+    import vl_convert
+
+    from medddpm.report import claims, intro
+
+    eff = intro.fp32_efficiency(data)
+    cost = intro.training_cost(eff, 3.3e18, names)
+    assert {"hours at strict FP32's pace on H100 80GB HBM3", "hours at strict FP32's pace on H200"} <= set(cost)
+    assert intro.cost_text(eff, cost, names).startswith("Strict FP32 on the H100 80GB HBM3 takes 870 ms")
+    beside = intro.tf32_beside_paper(claims.verdicts(data), set(), names)
+    assert "measured here, H100 80GB HBM3" in beside and f"measured here, {H100}" not in beside
+    head, _ = intro.headline_devices(data)
+    rows = {r["row"] for r in _rows(charts.headline(head, names=names).to_dict()) if "row" in r}
+    assert "H100 80GB HBM3 · best" in rows and not any(r.startswith(H100) for r in rows)
+    svg = vl_convert.vegalite_to_svg({**charts.card_compare(card_compare.comparison(data), names=names).to_dict(),
+                                      "width": 500})
+    assert ">H100 80GB HBM3</text>" in svg and f">{H100}</text>" not in svg, "the legend names the cards"
+    said = report.basis_text(data, names)
+    assert "**H100 80GB HBM3** has measured its own: **H200** has not yet" in said and "[cards page]" in said
+    assert "[cards page]" not in report.basis_text(data, names, here=True)
+    facts = card_compare.card_facts(data, report.roofs_view(data)).set_index("")
+    assert facts.loc["DRAM bandwidth, measured", H100] != "not measured yet", "measured, though read on the datasheet"
+
+
 def test_a_switch_that_saves_nothing_is_not_a_memory_saving_switch(root):
     run = report.runs(root, variants=True)
     costs = report.switch_costs(run)
@@ -250,7 +276,7 @@ def test_a_switch_that_saves_nothing_is_not_a_memory_saving_switch(root):
 
 
 def test_floor_labels_never_print_over_each_other(data):
-    floors = report.floors(data.run, roofs=data.roofs)
+    floors = report.floors(data)
     spans = report.step_summary(data.run).groupby("gpu_slug")["train_p90_ms"].max().to_dict()
     placed = timing.floor_labels(floors, spans)
     h100 = placed[placed["gpu_slug"] == H100].sort_values("floor_ms")

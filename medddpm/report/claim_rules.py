@@ -393,7 +393,7 @@ def tf32_samples(g: GPU) -> Verdict:
     """The trained model, not one step: opt1 against strict FP32 in the convergence study, seed by seed (same
     weights, data order and noise), by the study's equivalence test (`convergence.verdicts`)."""
     if g.study is None or g.study.empty:
-        return _na("no convergence study in the data (python -m medddpm study --configs baseline,opt1,...)",
+        return _na("no convergence study in the data (`python -m medddpm study --configs baseline,opt1`)",
                    {("study", "")})
     v = study_verdicts(g.study, (("opt1", "baseline"),))
     v = v[v["gpu_slug"] == g.slug]

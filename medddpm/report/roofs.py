@@ -127,14 +127,14 @@ def check_roofs(view: pd.DataFrame) -> None:
     assert over.empty, f"measured above the datasheet: {over[['gpu_slug', 'roof', 'of_datasheet']].to_dict('records')}"
 
 
-def _names(slugs: list[str]) -> str:
-    return ", ".join(f"**{s}**" for s in slugs) + (" has" if len(slugs) == 1 else " have")
-
-
-def basis_text(data: Data) -> str:
+def basis_text(data: Data, names: dict[str, str] | None = None, here: bool = False) -> str:
     """Which roofs the book reads every card against, and why: measured once every card with a datasheet has
-    measured its own, the datasheet's until then (naming the cards not measured yet); and the cards without a
-    datasheet (their own measurement, or no figure that divides by a roof)."""
+    measured its own, the datasheet's until then (naming the cards not measured yet, by their short names
+    `names`), with where the measured roofs stand beside the datasheet's (the cards page; `here` on that page);
+    and the cards without a datasheet (their own measurement, or no figure that divides by a roof)."""
+    def _names(slugs: list[str]) -> str:
+        return ", ".join(f"**{(names or {}).get(s, s)}**" for s in slugs) + (" has" if len(slugs) == 1 else " have")
+
     cards = cards_of(data.run, data.roofs, data.bench)
     chosen = ar.basis(data.roofs, cards)
     sheets = {s: ar.datasheet_roofs(k) for s, k in cards.items() if ar.DATASHEET.get(k)}
@@ -156,7 +156,8 @@ def basis_text(data: Data) -> str:
                 f"{'its' if len(measured) == 1 else 'their'} own: {_names(missing)} not yet, and cards set side "
                 "by side are read against one source. A measured roof lies below its datasheet's, so one card's "
                 "measured roofs against another's datasheet would make the measured card look the more efficient. "
-                "The measured roofs stand beside the datasheet's on the [cards page](cards.md).")
+                + ("The measured roofs stand beside the datasheet's below." if here else
+                   "The measured roofs stand beside the datasheet's on the [cards page](cards.md)."))
     own_only = [s for s in cards if s not in sheets]
     alone = [s for s in own_only if ar.own_roofs(data.roofs, s)]
     bare = [s for s in own_only if s not in alone]

@@ -287,6 +287,15 @@ def efficiencies(data: report.Data) -> pd.DataFrame:
               "peak_tflops", "efficiency", "basis", "peak_source"]].reset_index(drop=True)
 
 
+EFFICIENCY_SHOWN = {"gpu_slug": "card", "precision": "precision", "config": "configuration", "train_median_ms": "ms",
+                    "achieved_tflops": "achieved TFLOP/s", "peak_tflops": "peak TFLOP/s", "efficiency": "of the peak"}
+
+
+def efficiency_table(eff: pd.DataFrame) -> pd.DataFrame:
+    """`efficiencies` as the page shows it (`EFFICIENCY_SHOWN`): the roofs' source is said once above it."""
+    return eff[list(EFFICIENCY_SHOWN)].rename(columns=EFFICIENCY_SHOWN)
+
+
 def carried_ms(step_ms: float, peak_from: float, peak_to: float) -> float:
     """A step carried from one device to another at the same fraction of each one's peak: its time x the peak of
     the device it ran on / the other's. Both peaks come from one source (both datasheets, or both measured), the
@@ -312,8 +321,7 @@ def cost_estimates(eff: pd.DataFrame, data: report.Data, cards=ar.PAPER_CARDS, p
     mine = eff[eff["precision"] == precision]
     types = report.gpu_types(data.run, data.roofs)
     measured = {types.get(r.gpu_slug, r.gpu_slug): r.train_median_ms for r in mine.itertuples()}
-    cols = ["GPU", "gpu_type", f"{precision.upper()} peak TFLOP/s (datasheet)", "from", "its step (ms)",
-            "peak ratio", "estimated hours", "measured hours", "own"]
+    cols = ["GPU", "gpu_type", "from", "its step (ms)", "peak ratio", "estimated hours", "measured hours", "own"]
     rows = []
     for r in mine.itertuples():
         kind = types.get(r.gpu_slug, r.gpu_slug)
@@ -325,8 +333,7 @@ def cost_estimates(eff: pd.DataFrame, data: report.Data, cards=ar.PAPER_CARDS, p
             if peak is None:
                 continue
             rows.append(dict(zip(cols, [
-                ar.DATASHEET[card].name.removeprefix("NVIDIA "), card, peak / 1e12, r.gpu_slug, r.train_median_ms,
-                peak_from / peak, step_hours(carried_ms(r.train_median_ms, peak_from, peak)),
+                ar.DATASHEET[card].name.removeprefix("NVIDIA "), card, r.gpu_slug, r.train_median_ms, peak_from / peak, step_hours(carried_ms(r.train_median_ms, peak_from, peak)),
                 step_hours(measured[card]) if card in measured else math.nan, kind == card])))
     return pd.DataFrame(rows, columns=cols)
 
