@@ -288,7 +288,7 @@ def efficiencies(data: report.Data) -> pd.DataFrame:
 
 
 EFFICIENCY_SHOWN = {"gpu_slug": "card", "precision": "precision", "config": "configuration", "train_median_ms": "ms",
-                    "achieved_tflops": "achieved TFLOP/s", "peak_tflops": "peak TFLOP/s", "efficiency": "of the peak"}
+                    "achieved_tflops": "achieved TFLOP/s", "peak_tflops": "peak TFLOP/s", "efficiency": "efficiency"}
 
 
 def efficiency_table(eff: pd.DataFrame) -> pd.DataFrame:
