@@ -7,8 +7,8 @@ stands in for a card's own, even one of the same device type.
 The book sets its cards side by side, so it reads all of them against one source per roof (`book_basis`): their
 measured roofs once every card with a datasheet has measured its own, their datasheets until then. Every figure
 that divides by a roof (the first page's strict-FP32 efficiency, Beyond's floors, the workshop's efficiencies, the
-cards page's model, the roofline) reads `card_roofs`, `pair_roofs` or `step_efficiency` here, so a card's efficiency has one value
-wherever the book prints it, and `basis_text` says which roofs it is read against. The measured values stay beside
+cards page's model, the roofline) reads `card_roofs`, `pair_roofs` or `step_efficiency` here, so a card's
+efficiency has one value wherever the book prints it, and `basis_text` says which roofs it is read against. The measured values stay beside
 the datasheet's in `roofs_view`, as a measurement a reader checks against the datasheet.
 """
 
@@ -256,5 +256,5 @@ def step_efficiency(data: Data, slug: str | None = None, config: str | None = No
 
 
 __all__ = ["DATASHEET_FP32", "EFFICIENCY_COLUMNS", "ROOF_LABELS", "bandwidth_of", "basis_text", "book_basis",
-           "card_roofs", "cards_of", "check_roofs", "gpu_labels", "pair_roofs", "peaks_of", "roofs_view", "source_text",
-           "step_efficiency", "step_roof"]
+           "card_roofs", "cards_of", "check_roofs", "gpu_labels", "pair_roofs", "peaks_of", "roofs_view",
+           "source_text", "step_efficiency", "step_roof"]

@@ -333,7 +333,8 @@ def cost_estimates(eff: pd.DataFrame, data: report.Data, cards=ar.PAPER_CARDS, p
             if peak is None:
                 continue
             rows.append(dict(zip(cols, [
-                ar.DATASHEET[card].name.removeprefix("NVIDIA "), card, r.gpu_slug, r.train_median_ms, peak_from / peak, step_hours(carried_ms(r.train_median_ms, peak_from, peak)),
+                ar.DATASHEET[card].name.removeprefix("NVIDIA "), card, r.gpu_slug, r.train_median_ms, peak_from / peak,
+                step_hours(carried_ms(r.train_median_ms, peak_from, peak)),
                 step_hours(measured[card]) if card in measured else math.nan, kind == card])))
     return pd.DataFrame(rows, columns=cols)
 
@@ -562,5 +563,6 @@ def here_text(here: pd.DataFrame, device: torch.device, names: dict[str, str] | 
     ms = carried_ms(r["its step (ms)"], r["its measured roof TFLOP/s"], r["matmul TFLOP/s here"])
     return (f"At {r['matmul TFLOP/s here']:.3g} TFLOP/s ({r['precision']}) measured here, against the "
             f"{r['its measured roof TFLOP/s']:.3g} TFLOP/s the {src} measured for the same matmul, its "
-            f"{r['its step (ms)']:.4g} ms step becomes {ms:,.0f} ms, and 100,000 optimizer steps would take about {hours:,.0f} hours here ({hours / 24 / 365:.2g} years)"
+            f"{r['its step (ms)']:.4g} ms step becomes {ms:,.0f} ms, and 100,000 optimizer steps would take about "
+            f"{hours:,.0f} hours here ({hours / 24 / 365:.2g} years)"
             + (": the reason this model trains on GPUs." if torch.device(device).type == "cpu" else "."))
