@@ -8,8 +8,9 @@ The book sets its cards side by side, so it reads all of them against one source
 measured roofs once every card with a datasheet has measured its own, their datasheets until then. Every figure
 that divides by a roof (the first page's strict-FP32 efficiency, Beyond's floors, the workshop's efficiencies, the
 cards page's model, the roofline) reads `card_roofs`, `pair_roofs` or `step_efficiency` here, so a card's
-efficiency has one value wherever the book prints it, and `basis_text` says which roofs it is read against. The measured values stay beside
-the datasheet's in `roofs_view`, as a measurement a reader checks against the datasheet.
+efficiency has one value wherever the book prints it, and `basis_text` says which roofs it is read against. The
+measured values stay beside the datasheet's in `roofs_view`, as a measurement a reader checks against the
+datasheet.
 """
 
 from __future__ import annotations
