@@ -114,6 +114,30 @@ def test_the_model_predicts_the_second_card_from_the_first_card_s_profile(predic
     cards.check_predictions(table)
 
 
+def test_the_model_reads_its_cards_against_the_book_s_one_basis(two, predicted):
+    """Both cards measured: the model reads them measured against measured. A third card of the data without its
+    own roofs puts the whole book on the datasheets, and the model with it, although the two cards it compares
+    have measured theirs: a card's roofs on the cards page are those its efficiency is read against elsewhere."""
+    from medddpm.analysis import roofs as ar
+    from medddpm.report import card_compare
+
+    assert predicted[0].loc[predicted[0]["kind"] == cards.MEASURED, "roofs"].eq("measured").all()
+    lab = "nvidia-h200-lab3"
+    third = two.run[two.run["gpu_slug"] == H200].assign(gpu_slug=lab, gpu_type=H200)
+    third["run_id"] = third["run_id"].str.replace(f"{H200}/", f"{lab}/", n=1, regex=False)
+    three = report.Data(**{**two.__dict__, "run": pd.concat([two.run, third], ignore_index=True)})
+    assert ar.pair_of(three.roofs, (H200, H200), (H100, H100))[2] == "measured", "the pair alone: measured"
+    table, kernels = cards.predictions(three)
+    there = table[(table["from_card"] == H200) & (table["card"] == H100)]
+    assert len(there) == len(CONFIGS) and there["roofs"].eq("datasheet").all()
+    sheet = ar.DATASHEET[H200].roofs["dram"] / ar.DATASHEET[H100].roofs["dram"]
+    ratios = cards.category_ratios(three, kernels)
+    norm = ratios[(ratios["pair"] == f"{H200} → {H100}") & (ratios["category"] == "normalization")]
+    assert norm["roofs_ratio"].to_numpy() == pytest.approx(sheet)
+    assert card_compare.bandwidth_ratio(three, H100, H200) == (pytest.approx(sheet), "datasheet")
+    assert set(report.step_efficiency(three)["basis"]) == {"datasheet"}
+
+
 def test_category_ratios_are_measured_as_made_and_set_beside_the_roofs(two, predicted):
     ratios = cards.category_ratios(two, predicted[1])
     mine = ratios[(ratios["pair"] == f"{H200} → {H100}") & (ratios["config"] == "baseline")].set_index("category")

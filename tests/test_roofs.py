@@ -172,10 +172,12 @@ def test_a_card_s_efficiency_has_one_value_and_one_basis_wherever_a_page_reads_i
         first = intro.fp32_efficiency(d).set_index("gpu_slug")["efficiency"]
         floors = beyond.floors(d).set_index(["gpu_slug", "precision"])
         shop = workshop.efficiencies(d).set_index(["gpu_slug", "precision"])
+        assert set(shop["basis"]) == {basis}
         peak_claim = [c for c in claims.CLAIMS if c.id == "opt12-peak"]
         verdicts = claims.verdicts(d, claims=peak_claim).set_index(["gpu_slug", "claim_id"])
         for s in (h100, h200):
             assert first[s] == pytest.approx(fp32[s]) and shop.loc[(s, "fp32"), "efficiency"] == pytest.approx(fp32[s])
+            assert shop.loc[(s, "bf16"), "efficiency"] == pytest.approx(e.loc[(s, "bf16"), "efficiency"])
             assert floors.loc[(s, "fp32"), "fraction_of_peak"] == pytest.approx(fp32[s]), (basis, s)
             assert floors.loc[(s, "bf16"), "fraction_of_peak"] == pytest.approx(e.loc[(s, "best"), "efficiency"])
             assert floors.loc[(s, "bf16"), "basis"] == basis

@@ -10,8 +10,8 @@ card is therefore read against its own measurement or its datasheet, never again
 
 Cards set side by side are read against one kind of source, so that the source's own bias cancels: `basis`
 chooses it per roof for a whole set of cards (measured where every card with a datasheet value for that roof has
-measured it, the datasheet otherwise), `on_basis` gives one card's roofs on it, and `pair_of` does the same for
-two cards alone.
+measured it, the datasheet otherwise), `on_basis` gives one card's roofs on it, and `pair_of` two cards' roofs on
+the basis of the cards set beside them, or of the pair alone.
 
 Tensor-core work is counted from the tensor pipe's active cycles (Nsight Compute counts no tensor FLOPs):
 `tensor_flop_per_sm_cycle` is the dense rate of one SM in one cycle, the datasheet's peak over its SMs and the
@@ -135,26 +135,20 @@ def on_basis(roofs: pd.DataFrame | None, slug: str, gpu_type: str, chosen: Mappi
     return out
 
 
-def pair_of(roofs: pd.DataFrame, a: tuple[str, str], b: tuple[str, str]) -> tuple[dict, dict, str]:
-    """Two cards' roofs, each card given as (label, device type), roof by roof from one kind of source where one
-    serves both: both measured where both cards have that roof measured under their own labels, else both
-    datasheet where both datasheets have it, else each card's best (a card with no datasheet measured against one
-    never measured: a "mixed" roof); a roof one card lacks altogether is left out. Returns the two value dicts
-    (byte/s, FLOP/s) and the source used: "measured", "datasheet", "mixed" (some roofs of each kind, or of both
-    kinds at once) or "none"."""
-    ra, rb = card_roofs(roofs, *a), card_roofs(roofs, *b)
-    sa, sb = datasheet_roofs(a[1]), datasheet_roofs(b[1])
+def pair_of(roofs: pd.DataFrame | None, a: tuple[str, str], b: tuple[str, str],
+            chosen: Mapping[str, str] | None = None) -> tuple[dict, dict, str]:
+    """Two cards' roofs, each card given as (label, device type), both on one `basis` (`on_basis`): `chosen`, the
+    basis of every card set beside them (a page's, with both among its cards), else that of the pair alone (both
+    measured where both have measured a roof, else both datasheet). A roof one card lacks altogether is left out.
+    Returns the two value dicts (byte/s, FLOP/s) and the source used: "measured", "datasheet", "mixed" (a card
+    with no datasheet read against one that is, or some roofs of each kind) or "none"."""
+    chosen = chosen if chosen is not None else basis(roofs, dict([a, b]))
+    ra, rb = on_basis(roofs, *a, chosen), on_basis(roofs, *b, chosen)
     av, bv, used = {}, {}, set()
     for r in ROOFS:
-        if r in ra and r in rb and ra[r].source == rb[r].source == MEASURED:
+        if r in ra and r in rb:
             av[r], bv[r] = ra[r].value, rb[r].value
-            used.add(MEASURED)
-        elif r in sa and r in sb:
-            av[r], bv[r] = sa[r].value, sb[r].value
-            used.add(DATASHEET_SOURCE)
-        elif r in ra and r in rb:
-            av[r], bv[r] = ra[r].value, rb[r].value
-            used.add("mixed")
+            used.add(ra[r].source if ra[r].source == rb[r].source else "mixed")
     return av, bv, used.pop() if len(used) == 1 else ("mixed" if used else "none")
 
 

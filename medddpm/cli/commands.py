@@ -140,7 +140,9 @@ def cmd_claims(args) -> None:
         print(f"  {', '.join(sorted(cpus & set(table['gpu_slug'])))}: {claims.ON_CPU}")
     gpus = table[~table["gpu_slug"].isin(cpus)]
     said = claims.settle_text(gpus).replace("**", "").replace("`", "")
-    print("\n" + "\n".join(textwrap.fill(line, 100, subsequent_indent="    ") for line in said.split("\n") if line))
+    # a command's paths keep their hyphens on one line (nvidia-h100-80gb-hbm3), so that they copy whole
+    print("\n" + "\n".join(textwrap.fill(line, 100, subsequent_indent="    ", break_on_hyphens=False)
+                            for line in said.split("\n") if line))
     width = max((len(s) for s in gpus["gpu_slug"]), default=0) + 2
     for _, rows in gpus.groupby("claim_id", sort=False):  # each card's verdict side by side
         r = rows.iloc[0]
@@ -150,7 +152,7 @@ def cmd_claims(args) -> None:
         for d in rows.itertuples():
             print(f"  {d.gpu_slug:<{width}}{d.verdict}" + (f" ({d.judged})" if d.judged == claims.IN_PART else ""))
             print(textwrap.fill(d.evidence, 100, initial_indent=" " * (width + 2),
-                                subsequent_indent=" " * (width + 2)))
+                                subsequent_indent=" " * (width + 2), break_on_hyphens=False))
 
 
 def cmd_train(args) -> None:

@@ -25,6 +25,7 @@ import pandas as pd
 from medddpm.analysis import roofs as ar
 from medddpm.model.diffusion import TIMESTEPS
 from medddpm.report.loading import Data, _GIB, config_order, gpu_types, is_cpu
+from medddpm.report.roofs import pair_roofs
 
 # Kernel categories (`analysis.kernels.CATEGORIES`) whose kernels run on the tensor cores or FMA pipes at a high
 # arithmetic intensity: what the two cards' equal SMs and clocks set. Every other category but "other" moves data
@@ -288,10 +289,9 @@ def category_table(cat: pd.DataFrame) -> pd.DataFrame:
 
 
 def bandwidth_ratio(data: Data, slug: str, ref: str) -> tuple[float, str] | None:
-    """The reference's DRAM bandwidth over the card's, from one kind of source (`analysis.roofs.pair_of`), and
-    which: what a step wholly at the bandwidth roof would take longer."""
-    types = gpu_types(data.run, data.roofs)
-    a, b, used = ar.pair_of(data.roofs, (ref, types.get(ref, ref)), (slug, types.get(slug, slug)))
+    """The reference's DRAM bandwidth over the card's, on the book's basis (`roofs.pair_roofs`), and which source:
+    what a step wholly at the bandwidth roof would take longer."""
+    a, b, used = pair_roofs(data, ref, slug)
     return (a["dram"] / b["dram"], used) if "dram" in a and "dram" in b else None
 
 
@@ -307,7 +307,7 @@ def card_facts(data: Data, roofs_view: pd.DataFrame) -> pd.DataFrame:
         sheet = ar.DATASHEET.get(types.get(slug, slug))
         view = roofs_view[(roofs_view["gpu_slug"] == slug) & (roofs_view["roof"] == "dram")] if len(
             roofs_view) else roofs_view
-        measured = view[view["source"] == ar.MEASURED]
+        measured = view.dropna(subset=["measured"])  # its own measurement, whichever source the book reads
         clocks = g["sm_clock_mhz"].dropna()
         free = g.loc[g["throttle_reasons"].fillna("") == "", "sm_clock_mhz"].dropna()
         sm_clock = NOT_RECORDED if clocks.empty else (
@@ -325,7 +325,7 @@ def card_facts(data: Data, roofs_view: pd.DataFrame) -> pd.DataFrame:
             "memory clock while timed": NOT_RECORDED if mem_clock.empty else f"{mem_clock.median():,.0f} MHz",
             "memory its driver reports": f"{g['gpu_total_bytes'].max() / _GIB:.1f} GiB",
             "DRAM bandwidth, measured": ("not measured yet" if measured.empty else
-                                         f"{measured['value'].iloc[0] / 1e12:.2f} TB/s (device copy)"),
+                                         f"{measured['measured'].iloc[0] / 1e12:.2f} TB/s (device copy)"),
             "DRAM bandwidth, datasheet": f"{sheet.roofs['dram'] / 1e12:.2f} TB/s" if sheet else "-",
             "power limit (enforced)": NOT_RECORDED if limit.empty else f"{limit.max():,.0f} W",
             "software": (f"driver {g['driver'].mode().iloc[0]}, CUDA {g['cuda'].mode().iloc[0]}, "

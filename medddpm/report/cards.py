@@ -15,10 +15,11 @@ bound of the change that overshoots wherever kernels run far below their roofs. 
 the time-weighted factor of its category's kernels that have them, in its run or else in the card's other runs.
 The step scales as its kernel time: B's step = A's step x (B's kernel time / A's).
 
-The two cards' roofs come from one kind of source (`analysis.roofs.pair_of`): measured against measured where
-both cards were measured, datasheet against datasheet otherwise ("mixed" where neither serves both). A card
-nobody measured (`ESTIMATE_CARDS`: an A100, a B200) is estimated the same way from its datasheet, and every such
-row says "estimate" and cites it.
+The two cards' roofs are those the whole book reads them against (`roofs.pair_roofs`, on the book's basis): measured
+against measured once every card of the data has measured its own, datasheet against datasheet until then, so that
+a card's roofs here are the ones its efficiency is read against on every other page. A card nobody measured
+(`ESTIMATE_CARDS`: an A100, a B200) has only its datasheet, so that its estimate reads both cards against their
+datasheets; every such row says "estimate" and cites it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from medddpm.analysis.ncu_names import match_kernel
 from medddpm.report.card_compare import gpu_runs
 from medddpm.report.counters import kernel_flops, ncu_kernels
 from medddpm.report.loading import Data, _sort, config_order, gpu_types
-from medddpm.report.roofs import ROOF_LABELS
+from medddpm.report.roofs import ROOF_LABELS, pair_roofs
 from medddpm.report.tables import card_names
 
 TARGET = 0.10  # a prediction within 10% of the measured step
@@ -160,10 +161,9 @@ def predictions(data: Data) -> tuple[pd.DataFrame, pd.DataFrame]:
     cols = ["from_card", "card", "kind", "config", "from_ms", "predicted_ms", "predicted_whole_ms", "measured_ms",
             "error", "error_whole", "covered", "roofs", "source"]
     runs = gpu_runs(data)
-    types = gpu_types(data.run, data.roofs)
     rows, kernels, rates = [], [], {}
     for a, b, kind in _pairs(data):
-        av, bv, used = ar.pair_of(data.roofs, (a, types.get(a, a)), (b, types.get(b, b)))
+        av, bv, used = pair_roofs(data, a, b)
         if "dram" not in av:
             continue
         source = (f"{ar.DATASHEET[b].source}" if kind == ESTIMATE else
@@ -234,10 +234,9 @@ def category_ratios(data: Data, kernels: pd.DataFrame) -> pd.DataFrame:
     if kernels.empty:
         return pd.DataFrame(columns=cols)
     runs = gpu_runs(data)
-    types = gpu_types(data.run, data.roofs)
     rows = []
     for (a, b, kind, config), k in kernels.groupby(["from_card", "card", "kind", "config"], sort=False):
-        av, bv, _ = ar.pair_of(data.roofs, (a, types.get(a, a)), (b, types.get(b, b)))
+        av, bv, _ = pair_roofs(data, a, b)
         other = runs[(runs["gpu_slug"] == b) & (runs["config"] == config)]
         theirs = pd.Series(dtype=float)
         if len(other):
@@ -332,9 +331,14 @@ def _shown(table: pd.DataFrame, columns: dict[str, str]) -> pd.DataFrame:
 
 
 def roofs_wide(view: pd.DataFrame) -> pd.DataFrame:
-    """`roofs.roofs_view` as a roof per row and a card per column, each value with its unit and its source."""
-    shown = view.assign(shown=[f"{v / 1e12:.3g} {'TB/s' if u == 'byte/s' else 'TFLOP/s'} ({s})"
-                               for v, u, s in zip(view["value"], view["unit"], view["source"])])
+    """`roofs.roofs_view` as a roof per row and a card per column: the value the book reads with its unit and its
+    source, and the card's own measurement beside it where the book reads its datasheet ("3.35 TB/s (datasheet;
+    measured 2.9)"), so that a reader sees how far a card falls below its datasheet."""
+    def cell(v, u, s, m):
+        said = f"{v / 1e12:.3g} {'TB/s' if u == 'byte/s' else 'TFLOP/s'} ({s}"
+        return said + (f"; measured {m / 1e12:.3g})" if s != ar.MEASURED and pd.notna(m) else ")")
+
+    shown = view.assign(shown=[cell(*r) for r in zip(view["value"], view["unit"], view["source"], view["measured"])])
     wide = shown.pivot(index="what", columns="gpu_slug", values="shown").reindex(
         [ROOF_LABELS[r] for r in ("dram", "fp32", "tf32", "bf16", "fp16")]).dropna(how="all").reset_index()
     return wide.rename(columns={"what": "roof"})

@@ -21,7 +21,7 @@ from medddpm.analysis import ncu_table
 from medddpm.report import equivalence
 from medddpm.report.claim_evidence import GPU
 from medddpm.report.convergence import FAIL_DICE, MARGINS, paired, verdicts as study_verdicts  # noqa: F401
-from medddpm.report.loading import FAILS, HOLDS, MAGNITUDE, NA, UNDECIDED
+from medddpm.report.loading import FAILS, HOLDS, IN_FULL, IN_PART, MAGNITUDE, NA, UNDECIDED
 from medddpm.report.quality import QUALITY_LOSS, QUALITY_REL_ERR  # noqa: F401 - the claims' thresholds
 
 SPEEDUP_MIN = 1.10  # a change "cuts" a time, cycle or instruction count when the ratio reaches 1.10
@@ -79,7 +79,6 @@ BAND_CL_L2 = up_to(85.0, "up to 85%", "opt2's step-weighted L2 hit rate", "%", c
 # What a verdict that is not measurable, or a part not judged yet, waits for: (kind, configuration) pairs.
 NEEDS = {"counters": "Nsight Compute counters", "layers": "counters with layer ranges", "run": "a run",
          "kernels": "a kernel table (torch.profiler)", "quality": "a quality table", "study": "the convergence study"}
-IN_FULL, IN_PART = "in full", "in part"
 
 
 @dataclass(frozen=True)
@@ -394,7 +393,7 @@ def tf32_samples(g: GPU) -> Verdict:
     """The trained model, not one step: opt1 against strict FP32 in the convergence study, seed by seed (same
     weights, data order and noise), by the study's equivalence test (`convergence.verdicts`)."""
     if g.study is None or g.study.empty:
-        return _na("no convergence study in the data (python -m medddpm study --configs baseline,opt1,...)",
+        return _na("no convergence study in the data (`python -m medddpm study --configs baseline,opt1`)",
                    {("study", "")})
     v = study_verdicts(g.study, (("opt1", "baseline"),))
     v = v[v["gpu_slug"] == g.slug]

@@ -77,17 +77,19 @@ def quality_text(study) -> str:
             f"equivalence test against a stated margin ({equivalence.CONFIDENCE:.0%} intervals):\n\n" + said)
 
 
-def tf32_beside_paper(verdicts: pd.DataFrame, cpus: set[str]) -> pd.DataFrame:
-    """The paper's TF32 figures (`PAPER_TF32`), each with its band and every GPU's measured magnitude and verdict;
-    the frame has no measured column when no GPU judged them."""
+def tf32_beside_paper(verdicts: pd.DataFrame, cpus: set[str], names: dict[str, str] | None = None) -> pd.DataFrame:
+    """The paper's TF32 figures (`PAPER_TF32`), each with its band and every GPU's measured magnitude and verdict,
+    a column per GPU headed by its short name (`names`, `tables.card_names`); the frame has no measured column when
+    no GPU judged them."""
+    names = names or {}
     rows = []
     for claim_id, what in PAPER_TF32:
         band = next(c.band for c in CLAIMS if c.id == claim_id)
         row = {"TF32 against strict FP32": what, "paper (V100, A100, H100)": band.said}
         for r in verdicts[(verdicts["claim_id"] == claim_id) & ~verdicts["gpu_slug"].isin(cpus)].itertuples():
             f = r.figures
-            row[f"measured here, {r.gpu_slug}"] = (f"{f['magnitude']:.1f}x ({r.verdict})" if "magnitude" in f
-                                                   else "not measured")
+            shown = f"{f['magnitude']:.1f}x ({r.verdict})" if "magnitude" in f else "not measured"
+            row[f"measured here, {names.get(r.gpu_slug, r.gpu_slug)}"] = shown
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -129,17 +131,22 @@ def fp32_efficiency(data: Data) -> pd.DataFrame:
     return e.assign(datasheet_tflops=[r.value / 1e12 if r else float("nan") for r in sheet]).reset_index(drop=True)
 
 
-def training_cost(eff: pd.DataFrame, total: float) -> pd.DataFrame:
+def _paced(slug: str, names: dict[str, str] | None) -> str:
+    return f"hours at strict FP32's pace on {(names or {}).get(slug, slug)}"
+
+
+def training_cost(eff: pd.DataFrame, total: float, names: dict[str, str] | None = None) -> pd.DataFrame:
     """GPU-hours of one training run (`total` FLOP) on each of the paper's GPUs: at 100% of its FP32 datasheet
-    peak, and at the pace strict FP32 keeps on each measured card, scaled to each GPU by the two datasheets' FP32
-    peaks (the one FP32 figure all of them have; a card without a datasheet is left out of that scaling)."""
+    peak, and at the pace strict FP32 keeps on each measured card (a column each, headed by its short name,
+    `names`), scaled to each GPU by the two datasheets' FP32 peaks (the one FP32 figure all of them have; a card
+    without a datasheet is left out of that scaling)."""
     eff = eff.dropna(subset=["datasheet_tflops"])
     rows = []
     for gpu, peak in DATASHEET_FP32.items():
         row = {"GPU": gpu, "FP32 peak (TFLOP/s, datasheet)": peak / 1e12, "hours at 100% of peak": total / peak / 3600}
         for r in eff.itertuples():
             share = r.achieved_tflops / r.datasheet_tflops  # of its own datasheet peak
-            row[f"hours at strict FP32's pace on {r.gpu_slug}"] = total / (peak * share) / 3600
+            row[_paced(r.gpu_slug, names)] = total / (peak * share) / 3600
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -148,20 +155,20 @@ def check_cost(cost: pd.DataFrame) -> None:
     assert (cost.filter(like="hours").to_numpy() > 0).all(), cost
 
 
-def cost_text(eff: pd.DataFrame, cost: pd.DataFrame) -> str:
-    """What the efficiency of the first measured card means for a training run, in words, with the roof it is
-    read against."""
-    paced = [c for c in cost.columns if c.startswith("hours at strict")]
-    if eff.empty or not paced:
+def cost_text(eff: pd.DataFrame, cost: pd.DataFrame, names: dict[str, str] | None = None) -> str:
+    """What the efficiency of the first measured card of the cost table means for a training run, in words, with
+    the roof it is read against."""
+    shown = [r for r in eff.dropna(subset=["datasheet_tflops"]).itertuples() if _paced(r.gpu_slug, names) in cost]
+    if not shown:
         return ""
-    r = eff.set_index("gpu_slug").loc[paced[0].rsplit(" on ", 1)[1]]
-    roof = "datasheet peak" if r["basis"] == "datasheet" else "measured roof"
-    return (f"Strict FP32 on {r.name} takes {r['train_median_ms']:.0f} ms a micro-step ({r['timing']} timing): "
-            f"{r['efficiency']:.0%} of its FP32 {roof} ({r['peak_tflops']:.3g} TFLOP/s). At that pace, scaled to each "
-            f"GPU by its FP32 datasheet peak, one training run costs from {cost[paced[0]].min():.0f} GPU-hours on the "
-            f"newest of these GPUs to {cost[paced[0]].max():.0f} on the oldest, before any hyper-parameter search or "
-            "repeated run. Tensor cores, lower precision, other memory layouts and kernel fusion change that by large "
-            "factors; this book measures by how much.")
+    r, paced = shown[0], cost[_paced(shown[0].gpu_slug, names)]
+    roof = "datasheet peak" if r.basis == "datasheet" else "measured roof"
+    return (f"Strict FP32 on the {(names or {}).get(r.gpu_slug, r.gpu_slug)} takes {r.train_median_ms:.0f} ms a "
+            f"micro-step ({r.timing} timing): {r.efficiency:.0%} of its FP32 {roof} ({r.peak_tflops:.3g} TFLOP/s). "
+            f"At that pace, scaled to each GPU by its FP32 datasheet peak, one training run costs from "
+            f"{paced.min():.0f} GPU-hours on the newest of these GPUs to {paced.max():.0f} on the oldest, before any "
+            "hyper-parameter search or repeated run. Tensor cores, lower precision, other memory layouts and kernel "
+            "fusion change that by large factors; this book measures by how much.")
 
 
 def configurations() -> pd.DataFrame:

@@ -44,6 +44,7 @@ from medddpm.configs import CONFIGS
 HOLDS, FAILS, NA = "holds", "does not hold", "not measurable"
 MAGNITUDE = "direction holds, magnitude differs"  # the effect goes the paper's way, its size lies outside the paper's
 UNDECIDED = "undecided"  # measured, but the spread of the measurements cannot tell (more seeds would)
+IN_FULL, IN_PART = "in full", "in part"  # how much of a claim a verdict judged: all its halves, or some not yet
 NOT_MEASURED = "not measured yet"
 _GIB = 2**30
 NOT_YET = "not met by the runs so far"  # a memory target none of the measured runs meets, while others are unmeasured

@@ -7,9 +7,10 @@ stands in for a card's own, even one of the same device type.
 The book sets its cards side by side, so it reads all of them against one source per roof (`book_basis`): their
 measured roofs once every card with a datasheet has measured its own, their datasheets until then. Every figure
 that divides by a roof (the first page's strict-FP32 efficiency, Beyond's floors, the workshop's efficiencies, the
-cards page, the roofline) reads `card_roofs` or `step_efficiency` here, so a card's efficiency has one value
-wherever the book prints it, and `basis_text` says which roofs it is read against. The measured values stay beside
-the datasheet's in `roofs_view`, as a measurement a reader checks against the datasheet.
+cards page's model, the roofline) reads `card_roofs`, `pair_roofs` or `step_efficiency` here, so a card's
+efficiency has one value wherever the book prints it, and `basis_text` says which roofs it is read against. The
+measured values stay beside the datasheet's in `roofs_view`, as a measurement a reader checks against the
+datasheet.
 """
 
 from __future__ import annotations
@@ -53,6 +54,16 @@ def card_roofs(slug: str, run: pd.DataFrame | None = None, roofs: pd.DataFrame |
     cards = cards_of(run, roofs, bench)
     kind = cards.get(slug, slug)
     return ar.on_basis(roofs, slug, kind, ar.basis(roofs, cards | {slug: kind}))
+
+
+def pair_roofs(data: Data, a: str, b: str) -> tuple[dict, dict, str]:
+    """Two cards' roofs (byte/s, FLOP/s) as a page that sets them side by side reads them: on the book's basis, that
+    of every card of the data with the two among them (`analysis.roofs.pair_of`), and the source used. A card the
+    data holds no run of (one estimated from its datasheet) has no measured roofs, so that its pair is read
+    datasheet against datasheet."""
+    cards = cards_of(data.run, data.roofs, data.bench)
+    ka, kb = cards.get(a, a), cards.get(b, b)
+    return ar.pair_of(data.roofs, (a, ka), (b, kb), ar.basis(data.roofs, cards | {a: ka, b: kb}))
 
 
 def peaks_of(slug: str, run: pd.DataFrame | None = None, roofs: pd.DataFrame | None = None,
@@ -117,14 +128,14 @@ def check_roofs(view: pd.DataFrame) -> None:
     assert over.empty, f"measured above the datasheet: {over[['gpu_slug', 'roof', 'of_datasheet']].to_dict('records')}"
 
 
-def _names(slugs: list[str]) -> str:
-    return ", ".join(f"**{s}**" for s in slugs) + (" has" if len(slugs) == 1 else " have")
-
-
-def basis_text(data: Data) -> str:
+def basis_text(data: Data, names: dict[str, str] | None = None, here: bool = False) -> str:
     """Which roofs the book reads every card against, and why: measured once every card with a datasheet has
-    measured its own, the datasheet's until then (naming the cards not measured yet); and the cards without a
-    datasheet (their own measurement, or no figure that divides by a roof)."""
+    measured its own, the datasheet's until then (naming the cards not measured yet, by their short names
+    `names`), with where the measured roofs stand beside the datasheet's (the cards page; `here` on that page);
+    and the cards without a datasheet (their own measurement, or no figure that divides by a roof)."""
+    def _names(slugs: list[str]) -> str:
+        return ", ".join(f"**{(names or {}).get(s, s)}**" for s in slugs) + (" has" if len(slugs) == 1 else " have")
+
     cards = cards_of(data.run, data.roofs, data.bench)
     chosen = ar.basis(data.roofs, cards)
     sheets = {s: ar.datasheet_roofs(k) for s, k in cards.items() if ar.DATASHEET.get(k)}
@@ -146,7 +157,8 @@ def basis_text(data: Data) -> str:
                 f"{'its' if len(measured) == 1 else 'their'} own: {_names(missing)} not yet, and cards set side "
                 "by side are read against one source. A measured roof lies below its datasheet's, so one card's "
                 "measured roofs against another's datasheet would make the measured card look the more efficient. "
-                "The measured roofs stand beside the datasheet's on the [cards page](cards.md).")
+                + ("The measured roofs stand beside the datasheet's below." if here else
+                   "The measured roofs stand beside the datasheet's on the [cards page](cards.md)."))
     own_only = [s for s in cards if s not in sheets]
     alone = [s for s in own_only if ar.own_roofs(data.roofs, s)]
     bare = [s for s in own_only if s not in alone]
@@ -245,5 +257,5 @@ def step_efficiency(data: Data, slug: str | None = None, config: str | None = No
 
 
 __all__ = ["DATASHEET_FP32", "EFFICIENCY_COLUMNS", "ROOF_LABELS", "bandwidth_of", "basis_text", "book_basis",
-           "card_roofs", "cards_of", "check_roofs", "gpu_labels", "peaks_of", "roofs_view", "source_text",
-           "step_efficiency", "step_roof"]
+           "card_roofs", "cards_of", "check_roofs", "gpu_labels", "pair_roofs", "peaks_of", "roofs_view",
+           "source_text", "step_efficiency", "step_roof"]

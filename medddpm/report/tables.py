@@ -16,7 +16,7 @@ from medddpm.report.loading import cpu_slugs, is_cpu
 
 
 DEVICE_COLUMNS = ("device", "GPU", "gpu_slug", "measured on", "card")
-LONG_TEXT = 30  # characters: longer cell text may break inside a word
+LONG_TEXT = 30  # characters: a longer word of a cell's text may break inside itself
 VENDORS = ("NVIDIA ", "AMD ", "Intel ")  # a device name's maker, left out of its short name
 
 
@@ -45,13 +45,14 @@ def card_names(run: pd.DataFrame) -> dict[str, str]:
 
 
 def _device_cell(names: dict[str, str]):
-    """A device column's cell: its short name (`card_names`) with the label as the hover title, which breaks
-    only between its words; a label without a short name on one line (a browser breaks it after its hyphens)."""
+    """A device column's cell: its short name (`card_names`) with the label as the hover title, on one line; a
+    label without a short name on one line too (a browser breaks it after its hyphens). A short name is short by
+    design, and a card's name broken over three lines reads as three cards."""
     def cell(v):  # `v` comes escaped (Styler's escape="html")
         shown = names.get(html.unescape(str(v)))
         if shown is None:
             return f'<span style="white-space: nowrap">{v}</span>'
-        return f'<span style="hyphens: none" title="{v}">{html.escape(shown)}</span>'
+        return f'<span style="white-space: nowrap" title="{v}">{html.escape(shown)}</span>'
     return cell
 
 
@@ -67,8 +68,10 @@ def table_html(df: pd.DataFrame, digits: int = 4, formats: dict | None = None, c
            if pd.api.types.is_float_dtype(df[c])}
     fmt |= {c: (lambda v: f"<code>{v}</code>") for c in code}  # Styler escapes the value before this
     fmt |= {c: _device_cell(names) for c in df.columns if c in devices and c not in fmt}
-    # a long name without spaces (a kernel's C++ signature) may break anywhere rather than widen the table
-    fmt |= {c: (lambda v: f'<span style="overflow-wrap: anywhere">{v}</span>' if len(str(v)) > LONG_TEXT else v)
+    # a long name without spaces (a kernel's C++ signature) may break anywhere rather than widen the table; text of
+    # shorter words ("conv3d 64>64 k3 s1 @128x128x128") breaks only between them
+    fmt |= {c: (lambda v: f'<span style="overflow-wrap: anywhere">{v}</span>'
+                if max(map(len, str(v).split()), default=0) > LONG_TEXT else v)
             for c in df.columns if c not in fmt and (pd.api.types.is_object_dtype(df[c])
                                                      or pd.api.types.is_string_dtype(df[c]))}
     fmt |= formats or {}

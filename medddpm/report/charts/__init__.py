@@ -28,9 +28,9 @@ if "jsonschema" not in sys.modules:
 from medddpm.report.charts.theme import (  # noqa: E402
     CARD_PALETTE, CATEGORIES, CATEGORY_COLORS, GIB, MAX_ROWS, MS, OTHER, OTHER_COLOR, PALETTE, PARTS, PASS_COLORS,
     PASS_ORDER, VERDICT_COLORS, _config_legend, _config_param, _configs_in, _default_gpu, _empty, _fold, _gpu_param,
-    _height, _light, _metric_param, _no_gpu, _step_axis, card_color, card_offset, card_order, card_palette,
-    category_color, chosen_axis_title, config_color, decades, distinct_colors, duration_text, figure, gpu_rows, is_cpu,
-    live_notebook, log_axis, parts_color, setup, table, title, top_parts, unit_of, with_unit)
+    _height, _light, _metric_param, _no_gpu, _step_axis, card_color, card_legend, card_offset, card_order,
+    card_palette, category_color, chosen_axis_title, config_color, decades, distinct_colors, duration_text, figure,
+    gpu_rows, is_cpu, live_notebook, log_axis, parts_color, setup, table, title, top_parts, unit_of, with_unit)
 from medddpm.report.charts.timing import (  # noqa: E402
     ABLATION_COLORS, COST_METRICS, ablation, bench, cost, gpu_busy, headline, scaling, speedup, step_time)
 from medddpm.report.charts.kernels import PASS_METRICS, category_shares, pass_split, top_kernels  # noqa: E402
@@ -45,10 +45,10 @@ from medddpm.report.charts.study import OUTCOME_COLORS, paired_differences, stud
 __all__ = [
     # shared
     "CARD_PALETTE", "CATEGORIES", "CATEGORY_COLORS", "GIB", "MAX_ROWS", "MS", "OTHER", "OTHER_COLOR", "PALETTE",
-    "PARTS", "PASS_COLORS", "PASS_ORDER", "VERDICT_COLORS", "card_color", "card_offset", "card_order", "card_palette",
-    "category_color", "chosen_axis_title", "config_color", "decades", "distinct_colors", "duration_text", "figure",
-    "gpu_rows", "is_cpu", "live_notebook", "log_axis", "parts_color", "setup", "table", "title", "top_parts", "unit_of",
-    "with_unit",
+    "PARTS", "PASS_COLORS", "PASS_ORDER", "VERDICT_COLORS", "card_color", "card_legend", "card_offset", "card_order",
+    "card_palette", "category_color", "chosen_axis_title", "config_color", "decades", "distinct_colors",
+    "duration_text", "figure", "gpu_rows", "is_cpu", "live_notebook", "log_axis", "parts_color", "setup", "table",
+    "title", "top_parts", "unit_of", "with_unit",
     # step time and what it buys
     "ABLATION_COLORS", "COST_METRICS", "ablation", "bench", "cost", "gpu_busy", "headline", "scaling", "speedup",
     "step_time",

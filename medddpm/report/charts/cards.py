@@ -7,9 +7,9 @@ import altair as alt
 import numpy as np
 import pandas as pd
 
-from medddpm.report.charts.theme import (CATEGORIES, MS, _configs_in, _empty, _light, card_color, card_offset,
-                                         card_order, card_palette, chosen_axis_title, config_color, decades, figure,
-                                         log_axis, title, unit_of, with_unit)
+from medddpm.report.charts.theme import (CATEGORIES, MS, _configs_in, _empty, _light, card_color, card_legend,
+                                         card_offset, card_order, card_palette, chosen_axis_title, config_color,
+                                         decades, figure, log_axis, title, unit_of, with_unit)
 
 WHAT = {"measured_ratio": "measured", "model_ratio": "the model (its kernels)",
         "roofs_ratio": "the roofs at the category's intensity"}
@@ -107,10 +107,12 @@ COMPARE_METRICS = {"train_median_ms": "median micro-step (ms)", "energy_per_step
 
 
 @figure
-def card_compare(comp: pd.DataFrame, *, cpu: bool = False) -> alt.LayerChart | alt.Chart:
+def card_compare(comp: pd.DataFrame, *, cpu: bool = False,
+                 names: dict[str, str] | None = None) -> alt.LayerChart | alt.Chart:
     """The measured cards side by side, configuration by configuration (`card_compare.comparison`): radio buttons
-    pick the measure, a bar per card in each configuration's band, told apart by colour; the micro-step with its
-    p10-p90 whisker; a run held down by a power cap marked "capped" at its bar's end. `cpu`: as `card_steps`."""
+    pick the measure, a bar per card in each configuration's band, told apart by colour and named in the legend by
+    their short names (`names`); the micro-step with its p10-p90 whisker; a run held down by a power cap marked
+    "capped" at its bar's end. `cpu`: as `card_steps`."""
     if comp.empty:
         return _empty("one measured card only: nothing to set side by side yet")
     shown = {k: v for k, v in COMPARE_METRICS.items() if comp[k].notna().any()}
@@ -135,7 +137,8 @@ def card_compare(comp: pd.DataFrame, *, cpu: bool = False) -> alt.LayerChart | a
     bars = base.mark_bar().encode(
         y=y, yOffset=offset, x=alt.X("value:Q", title=None),
         color=alt.Color("gpu_slug:N", scale=card_color(gpus), sort=gpus,
-                        legend=alt.Legend(title="card (click)", orient="bottom", direction="vertical", labelLimit=400)),
+                        legend=card_legend("card (click)", names, orient="bottom", direction="vertical",
+                                           labelLimit=400)),
         opacity=alt.condition(pick, alt.value(1.0), alt.value(0.2)), tooltip=tip).add_params(pick)
     spread = base.transform_filter(alt.datum.p10 != None).mark_rule(color="black").encode(  # noqa: E711 (Vega)
         y=y, yOffset=offset, x="p10:Q", x2="p90:Q", tooltip=tip)

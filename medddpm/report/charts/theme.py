@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import colorsys
 import functools
+import json
 import math
 import os
 import re
@@ -132,6 +133,14 @@ def card_color(slugs) -> alt.Scale:
     are drawn."""
     domain = card_order(slugs)
     return alt.Scale(domain=domain, range=card_palette(len(domain)))
+
+
+def card_legend(title: str, names: dict[str, str] | None = None, **kw) -> alt.Legend:
+    """A legend of cards that shows each device label by its short name (`tables.card_names`), the label itself
+    where it has none; the field it encodes stays the label, which selections and tooltips use."""
+    shown = {k: v for k, v in (names or {}).items() if k != v}
+    expr = f"({json.dumps(shown)})[datum.label] || datum.label" if shown else alt.Undefined
+    return alt.Legend(title=title, labelExpr=expr, **kw)
 
 
 def card_offset(slugs, field: str = "gpu_slug") -> alt.YOffset:

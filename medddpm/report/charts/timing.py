@@ -89,12 +89,14 @@ def step_time(summary: pd.DataFrame, floors: pd.DataFrame | None = None, *,
 
 
 @figure
-def headline(head: pd.DataFrame) -> alt.LayerChart:
-    """The first page's figure: per device, each configuration of `step_time.headline` (the paper's four and the
-    fastest measured) as its speedup over strict FP32, a bar with the runs' p10-p90 spread as a whisker and its
-    value beside it; a dashed rule at 1x, so that a configuration slower than the baseline shows as a bar short
-    of it. Every device of `head` is drawn: the page chooses whether CPU rows are among them."""
-    df = head.assign(row=head["gpu_slug"] + " · " + head["config"],
+def headline(head: pd.DataFrame, names: dict[str, str] | None = None) -> alt.LayerChart:
+    """The first page's figure: per device (by its short name, `names`), each configuration of
+    `step_time.headline` (the paper's four and the fastest measured) as its speedup over strict FP32, a bar with
+    the runs' p10-p90 spread as a whisker and its value beside it; a dashed rule at 1x, so that a configuration
+    slower than the baseline shows as a bar short of it. Every device of `head` is drawn: the page chooses whether
+    CPU rows are among them."""
+    names = names or {}
+    df = head.assign(row=head["gpu_slug"].map(lambda s: names.get(s, s)) + " · " + head["config"],
                      value=head["speedup"].map(lambda v: f"{v:.3g}x"))
     bars = alt.Chart(df).encode(y=alt.Y("row:N", sort=list(df["row"]), title=None, axis=alt.Axis(labelLimit=320)))
     x = alt.X("speedup:Q", title="speedup over strict FP32 on the same device (x)",
@@ -114,9 +116,9 @@ def headline(head: pd.DataFrame) -> alt.LayerChart:
         bars.mark_text(align="left", dx=6, fontSize=12, fontWeight="bold").encode(x="hi:Q", text="value:N"),
         one).properties(
         width="container", height={"step": 34},
-        title=alt.Title("A training micro-step against strict FP32",
-                        subtitle="the paper's four and the fastest measured; whisker: the runs' 10th-90th "
-                                 "percentiles; dashed: 1x"))
+        title=title("A training micro-step against strict FP32",
+                    ["the paper's four and the fastest measured", "whisker: the runs' 10th-90th percentiles; "
+                     "dashed: 1x"]))
 
 
 @figure
