@@ -311,6 +311,20 @@ def test_another_identity_is_measured_beside_the_old_one_never_over_it(tmp_path,
             "cpu/baseline", f"cpu/{Path(steps['folder']).name}"]
 
 
+def test_measured_before_names_what_the_sweep_skips_and_nothing_else(tmp_path, producer):
+    def before(**kw):
+        return sw.measured_before("baseline,opt1", preset="smoke", out=tmp_path / "data", gpu_label="cpu", **kw)
+
+    assert before() == {"baseline": None, "opt1": None}
+    producer["opt1"] = "fail"
+    _sweep(tmp_path, "baseline,opt1")
+    assert before() == {"baseline": tmp_path / "data" / "cpu" / "baseline", "opt1": None}, "an error row is measured again"
+    assert before(params={"micro_steps": 2}) == {"baseline": None, "opt1": None}, "another identity is not measured yet"
+    (steps,) = _sweep(tmp_path, params={"micro_steps": 2})
+    assert before(params={"micro_steps": 2})["baseline"] == Path(steps["folder"])
+    assert [r["status"] for r in _sweep(tmp_path, "baseline,opt1")] == ["done before", "error"]
+
+
 def test_a_row_without_an_identity_counts_as_its_folder_s_default(tmp_path, producer):
     root = tmp_path / "data" / "cpu"
     _sweep(tmp_path)

@@ -43,14 +43,18 @@ def data_fingerprint(source: str) -> str:
 
 
 def run_identity(*, config: str, switches: dict, preset: str, shape: str, batch: int, warmup: int, steps: int,
-                 sample_steps: int, data: str, mask_channels: int | None, label: str, group: str = "") -> dict:
+                 sample_steps: int, data: str, mask_channels: int | None, label: str, group: str = "",
+                 resample_mask: bool = False) -> dict:
     """The identity of a run as a plain dict (`encode` makes it the row's text). `warmup` and `steps` count training
-    micro-steps; the key stays `steps`, as every recorded identity spells it."""
+    micro-steps; the key stays `steps`, as every recorded identity spells it. `resample_mask` (a folder's masks
+    resampled onto their images' grids) is recorded where it is on only, so that every identity recorded before it
+    existed stays the same."""
     embedded = not Path(data).is_dir()
     return {"config": config, "switches": dict(sorted(switches.items())), "preset": preset, "shape": shape,
             "batch": int(batch), "warmup": int(warmup), "steps": int(steps), "sample_steps": int(sample_steps),
             "data": str(data) if embedded else str(Path(data).resolve()), "data_fingerprint": data_fingerprint(data),
-            "mask_channels": mask_channels, "label": label, "group": group}
+            "mask_channels": mask_channels, "label": label, "group": group} | (
+        {"resample_mask": "nearest"} if resample_mask else {})
 
 
 def encode(identity: dict) -> str:
