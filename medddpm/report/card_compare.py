@@ -297,6 +297,14 @@ def bandwidth_ratio(data: Data, slug: str, ref: str) -> tuple[float, str] | None
     return (a["dram"] / b["dram"], used) if "dram" in a and "dram" in b else None
 
 
+def cudnn_version(v: str) -> str:
+    """cuDNN's version as torch reports it (91900) in its dotted form (9.19.0); another text as it stands."""
+    if not v.isdigit():
+        return v
+    n = int(v)
+    return f"{n // 10000}.{n % 10000 // 100}.{n % 100}"
+
+
 def card_facts(data: Data, roofs_view: pd.DataFrame) -> pd.DataFrame:
     """A row per fact and a column per measured GPU: SMs and the tensor clock from its datasheet, the SM and
     memory clocks its runs recorded while timed, the memory its driver reports, its DRAM bandwidth measured and
@@ -317,7 +325,8 @@ def card_facts(data: Data, roofs_view: pd.DataFrame) -> pd.DataFrame:
                                            else ""))
         mem_clock = g["mem_clock_mhz"].dropna()
         limit = g["power_limit_w"].dropna()
-        cudnn = int(g["cudnn"].mode().iloc[0]) if g["cudnn"].notna().any() else None
+        cudnn = g["cudnn"].dropna().astype(str)
+        cudnn = cudnn_version(cudnn.mode().iloc[0]) if len(cudnn) else ""
         out[slug] = {
             "device name (driver)": g["gpu_name"].mode().iloc[0],
             "SMs (datasheet)": f"{sheet.sms}" if sheet and sheet.sms else "-",
@@ -331,7 +340,7 @@ def card_facts(data: Data, roofs_view: pd.DataFrame) -> pd.DataFrame:
             "DRAM bandwidth, datasheet": f"{sheet.roofs['dram'] / 1e12:.2f} TB/s" if sheet else "-",
             "power limit (enforced)": NOT_RECORDED if limit.empty else f"{limit.max():,.0f} W",
             "software": (f"driver {g['driver'].mode().iloc[0]}, CUDA {g['cuda'].mode().iloc[0]}, "
-                         + (f"cuDNN {cudnn // 10000}.{cudnn % 10000 // 100}.{cudnn % 100}, " if cudnn else "")
+                         + (f"cuDNN {cudnn}, " if cudnn else "")
                          + f"torch {g['torch'].mode().iloc[0]}"),
         }
     if not out:
@@ -341,5 +350,5 @@ def card_facts(data: Data, roofs_view: pd.DataFrame) -> pd.DataFrame:
 
 __all__ = ["COMPARISON_FORMATS", "COMPUTE_CATEGORIES", "MEMORY_CATEGORIES", "NOT_RECORDED", "POWER_COLUMNS",
            "TIME_COLUMNS", "bandwidth_ratio", "card_facts", "category_range", "category_table", "check_comparison",
-           "clock_notes", "clock_state", "comparison", "comparison_table", "gpu_runs", "memory_bound_share",
-           "ratio_text", "reference_card", "why", "why_text"]
+           "clock_notes", "clock_state", "comparison", "comparison_table", "cudnn_version", "gpu_runs",
+           "memory_bound_share", "ratio_text", "reference_card", "why", "why_text"]
