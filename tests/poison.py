@@ -3,16 +3,17 @@
 `poison` writes `PAYLOAD` after every string cell of every table under a folder (inside JSON cells, after each
 string value), and into a stored notebook's outputs: a script, an image whose error handler sets
 ``window.__pwned``, a `javascript:` link, and the Markdown that would slant, link, set as code, open a MyST role,
-math or a table row, or read an entity. `poisoned_tree` makes a data tree of one GPU whose label itself is markup
-(`LABEL_PAYLOAD`, a folder's name: no ``/``), with every kind of table the pages read. `problems` reads a page's
-HTML (a built page, or a page's output as the book renders it) and names every place where a payload is markup,
-or is shown as other than its whole literal text. Run as a script, it executes every page of the book on a data
-tree (``MEDDDPM_DATA``) in this process and prints the problems of their outputs as JSON.
+math or a table row, or read an entity. `poisoned_tree` makes a data tree of one GPU whose device name is markup
+(`LABEL_PAYLOAD`, the name the pages give the card), with every kind of table the pages read, a lever call's among
+them. `problems` reads a page's HTML (a built page, or a page's output as the book renders it) and names every place
+where a payload is markup, or is shown as other than its whole literal text. Run as a script, it executes every page
+of the book on a data tree (``MEDDDPM_DATA``) in this process and prints the problems of their outputs as JSON.
 
 Not poisoned (`kept`), each with why: the values a table's schema allows by name (`schema.ENUMS`: anything else is
-refused on reading), the columns the loader holds against the folder a row is in (its label, configuration and
-preset: the label folder's own name carries markup instead), and the values the pages read for their meaning
-(`READ`: another value there is no measurement the pages know, and their checks stop the build).
+refused on reading), the columns the loader holds against the folder a row is in (its label, device type,
+configuration and preset: a label is lower-case letters, digits and hyphens, or its folder is left out, so the
+device name carries markup instead), and the values the pages read for their meaning (`READ`: another value there
+is no measurement the pages know, and their checks stop the build).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import ast
 import html
 import json
+import math
 import os
 import re
 import shutil
@@ -38,9 +40,14 @@ LABEL_PAYLOAD = "pwn<img src=x onerror=window.__pwned=4> *pwn* [pwn](javascript:
 FLAG = "__pwned"  # what the payloads' scripts set on `window`: never set in a reader's browser
 
 FOLDER_BOUND = ("run_id", "gpu_slug", "config", "preset")
+# A label is its device type, or the type and its host (`<gpu_type>-<host>`): where the two agree, the pages name
+# the card by its device name (`tables.card_names`), which carries the markup.
+TYPE_BOUND = ("gpu_type",)
 READ = {
-    "run": {"backend_flags": "math modes the pages check by name", "shape": "an input shape the claims parse"},
+    "run": {"backend_flags": "math modes the pages check by name", "shape": "an input shape the claims parse",
+            "precision_used": "the precision a step ran in, which picks the card's roof it is read against"},
     "kernels": {"category": "a kernel category the pages select by name"},
+    "ncu": {"metric": "a counter the pages read by name", "section": "the section whose rules the claims read"},
     "bench": {"implementation": "ours or the reference's, set side by side by name"},
     "partition": {"config": "a traced configuration, checked against today's definition",
                   "switches": "its switches when traced, checked against today's definition"},
@@ -53,8 +60,10 @@ NOT_READ = ("snapshot",)
 def kept(table: str) -> dict[str, str]:
     """The string columns of `table` that `poison` leaves as they are, with why."""
     out = {c: "an enum of the schema: any other value is refused on reading" for c in schema.ENUMS.get(table, {})}
-    out |= {c: "named by the row's folder (the label folder's own name carries markup instead)"
-            for c in FOLDER_BOUND if c in schema.TABLES[table]}
+    out |= {c: "named by the row's folder (a label is lower-case letters, digits and hyphens; the device name "
+               "carries markup instead)" for c in FOLDER_BOUND if c in schema.TABLES[table]}
+    out |= {c: "the label is made of it, and the card is named by its device name only where the two agree"
+            for c in TYPE_BOUND if c in schema.TABLES[table]}
     return out | READ.get(table, {})
 
 
@@ -142,46 +151,91 @@ def poison_gpu(gpu: Path) -> None:
 # --- a tree of one GPU, every string of it markup -------------------------------------------------------
 
 SOURCE = "nvidia-h200"  # the committed GPU with counters, an ablation and bench timings beside its sweep
-RUNS = ("baseline", "opt1", "opt2", "opt12", "bf16", "best")  # baseline and opt1 keep their counters
+LABEL = f"{SOURCE}-pwn"  # the source's device type on a host of its own: the card is named by its device name
+RUNS = ("baseline", "opt1", "opt2", "opt12", "bf16", "best")
+COUNTED = ("baseline", "opt1", "best")  # the runs that keep their counters
+SECOND = "nvidia-h100-80gb-hbm3"  # a second committed card, set against the first on the cards page
+UNRUN = "best"  # a configuration the second card has not run: the cards page predicts its step there
 ABLATION = ("best", "best+precision=tf32", "best+compile=false")
 FAILED_RUNS = ("sdpa", "graphs", "compile")  # configurations of a run that ends in an error
 FAILED_LEVER = "best+recompute_attention=true"
+LEVER = "best+tap_major=true"  # the variant of a lever call, faster than best beyond its spread
+
+
+def add_lever_call(gpu: Path) -> None:
+    """A lever call under the label folder `gpu`: blocks of best and `LEVER` interleaved, the variant faster
+    beyond the spread of best's, in training and in sampling; sampling by batch (one batch that ran out of
+    memory); and each one's kernels and quality (best's committed ones)."""
+    from medddpm.store.layout import levers_table
+
+    base = schema.read_table(gpu / "best" / "run.parquet", "run").iloc[0]
+    rows = []
+    for phase, ms in (("train", base["train_median_ms"]), ("sample", base["train_median_ms"] / 4)):
+        for i, config in enumerate(["best", LEVER] * 3 + ["best"]):
+            block = ms * (0.9 if config == LEVER else 1 + 0.001 * i)
+            rows.append({"call_id": f"{gpu.name}/levers/1", "gpu_slug": gpu.name, "gpu_name": base["gpu_name"],
+                         "config": config, "phase": phase, "batch": 1, "size": int(base["size"]),
+                         "position": i + (7 if phase == "sample" else 0), "repeat": i // 2, "steps": 10,
+                         "block_ms": block, "block_p10_ms": block * 0.99, "block_p90_ms": block * 1.01,
+                         "peak_mem_bytes": 1, "first_step_s": 1.0, "git_commit": base["git_commit"],
+                         "torch": base["torch"], "cudnn": base["cudnn"], "start_time": base["start_time"]})
+    path = levers_table(gpu.parent, gpu.name, "repeats")
+    path.parent.mkdir(parents=True)
+    schema.write_table(pd.DataFrame(rows), path, "repeats")
+    batches = [{"call_id": f"{gpu.name}/levers/1", "gpu_slug": gpu.name, "gpu_name": base["gpu_name"], "config": LEVER,
+                "size": int(base["size"]), "batch": b, "status": status, "message": message, "timesteps": 250,
+                "steps": 4, "step_median_ms": ms, "step_p10_ms": ms, "step_p90_ms": ms, "volume_s": 250 * ms / 1e3 / b,
+                "peak_mem_bytes": 1, "git_commit": base["git_commit"], "torch": base["torch"],
+                "start_time": base["start_time"]}
+               for b, status, message, ms in ((1, "ok", "", 40.0),
+                                              (2, "oom", "torch.OutOfMemoryError: CUDA out of memory", math.nan))]
+    schema.write_table(pd.DataFrame(batches), levers_table(gpu.parent, gpu.name, "sample_batches"), "sample_batches")
+    for config in ("best", LEVER):
+        for table in ("kernels", "quality"):
+            to = levers_table(gpu.parent, gpu.name, table, config)
+            to.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(gpu / "best" / f"{table}.parquet", to)
 
 
 def poisoned_tree(out: Path) -> Path:
-    """A data tree under `out` whose one GPU is labelled `LABEL_PAYLOAD`, made of committed tables of every kind
-    (runs with and without counters, the ablation, bench timings, roofs, a scaling run, the traced partition),
-    a run and an ablation lever that failed, and a convergence study with a diverged run; then every table
-    poisoned. Returns the root."""
+    """A data tree under `out` whose first GPU's device name is `LABEL_PAYLOAD`, made of committed tables of every
+    kind (runs with and without counters, the ablation, bench timings, roofs, a scaling run, the traced partition),
+    a run and an ablation lever that failed, a lever call, and a convergence study with a diverged run, beside a
+    second card (`SECOND`, without its run of `UNRUN`) to set it against; then every table poisoned. Returns the
+    root."""
     from conftest import REPO, relabel
     from test_convergence import fake_study
 
     from medddpm.store.layout import ABLATION_DIR, PARTITION_FILE, REFERENCE_DIR, ROOFS_FILE, SCALING_DIR, \
         convergence_folder
 
-    data, label = REPO / "data", LABEL_PAYLOAD
+    data, label = REPO / "data", LABEL
     gpu = out / label
     for name in RUNS:
         shutil.copytree(data / SOURCE / name, gpu / name, ignore=shutil.ignore_patterns(".*", NOTEBOOK_FILE))
-        if name not in ("baseline", "opt1"):
+        if name not in COUNTED:
             (gpu / name / "ncu.parquet").unlink(missing_ok=True)
     for name in ABLATION:
         shutil.copytree(data / SOURCE / ABLATION_DIR / name, gpu / ABLATION_DIR / name,
                         ignore=shutil.ignore_patterns(".*", NOTEBOOK_FILE))
     shutil.copytree(data / SOURCE / REFERENCE_DIR, gpu / REFERENCE_DIR)
-    shutil.copy(next(data.glob(f"*/{ROOFS_FILE}")), gpu / ROOFS_FILE)  # no run_id: any label's will do
-    relabel(gpu, SOURCE, label)
+    roofs = schema.read_table(next(data.glob(f"*/{ROOFS_FILE}")), "roofs")  # no run_id: any label's will do
+    schema.write_table(roofs.assign(gpu_type=SOURCE), gpu / ROOFS_FILE, "roofs")
+    relabel(gpu, SOURCE, label, f"NVIDIA {LABEL_PAYLOAD}")
     scaling = next(data.glob(f"*/{SCALING_DIR}/*.parquet"))
     (gpu / SCALING_DIR).mkdir()
     shutil.copy(scaling, gpu / SCALING_DIR / scaling.name)
     relabel(gpu / SCALING_DIR, scaling.parent.parent.name, label)
     shutil.copy(data / PARTITION_FILE, out / PARTITION_FILE)
     add_failed_run(gpu, FAILED_LEVER, ABLATION_DIR)
+    add_lever_call(gpu)
     study = convergence_folder(out, label)
     fake_study(study, slug=label, diverged={"bf16": [1]})
     runs = schema.read_table(study / "runs.parquet", "convergence_runs")
     schema.write_table(runs.assign(gpu_slug=label), study / "runs.parquet", "convergence_runs")
     poison_gpu(gpu)
+    shutil.copytree(data / SECOND, out / SECOND, ignore=shutil.ignore_patterns(".*", NOTEBOOK_FILE, UNRUN))
+    poison(out / SECOND)
     poison_table(out / PARTITION_FILE)
     return out
 
