@@ -98,12 +98,13 @@ def test_strict_fp32_turns_both_tf32_switches_off_and_tf32_on():
 
 
 # A compiled configuration compiles its step (a minute or two on the CPU): slow. So is fp16, whose 3D convolutions
-# run in PyTorch's reference CPU kernel (tests/test_fp16.py trains it at 8^3).
+# run in PyTorch's reference CPU kernel (tests/test_fp16.py trains it at 8^3). At 8^3 (`small_spec`): a step of
+# fp16-best took 1,120 s at 16^3 on a loaded 2-core machine.
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if c.compile or c.precision == "fp16" else n
                                   for n, c in CONFIGS.items()])
-def test_every_named_configuration_runs_one_cpu_step(name, tiny_spec):
-    engine = Engine(tiny_spec, name, device="cpu", ema=False)
-    x, c = random_batch(tiny_spec)
+def test_every_named_configuration_runs_one_cpu_step(name, small_spec):
+    engine = Engine(small_spec, name, device="cpu", ema=False)
+    x, c = random_batch(small_spec)
     before = [p.detach().clone() for p in engine.model.parameters()]
     loss = engine.step((engine.prepare(x), engine.prepare(c)))
     assert loss.shape == () and torch.isfinite(loss)
