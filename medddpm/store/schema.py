@@ -411,12 +411,13 @@ ADDED: dict[str, dict[str, object]] = {
     "kernels": {"op": ""},  # which operator launched a kernel: unknown in tables written before it was recorded
 }
 
-# Columns that committed tables carry and the schema no longer has: switches removed from the product
-# after their runs were recorded (each measured a loss or was never kept). A table is read without them (the
-# files themselves stay as measured); writing rejects them like any column not in the schema.
+# Columns that tables written while a switch existed carry and the schema no longer has: switches removed from
+# the product after runs recorded them (each measured a loss or was never kept; `conv` and `condition_once` are
+# in no committed table, but any run of the package's versions that had them is). A table is read without them
+# (the files themselves stay as measured); writing rejects them like any column not in the schema.
 RETIRED: dict[str, tuple[str, ...]] = {
     "run": ("split_skip", "store_norm_grad", "cudnn_try_all", "memory_budget", "aot_cse", "recompute_reads",
-            "nd_tiling", "coordinate_descent", "combo_kernels"),
+            "nd_tiling", "coordinate_descent", "combo_kernels", "conv", "condition_once"),
 }
 
 # Columns renamed after data was committed: table -> {old name: new name}. A table written under the old name
