@@ -13,16 +13,16 @@ from typing import Literal, get_args, get_type_hints
 
 import torch
 
-from medddpm.model import fused_conv
+from medddpm.errors import UserError
+from medddpm.model.group_norm import triton_unavailable
 
 Precision = Literal["fp32", "tf32", "bf16", "fp16"]
 AttentionKind = Literal["math", "sdpa"]
 UpsampleKind = Literal["interpolate", "separable", "separable_ndhwc"]
-GroupNormKind = Literal["aten", "chunked", "fused"]
-ConvKind = Literal["cudnn", "triton", "triton_fp8"]
+GroupNormKind = Literal["aten", "chunked", "fused", "triton"]
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """An unknown configuration or a flag of the wrong type or value (one line)."""
 
 
@@ -56,12 +56,14 @@ class Config:
     pin_layout: bool = switch(False, "compiled: pin channels-last 3D at every convolution input",
                               "channels-last 3D pinned at every convolution input of compiled graphs (as requested)")
     # "chunked": statistics per channel over voxel chunks, then per group; "fused": those statistics, the SiLU
-    # after the norm in the same function, and a hand-written backward (model._GroupNormSiLU)
+    # after the norm in the same function, and a hand-written backward (model._GroupNormSiLU); "triton": the norm,
+    # the SiLU and the timestep features added before them as Triton kernels (model.group_norm_triton)
     group_norm: GroupNormKind = switch("aten", "GroupNorm kernel: chunked statistics, or those fused with the SiLU "
-                                               "after it",
+                                               "after it, or Triton kernels",
                                        "aten | chunked (GroupNorm statistics per channel over voxel chunks, then per "
                                        "group) | fused (chunked statistics, the SiLU after it and a hand-written "
-                                       "backward in one function)")
+                                       "backward in one function) | triton (GroupNorm-SiLU forward and backward as "
+                                       "Triton kernels with split reductions)")
     pad_channels: bool = switch(False, "narrow stem and output convolutions padded to 8 channels",
                                 "stem and output convolutions zero-padded to 8 channels")  # model.PaddedConv3d
     # the output convolution as a GEMM and a sum of its 27 shifted taps, not cuDNN (model.TapConv3d)
@@ -86,13 +88,16 @@ class Config:
     recompute_pointwise: bool = switch(False, "compiled: recompute reused pointwise results, not store them",
                                        "compiled training graphs recompute a reused pointwise result in each kernel "
                                        "that reads it, not store it (as requested)")
-    # each residual block's GroupNorm-SiLU-convolution as one Triton kernel: the norm and SiLU applied as the
-    # convolution loads its input, the next norm's statistics reduced as it stores its output (model.fused_conv)
-    conv: ConvKind = switch("cudnn", "residual blocks' GroupNorm-SiLU-convolutions: cuDNN after the norm, or one "
-                                     "fused Triton kernel with bf16 or FP8 operands",
-                            "cudnn | triton (GroupNorm-SiLU in the convolution's operand load, the next norm's "
-                            "statistics in its epilogue: one Triton kernel, bf16 operands) | triton_fp8 (the same, "
-                            "FP8 e4m3 operands with per-tensor scales)")
+    # with tap_gemm: the GEMM writes the 27 taps' shares tap-major over the input with a zero halo, so that the sum
+    # shifts each tap's shares as one contiguous slice (no mask, no pad) and its backward's rows are contiguous too
+    tap_major: bool = switch(False, "tap_gemm: the taps' shares tap-major over a zero-haloed input",
+                             "the output convolution's tap shares written tap-major over its input with a zero "
+                             "halo, summed as contiguous shifted slices (with tap_gemm)")
+    # compiled graphs: each forward convolution autotuned between cuDNN and Inductor's Triton templates, which can
+    # also take the bias and the pointwise work after it as an epilogue (Inductor's max_autotune for convolutions)
+    conv_autotune: bool = switch(False, "compiled: autotune forward convolutions between cuDNN and Triton templates",
+                                 "compiled graphs choose each forward convolution among cuDNN and Inductor's "
+                                 "Triton templates by timing them (as requested)")
     description: str = field(default="", compare=False)
 
     def __post_init__(self):
@@ -198,6 +203,8 @@ def get_config(name: str | Config) -> Config:
         key, eq, value = change.partition("=")
         if not eq or not key:
             raise ConfigError(f"bad switch {change!r} in {name!r}; expected FLAG=VALUE")
+        if key in flags:  # the last value would win unseen, and the name would say two things
+            raise ConfigError(f"switch {key} is set twice in {name!r}; set each switch once")
         flags[key] = {"true": True, "false": False}.get(value.lower(), value)
     return CONFIGS[base].with_flags(name=name, **flags)
 
@@ -257,8 +264,8 @@ class Resolved:
     fused_adam: bool
     pin_layout: bool
     recompute_pointwise: bool
+    group_norm: str
     not_applicable: dict[str, str]  # flag -> why it is off on this device
-    conv: str = "cudnn"
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -292,14 +299,19 @@ def resolve(config: Config, device: torch.device | str) -> Resolved:
     recompute = config.recompute_pointwise and config.compile
     if config.recompute_pointwise and not recompute:
         na["recompute_pointwise"] = "an Inductor fusion choice: needs compile"
+    if config.tap_major and not config.tap_gemm:
+        na["tap_major"] = "lays out the output convolution's tap shares: needs tap_gemm"
+    if config.conv_autotune and not config.compile:
+        na["conv_autotune"] = "an Inductor autotuning choice: needs compile"
     if config.narrow_checkpoints and not config.checkpointing:
         na["narrow_checkpoints"] = "moves layers into the checkpoints of the blocks after them: needs checkpointing"
-    conv = config.conv
-    why = conv != "cudnn" and fused_conv.unavailable(device, fp8=conv == "triton_fp8")
+    group_norm = config.group_norm
+    why = triton_unavailable(device) if group_norm == "triton" else None
     if why:
-        na["conv"], conv = f"{why}; ran as conv=cudnn", "cudnn"
+        na["group_norm"] = f"{why}; ran as fused"
+        group_norm = "fused"
     return Resolved(config, device, precision, config.channels_last, config.compile, graphs, config.fused_adam, pin,
-                    recompute, not_applicable=na, conv=conv)
+                    recompute, group_norm, not_applicable=na)
 
 
 def set_precision_flags(precision: str) -> dict[str, str]:

@@ -13,7 +13,9 @@ from pathlib import Path
 # graphs' buffers, not the kernels' vector code, and a cold compile of the compiled step took 31 s instead of
 # 46 s. Set before torch is imported, so that the sweeps and notebooks the tests start inherit it too.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
-# Triton kernels run under Triton's interpreter on the CPU; it must be set before Triton is imported.
+# Triton kernels (group_norm="triton") run in Triton's CPU interpreter: `triton.jit` picks it as it
+# decorates, triton's own library functions when triton is first imported, so it is set before any import;
+# Inductor's CPU code does not read it.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402

@@ -128,6 +128,8 @@ def test_long_names_may_break_inside_a_word_and_short_ones_stay_whole():
     out = tables.table_html(pd.DataFrame({"rule, on kernel": ["CPIStall on " + kernel, "short"], "ms": [1.5, 2.0]}))
     assert out.count("overflow-wrap: anywhere") == 1, "only the long cell may break anywhere"
     assert "wgrad_alg1_nd_float_engine&lt;float" in out, "its text is escaped"
+    layer = tables.table_html(pd.DataFrame({"layer": ["conv3d 64>64 k3 s1 @128x128x128"]}))
+    assert "overflow-wrap" not in layer, "long text of short words breaks between its words, never inside one"
 
 
 def _runs(rows) -> pd.DataFrame:

@@ -19,7 +19,7 @@ import pytest
 
 from medddpm import report
 from medddpm.store import schema
-from medddpm.report import cards, charts, claims
+from medddpm.report import card_compare, cards, charts, claims
 from medddpm.configs import CONFIGS
 
 REAL = Path(__file__).resolve().parent.parent / "data"
@@ -125,7 +125,7 @@ def all_charts(data: report.Data, **kw) -> dict[str, alt.TopLevelMixin]:
     mem = report.memory_runs(run)
     predicted, kernels = cards.predictions(data)
     return {
-        "step_time": charts.step_time(summary, report.floors(data.run, roofs=data.roofs), **kw),
+        "step_time": charts.step_time(summary, report.beyond.floors(data), **kw),
         "speedup": charts.speedup(summary, **kw),
         "cost": charts.cost(summary, **kw),
         "bench": charts.bench(data.bench, **kw),
@@ -148,6 +148,8 @@ def all_charts(data: report.Data, **kw) -> dict[str, alt.TopLevelMixin]:
         "switch_costs": charts.switch_costs(report.switch_costs(run), **kw),
         "card_steps": charts.card_steps(cards.step_times(data, predicted), **kw),
         "category_ratios": charts.category_ratios(cards.category_ratios(data, kernels), **kw),
+        "card_compare": charts.card_compare(card_compare.comparison(data), **kw),
+        "ratio_by_share": charts.ratio_by_share(card_compare.why(card_compare.comparison(data)), **kw),
     }
 
 
@@ -192,6 +194,8 @@ def test_charts_validate_and_hold_every_gpu(two, specs):
             have = set(two.ok.loc[two.ok["config"] == "baseline", "gpu_slug"])
         want = {GPU} | (have - {"cpu"})
         slugs = {r.get("gpu_slug") for r in rows}
+        if name == "ratio_by_share":  # a point per card against the reference card, which stands in each point
+            slugs |= {r.get("reference") for r in rows}
         assert want <= slugs and "cpu" not in slugs, f"{name}: GPUs in chart data {slugs}"
         gpu_params = [p for p in _params(spec) if p.get("name") == "gpu"]
         for p in gpu_params:  # the dropdown offers every GPU of the data, a GPU first
@@ -527,7 +531,7 @@ def test_gpu_views_leave_cpu_rows_out_unless_asked(two, specs):
     for name, spec in specs.items():
         # no CPU rows exist: counters, bench timings and peak memory are a GPU's, and cards are GPUs
         if name not in NCU_CHARTS | {"bench", "memory_peaks", "memory_fits", "switch_costs", "card_steps",
-                                     "category_ratios"}:
+                                     "category_ratios", "card_compare", "ratio_by_share"}:
             assert "cpu" in {r.get("gpu_slug") for r in _datasets(asked[name])}, f"{name}: cpu=True drops the CPU"
     # data of a CPU only: the chart says why it is empty instead of drawing the CPU
     cpu_only = report.step_summary(two.run[two.run["gpu_slug"] == "cpu"])
@@ -772,7 +776,7 @@ def test_a_machine_kept_beside_ours_has_the_peaks_of_its_device_type(real):
                        run_id=h200["run_id"].str.replace("nvidia-h200/", "nvidia-h200-box/", regex=False))
     other = h200.assign(gpu_slug="nvidia-x-box", gpu_type="nvidia-x",
                         run_id=h200["run_id"].str.replace("nvidia-h200/", "nvidia-x-box/", regex=False))
-    f = report.floors(pd.concat([real.run, mine, other], ignore_index=True))
+    f = report.beyond.floors(report.Data(**{**real.__dict__, "run": pd.concat([real.run, mine, other], ignore_index=True)}))
     ours = f[f["gpu_slug"] == "nvidia-h200"].set_index("precision")["floor_ms"]
     theirs = f[f["gpu_slug"] == "nvidia-h200-box"].set_index("precision")["floor_ms"]
     assert not ours.empty and theirs.sort_index().tolist() == pytest.approx(ours.sort_index().tolist())

@@ -253,7 +253,7 @@ def test_cpu_rows_never_judge_a_claim_and_the_headline_counts_gpus_only():
     assert (on_cpu["verdict"] == report.NA).all() and (on_cpu["evidence"] == claims.ON_CPU).all()
     head = claims.headline(table)
     assert list(head.index) == [GPU] and head.loc[GPU, report.HOLDS] == len(claims.CLAIMS)
-    assert list(head.columns) == list(claims.VERDICTS)
+    assert list(head.columns) == [*claims.VERDICTS, claims.IN_PART] and head.loc[GPU, claims.IN_PART] == 0
 
 
 def test_tf32_claims_are_not_measurable_without_a_matched_layer_and_say_what_to_run():
@@ -301,7 +301,7 @@ def test_claims_command_prints_json_with_every_card_s_verdict_and_the_figures_it
     rows = json.loads(capsys.readouterr().out)
     assert [r["claim"] for r in rows] == [c.id for c in claims.CLAIMS]
     assert all(set(r) == {"claim", "text", "scope", "paper", "paper_card", "rule", "verdicts"} for r in rows)
-    assert all(set(v) == {"verdict", "evidence", "figures"} for r in rows for v in r["verdicts"].values())
+    assert all(set(v) == {"verdict", "judged", "evidence", "figures", "needs"} for r in rows for v in r["verdicts"].values())
     assert {v["verdict"] for r in rows for v in r["verdicts"].values()} <= set(claims.VERDICTS)
     gpu = {r["claim"]: v for r in rows for d, v in r["verdicts"].items() if d == "nvidia-h200"}
     judged = (report.HOLDS, report.MAGNITUDE, report.FAILS)
@@ -310,6 +310,13 @@ def test_claims_command_prints_json_with_every_card_s_verdict_and_the_figures_it
             assert isinstance(gpu[cid]["figures"][key], float) and isinstance(gpu[cid]["figures"]["magnitude"], float)
     if gpu.get("tf32-tensor", {}).get("verdict") in judged:
         assert [type(x) for x in gpu["tf32-tensor"]["figures"]["tensor_pipe_pct"]] == [float, float]
+    # The committed H100's sweep has runs, kernel tables and a quality table but no counters: it is judged on what
+    # those show, OPT12's ordering on its step times (1062 > 370 > 237 ms), and the rest waits for its counters.
+    h100 = {r["claim"]: v for r in rows for d, v in r["verdicts"].items() if d == "nvidia-h100-80gb-hbm3"}
+    if h100:
+        assert sum(v["verdict"] != report.NA for v in h100.values()) >= 5, h100
+        assert h100["opt12-partial"]["judged"] == claims.IN_PART and h100["opt12-partial"]["figures"]["step_ms"]
+        assert ["counters", "opt2"] in h100["opt12-partial"]["needs"]
     assert main(["claims", "--data", "/nonexistent"]) == 2
     assert capsys.readouterr().err.count("\n") == 1
 
@@ -359,3 +366,58 @@ def test_timing_claims_fall_back_to_bench_timings_where_no_sweep():
     row = claims.verdicts(unswept).query("claim_id == 'fusion-needed'").iloc[0]
     assert row["verdict"] == report.HOLDS and row["evidence"].endswith("ms, bench timings)")
     assert row["figures"]["speedup"] == pytest.approx(305.0 / 100.0)
+
+
+def _without_counters(data: report.Data, *configs: str) -> report.Data:
+    return report.Data(**{**data.__dict__, "ncu": data.ncu[~data.ncu["config"].isin(configs)]})
+
+
+@pytest.mark.parametrize("mode, verdict", [(AGREE, report.HOLDS), (CONTRADICT, report.FAILS)])
+def test_a_claim_judges_its_step_time_half_where_the_counters_are_missing(mode, verdict):
+    """A card with runs and kernel tables but no counters (the H100's sweep without its ncu phase): OPT12's
+    step-time ordering is judged, either way, and the tensor-pipe half waits for the counters; the five sources
+    are judged on the layout source alone. Both say so, and what would judge the rest."""
+    data = _without_counters(gpu_data(mode), "baseline", "opt1", "opt2", "opt12")
+    t = claims.verdicts(data).set_index("claim_id")
+    row = t.loc["opt12-partial"]
+    assert (row["verdict"], row["judged"]) == (verdict, claims.IN_PART)
+    assert row["evidence"].startswith("step time opt2 1000 > opt12") and "not judged yet: tensor-pipe use: no " \
+        "counters for opt2, opt12, opt1" in row["evidence"]
+    assert set(row["needs"].split()) == {"counters:opt2", "counters:opt12", "counters:opt1"}
+    sources = t.loc["inefficiency-sources"]
+    assert (sources["verdict"], sources["judged"]) == (verdict, claims.IN_PART)
+    assert sources["evidence"].startswith("layout conversion: layout kernels") and set(sources["figures"]) == {
+        "layout_share"}
+    assert "memory access, warp scheduling, cache residency: no counters for baseline" in sources["evidence"]
+    assert t.loc["tf32-cycles", "verdict"] == report.NA and t.loc["tf32-cycles", "judged"] == ""
+    claims.check_verdicts(t.reset_index(), set())
+    whole = claims.verdicts(gpu_data(mode)).set_index("claim_id")
+    assert whole.loc["opt12-partial", "judged"] == claims.IN_FULL and whole.loc["opt12-partial", "needs"] == ""
+
+
+def test_the_page_says_which_runs_would_settle_the_rest():
+    data = _without_counters(gpu_data(AGREE), "baseline", "opt1", "opt2", "opt12")
+    data = report.Data(**{**data.__dict__, "run": data.run[~data.run["config"].isin(["sdpa", "compile"])]})
+    table = claims.verdicts(data)
+    left = claims.settle(table).set_index("kind")
+    assert left.loc["counters", "configs"] == ["baseline", "opt1", "opt2", "opt12"]
+    assert left.loc["counters", "parts"] == 2 and left.loc["counters", "claims"] == (
+        (table["verdict"] == report.NA) & table["needs"].str.contains("counters:")).sum() > 5
+    assert left.loc["run", "configs"] == ["sdpa", "compile"] and left.loc["run", "claims"] == 1
+    said = claims.settle_text(table)
+    assert f"`python -m medddpm counters data/{GPU}/baseline data/{GPU}/opt1 data/{GPU}/opt2 data/{GPU}/opt12`" in said
+    assert "would judge 1 claim" in said and "complete 2 claims judged in part" in said
+    assert claims.settle_text(claims.verdicts(gpu_data(AGREE), study=study(True))).startswith("Every claim is judged")
+    head = claims.headline(table)
+    assert head.loc[GPU, claims.IN_PART] == 2 and "judged in part" in claims.tally_text(head.loc[GPU])
+    wide = claims.side_by_side(table).set_index("claim_id")
+    assert wide.loc["opt12-partial", GPU] == f"{report.HOLDS} (in part)" and wide.loc["conv-dominates", GPU] == report.HOLDS
+
+
+def test_the_worked_example_takes_a_card_with_counters():
+    a, b = gpu_data(AGREE), _without_counters(gpu_data(AGREE, slug="nvidia-a-first"), "baseline", "opt1", "opt2",
+                                                          "opt12")
+    both = report.Data(**{k: pd.concat([getattr(a, k), getattr(b, k)], ignore_index=True)
+                          for k in ("run", "steps", "kernels", "ncu", "quality", "roofs")})
+    assert claims.devices(both)[0] == "nvidia-a-first" and claims.example_device(both) == GPU
+    assert claims.example_device(b) == "nvidia-a-first", "with no card that has counters, the first"

@@ -194,7 +194,7 @@ def test_bench_times_denoising_steps_with_a_kernel_breakdown(tmp_path, capsys):
     (["train", "--checkpointing", "maybe", "--out", "x"], "expected true or false"),
     (["train", "--group-norm", "welford", "--out", "x"], "invalid choice: 'welford'"),
     (["train", "--pad-channels", "8", "--out", "x"], "expected true or false"),
-    (["bench", "--configs", "best+group_norm=welford"], "group_norm must be one of ('aten', 'chunked', 'fused')"),
+    (["bench", "--configs", "best+group_norm=welford"], "group_norm must be one of ('aten', 'chunked', 'fused', 'triton')"),
     (["bench", "--phase", "sample", "--reference", "/some/med-ddpm"], "--reference times training steps only"),
     (["bench", "--phase", "sample", "--kernels", "0"], "expected a positive integer, got 0"),
     (["counters", "data/x", "--coverage", "1.5"], "expected a number from 0 to 1, got 1.5"),

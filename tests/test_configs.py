@@ -121,13 +121,11 @@ def test_config_choices_are_the_model_s():
     """A kind the configuration accepts is one the model builds (the command line offers the configuration's)."""
     from typing import get_args
 
-    from medddpm.configs import AttentionKind, ConvKind, GroupNormKind, UpsampleKind
+    from medddpm.configs import AttentionKind, GroupNormKind, UpsampleKind
     from medddpm.model.blocks import ATTENTION_KINDS, UPSAMPLE_KINDS
-    from medddpm.model.fused_conv import CONV_KINDS
     from medddpm.model.group_norm import GROUP_NORM_KINDS
 
     assert get_args(UpsampleKind) == UPSAMPLE_KINDS and get_args(GroupNormKind) == GROUP_NORM_KINDS
-    assert get_args(ConvKind) == CONV_KINDS
     assert get_args(AttentionKind) == ATTENTION_KINDS
     assert get_config("best+upsample=separable_ndhwc").upsample == "separable_ndhwc"
     with pytest.raises(ConfigError, match="must be one of"):

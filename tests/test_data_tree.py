@@ -24,6 +24,9 @@ def named(rel: Path) -> bool:
     if rest[:1] == [layout.CONVERGENCE_DIR]:
         return (len(rest) == 2 and rest[1] in {f"{t}.parquet" for t in layout.CONVERGENCE_TABLES}
                 or rest[1:2] == [layout.SLICES_DIR])
+    if rest[:1] == [layout.LEVERS_DIR]:
+        return (len(rest) == 2 and rest[1] in {f"{t}.parquet" for t in layout.LEVERS_TABLES}
+                or len(rest) == 3 and rest[2] in {f"{t}.parquet" for t in layout.LEVER_RUN_TABLES})
     if rest[:1] == [layout.ABLATION_DIR]:
         rest = rest[1:]
     if len(rest) != 2:

@@ -230,6 +230,8 @@ def test_pin_layout_needs_compile_and_channels_last():
 
 @pytest.mark.parametrize("flags", [dict(group_norm="chunked", pin_layout=True), dict(pad_channels=True, pin_layout=True),
                                    dict(tap_gemm=True, pin_layout=True), dict(group_norm="fused", pin_layout=True),
+                                   dict(tap_gemm=True, tap_major=True, pin_layout=True),
+                                   dict(conv_autotune=True, pin_layout=True),
                                    dict(group_norm="fused", checkpointing=True),
                                    dict(narrow_checkpoints=True, store_skip_grad=True, checkpointing=True)],
                          ids=lambda flags: "+".join(f"{k}={v}" for k, v in flags.items()))
@@ -338,6 +340,23 @@ def test_engine_sample_is_the_diffusion_sampler(small_spec):
                                              progress=False)
     assert ours.shape == (1, 1, *small_spec.shape)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def test_conv_autotune_sets_inductors_convolution_autotuning_in_compiled_graphs_only():
+    """`conv_autotune` adds Inductor's convolution autotuning (cuDNN against Triton templates, GEMMs left to
+    cuBLAS) to every compiled graph, the sampler's too; without compile it is recorded as not applicable."""
+    from medddpm.configs import get_config, resolve
+    from medddpm.train.engine import CONV_AUTOTUNE, inductor_options
+
+    run = resolve(get_config("best+conv_autotune=true"), "cpu")
+    for training in (True, False):
+        options = inductor_options(run, training=training)
+        assert options["max_autotune"] and options["max_autotune_conv_backends"] == "ATEN,TRITON"
+        assert options.items() >= CONV_AUTOTUNE.items()
+    assert "max_autotune" not in inductor_options(resolve(get_config("best"), "cpu"))
+    eager = resolve(get_config("sdpa+conv_autotune=true"), "cpu")
+    assert "max_autotune" not in inductor_options(eager) and "compile" in eager.not_applicable["conv_autotune"]
+    assert "tap_gemm" in resolve(get_config("sdpa+tap_major=true"), "cpu").not_applicable["tap_major"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

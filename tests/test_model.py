@@ -335,7 +335,7 @@ def test_fused_group_norm_in_bf16_is_float32_rounded_once():
     torch.testing.assert_close(y.double(), want, rtol=2 ** -8, atol=1e-3)
     torch.testing.assert_close(x.grad.double(), dx_want, rtol=2 ** -7, atol=2e-3)
     assert norm.weight.grad.dtype == torch.float32
-    with pytest.raises(AssertionError, match="only the fused group norm takes its SiLU in"):
+    with pytest.raises(AssertionError, match="only the fused and triton group norms take their SiLU in"):
         GroupNorm32(32, 64, kind="chunked", silu=True)
 
 
@@ -533,17 +533,19 @@ def test_separable_ndhwc_keeps_every_compiled_buffer_channels_last(fresh_inducto
     assert all(s[-1] == 1 for s in strides["separable_ndhwc"]), strides["separable_ndhwc"]
 
 
+@pytest.mark.parametrize("tap_major", [False, True], ids=["voxel-major", "tap-major"])
 @pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last_3d])
 @pytest.mark.parametrize("c_in,c_out", [(16, 1), (16, 4), (4, 16)])
-def test_tap_convolution_is_the_convolution(layout, c_in, c_out):
+def test_tap_convolution_is_the_convolution(layout, c_in, c_out, tap_major):
     """TapConv3d (a GEMM, then shifted tap sums): nn.Conv3d's output and gradients, with the same
     parameters, in either layout, for 1 and 4 output channels (the whole-head and BraTS outputs) and
-    for a wide output."""
+    for a wide output; its shares voxel-major or tap-major over a zero-haloed input (`tap_major`), whose input
+    gradient comes back channels-last."""
     from medddpm.model.blocks import TapConv3d
 
     torch.manual_seed(0)
     plain = torch.nn.Conv3d(c_in, c_out, 3, padding=1).double()
-    taps = TapConv3d(c_in, c_out, 3, padding=1).double()
+    taps = TapConv3d(c_in, c_out, 3, padding=1, tap_major=tap_major).double()
     taps.load_state_dict(plain.state_dict())
     x = torch.randn(2, c_in, 5, 6, 7, dtype=torch.float64).to(memory_format=layout).requires_grad_()
     ya, yb = plain(x), taps(x)
@@ -553,6 +555,27 @@ def test_tap_convolution_is_the_convolution(layout, c_in, c_out):
     grads = [torch.autograd.grad(y, (x, m.weight, m.bias), g) for y, m in ((ya, plain), (yb, taps))]
     for name, a, b in zip(("input", "weight", "bias"), *grads):
         torch.testing.assert_close(b, a, rtol=1e-11, atol=1e-12, msg=name)
+    if tap_major:
+        assert grads[1][0].is_contiguous(memory_format=torch.channels_last_3d)
+
+
+def test_tap_major_layer_matches_under_bf16_autocast():
+    """Under bf16 autocast the tap-major output layer computes what the voxel-major one computes: the same
+    bf16 shares of a bf16 GEMM, summed in float32 (in another order), rounded once to bf16."""
+    from medddpm.model.blocks import TapConv3d
+
+    torch.manual_seed(0)
+    voxel = TapConv3d(32, 1, 3, padding=1)
+    tap = TapConv3d(32, 1, 3, padding=1, tap_major=True)
+    tap.load_state_dict(voxel.state_dict())
+    x = torch.randn(1, 32, 12, 12, 12).to(memory_format=torch.channels_last_3d)
+    with torch.no_grad():
+        exact = torch.nn.functional.conv3d(x.double(), voxel.weight.double(), voxel.bias.double(), padding=1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ya, yb = voxel(x), tap(x)
+    assert yb.dtype == ya.dtype == torch.bfloat16
+    err = [float((y.double() - exact).norm() / exact.norm()) for y in (ya, yb)]
+    assert 0 < err[1] < 1.5 * err[0] + 1e-3, err  # bf16's rounding of the shares and of the result
 
 
 def test_tap_convolution_refuses_other_shapes():

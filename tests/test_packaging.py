@@ -57,7 +57,7 @@ def test_the_lock_pins_a_version_every_declared_range_admits():
     for line in (REPO / "requirements.txt").read_text().splitlines():
         line = line.split("#")[0].strip()
         if line:
-            m = re.fullmatch(r"([A-Za-z0-9_.\-]+)==([^;\s]+)(\s*;.+)?", line)  # an exact pin, for some platforms
+            m = re.fullmatch(r"([A-Za-z0-9_.\-]+)==([^;\s]+)\s*(;.+)?", line)  # a pin, maybe for some platforms
             assert m, f"requirements.txt: not an exact pin: {line!r}"
             pins[canonicalize_name(m[1])] = m[2]
     for group, reqs in declared().items():

@@ -49,6 +49,7 @@ def test_smoke_sweep_writes_every_table_for_the_paper_configurations(tmp_path):
         quality = read_table(folder / "quality.parquet")
         assert len(quality) == 3 and quality["rel_err"].notna().all()
         assert (folder / "produce.ipynb").exists(), "the executed notebook is stored next to its data"
+        assert "?it/s]" not in (folder / "produce.ipynb").read_text(), "the stored notebook keeps no progress bars"
         assert not (folder / "ncu.parquet").exists(), "no GPU, no counters"
         assert set(RUN_TABLES) - {"ncu"} <= {f.stem for f in folder.glob("*.parquet")}
     opt1 = read_table(_folder(tmp_path / "data" / "cpu", "opt1") / "run.parquet")
@@ -274,6 +275,57 @@ def test_the_summary_sets_the_fastest_configuration_beside_the_committed_row(tmp
     assert f"labelled {label}" in text and f"Measured 2 configuration(s) into {tmp_path / label}/" in text
     assert "Fastest here: baseline, 50.0 ms" in text and "100.0 ms" in text and "0.50x its time" in text, text
     assert "The book is not built yet" in text
+
+
+def _gpu_run(root: Path, label: str, gpu_name: str, config: str, ms: float, host: str = "node1") -> Path:
+    """A run.parquet of a GPU's paper preset under root/label/config/, measured on `host`."""
+    import torch
+
+    from medddpm.configs import get_config
+    from medddpm.measure.env import environment
+    from medddpm.measure.run import run_row
+    from medddpm.store import schema
+
+    row = run_row(get_config(config), "paper", env=environment(torch.device("cpu")), gpu_name=gpu_name, label=label,
+                  status="ok", message="") | {"train_median_ms": ms, "timed_steps": 30, "shape": "128x128x128",
+                                              "parameters": 40_228_161, "host": host}
+    path = root / label / config / "run.parquet"
+    schema.write_table(__import__("pandas").DataFrame([row]), path, "run")
+    return path
+
+
+def test_the_summary_of_a_labelled_card_compares_it_with_its_type_else_with_the_nearest_card(tmp_path, capsys):
+    """Read on a CPU machine, a GPU label is compared as the card its rows name: with the committed rows of its
+    type where the data hold them, else with the nearest other card (an H100's nearest is the H200, not the
+    A100, by their datasheets), never with the CPU's smoke runs; the lines say which."""
+    from medddpm.cli.main import main
+
+    h100 = "NVIDIA H100 80GB HBM3"
+    _run_file(tmp_path, "cpu", "best", host=None, ms=40.0)
+    _gpu_run(tmp_path, "nvidia-h100-80gb-hbm3", h100, "best", 54.0)
+    _gpu_run(tmp_path, "nvidia-h100-80gb-hbm3", h100, "baseline", 870.0)
+    _gpu_run(tmp_path, "nvidia-h200", "NVIDIA H200", "best", 50.0)
+    _gpu_run(tmp_path, "nvidia-a100-sxm4-80gb", "NVIDIA A100-SXM4-80GB", "best", 90.0)
+
+    def said(*args: str) -> str:
+        assert main(["summary", "--out", str(tmp_path), "--device", "cpu", *args]) == 0
+        return " ".join(capsys.readouterr().out.split())
+
+    text = said("--gpu-label", "nvidia-h100-80gb-hbm3")
+    assert "The runs under nvidia-h100-80gb-hbm3: nvidia-h100-80gb-hbm3, measured on host node1" in text, text
+    assert "Compared with the nearest other card in the data, by its datasheet roofs: nvidia-h200," in text, text
+    assert "50.0 ms; the nvidia-h100-80gb-hbm3 runs take 1.08x its time" in text and "cpu" not in text.split(
+        "Fastest here")[1], text
+    _gpu_run(tmp_path, "nvidia-h100-80gb-hbm3-box", h100, "best", 60.0, host="box")
+    text = said("--gpu-label", "nvidia-h100-80gb-hbm3-box")
+    assert "Compared with the committed rows of its device type: nvidia-h100-80gb-hbm3," in text, text
+    assert "1.11x its time" in text, text
+    text = said("--gpu-label", "nvidia-h100-80gb-hbm3")
+    assert "rows of its device type measured on another machine: nvidia-h100-80gb-hbm3-box" in text, text
+    _gpu_run(tmp_path, "nvidia-b200", "NVIDIA B200", "baseline", 500.0)
+    text = said("--gpu-label", "nvidia-b200")
+    assert ("the nearest other card in the data, by its datasheet roofs (nvidia-h200 has no baseline of this "
+            "size): nvidia-h100-80gb-hbm3," in text), text
 
 
 @pytest.mark.slow

@@ -70,11 +70,18 @@ def test_cost_model():
     with pytest.raises(ValueError, match="0 < efficiency <= 1"):
         ws.gpu_hours(flops_per_step=flops, peak_flops=100e12, efficiency=1.5)
     assert 0 < ws.matmul_tflops(device="cpu", n=128, repeats=2) < 100
-    eff = ws.efficiencies(report.load_all())
-    assert ((eff["efficiency"] > 0) & (eff["efficiency"] <= 1)).all()
     data = report.load_all()
+    eff = ws.efficiencies(data)
+    assert ((eff["efficiency"] > 0) & (eff["efficiency"] <= 1)).all()
     assert set(eff["gpu_slug"]) <= {s for s in data.run["gpu_slug"] if report.peaks_of(s, data.run, data.roofs)}
+    assert set(eff["gpu_slug"]) <= set(ws.gpus_in(data)), "the workshop's cards are GPUs"
     assert eff["peak_source"].str.startswith(("datasheet", "measured")).all()
+    # a step carried to another device at the same fraction of each one's peak, and back
+    assert ws.carried_ms(100.0, 60e12, 30e12) == pytest.approx(200.0)
+    assert ws.carried_ms(ws.carried_ms(100.0, 60e12, 30e12), 30e12, 60e12) == pytest.approx(100.0)
+    with pytest.raises(ValueError, match="two peaks"):
+        ws.carried_ms(100.0, 0.0, 30e12)
+    assert ws.step_hours(1000.0) == pytest.approx(200_000 / 3600)
 
 
 def test_profile_conv_layouts_on_the_cpu():

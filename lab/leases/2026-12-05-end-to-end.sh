@@ -5,10 +5,13 @@
 # gets e2e_median_ms beside train_median_ms, the loader's rate, the first pass's cache build, the step's drift over
 # 200 timed steps (target: within 5%) and the NVML clock and throttle summary. A second call resumes: folders
 # already written and runs already measured are kept.
+#   E2E_OUT: the data tree the sweeps write (data; the queue's is runs/queue/data); LABEL: the card's label (as the
+#   sweep derives it where unset).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-runs/out}; mkdir -p "$out" runs
 deadline=${DEADLINE:-585}
+tree=${E2E_OUT:-data}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 2
 export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 python3 -m ipykernel install --user > /dev/null
@@ -35,16 +38,17 @@ sweep() {  # preset folder
   local left=$((deadline - SECONDS - 40))
   [ "$left" -lt 120 ] && { echo "sweep $1: not started, $left s left"; return 0; }
   timeout -k 10 "$left" python3 -m medddpm sweep --configs best --preset "$1" --data "$2" --micro-steps 200 --warmup 20 \
-    --phases '' 2>&1 | grep -v "it/s\]" | tail -20 | tee "$out/sweep-$1.log"
+    --phases '' --out "$tree" ${LABEL:+--gpu-label "$LABEL"} 2>&1 | grep -v "it/s\]" | tail -20 | tee "$out/sweep-$1.log"
 }
 sweep paper runs/heads
 sweep brats runs/brats
 
-python3 - <<'PY' | tee "$out/end-to-end.txt"
+python3 - "$tree" <<'PY' | tee "$out/end-to-end.txt"
 import glob
+import sys
 import pandas as pd
 from medddpm.store import schema
-files = sorted(glob.glob("data/*/*/run.parquet"))
+files = sorted(glob.glob(f"{sys.argv[1]}/*/*/run.parquet"))
 run = pd.concat([schema.read_table(f).assign(folder=f.removesuffix("/run.parquet")) for f in files])
 run = run[run["data_source"].str.startswith("folder:")]
 open("runs/e2e-folders.txt", "w").write("".join(f + "\n" for f in run["folder"]))

@@ -5,21 +5,23 @@
 # keeps its tables, checkpoints and Inductor cache. Each call packs the study folder into $OUT/convergence.tgz
 # (unpack here with: tar -xzf convergence.tgz -C data/).
 # Usage: COMMIT=<sha> LIMIT=<s> CONFIGS=a,b JOBS=n bash lab/leases/2026-12-06-study.sh
+#   STUDY_OUT: the tree it writes (runs/study; the queue's is runs/queue/data, a copy of data/).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-runs/out}; mkdir -p "$out" runs
+study=${STUDY_OUT:-runs/study}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 2
 export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 export TORCHINDUCTOR_CACHE_DIR=$PWD/runs/inductor MEDDDPM_GIT_COMMIT=${COMMIT:?the commit the call runs}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw,power.limit,clocks_throttle_reasons.active \
   --format=csv >> "$out/gpu-state.csv"
-if [ ! -d runs/study ]; then
-  mkdir -p runs/study
-  for d in data/*/convergence; do [ -d "$d" ] && mkdir -p "runs/study/${d#data/}" && cp -r "$d"/. "runs/study/${d#data/}"; done
+if [ ! -d "$study" ]; then
+  mkdir -p "$study"
+  for d in data/*/convergence; do [ -d "$d" ] && mkdir -p "$study/${d#data/}" && cp -r "$d"/. "$study/${d#data/}"; done
 fi
 python3 -m medddpm study --configs "${CONFIGS:-baseline,opt1,bf16,fp16,best}" --jobs "${JOBS:-4}" \
-  --time-limit "${LIMIT:-540}" --out runs/study --work runs/convergence 2>&1 | grep -v "it/s\]$"
-(cd runs/study && tar czf "$out/convergence.tgz" */convergence)
+  --time-limit "${LIMIT:-540}" --out "$study" --work runs/convergence 2>&1 | grep -v "it/s\]$"
+(o=$(cd "$out" && pwd); cd "$study" && tar czf "$o/convergence.tgz" */convergence)
 nvidia-smi --query-gpu=clocks.sm,temperature.gpu,power.draw --format=csv >> "$out/gpu-state.csv"
 ls runs/convergence/*/ 2>/dev/null | head -40
 echo "lease: done at $SECONDS s"

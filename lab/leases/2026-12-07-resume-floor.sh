@@ -5,7 +5,8 @@
 #   a, b: uninterrupted, STEPS optimizer steps;  cut: SIGKILLed once its first checkpoint is on disk, then resumed.
 # Every tensor of the final checkpoints (weights, EMA, Adam's state, RNG states) and the loss logs are compared
 # pairwise (a-b: the floor; a-cut and b-cut: the resume), group by group; $OUT/resume-floor-<config>.json keeps the maximum
-# absolute difference per tensor and per group, and the logs. The verdict is taken on the CPU from that record.
+# absolute difference per tensor and per group, and the logs; resume_floor.py judges it: the resume passes where every
+# group's distance is within FACTOR (10) times the floor, bit-exact where the floor is zero.
 # First the card's roofs when ROOFS_LABEL is set (written to $OUT/roofs.parquet).
 # Usage: CONFIGS="opt1 best" ROOFS_LABEL=nvidia-h200 bash lab/leases/2026-12-07-resume-floor.sh
 set -uo pipefail
@@ -31,64 +32,9 @@ train() {  # config folder: the same command for every run
   python3 -m medddpm train --config "$1" --out "$2" --size 32 --mask-channels 3 --pairs 4 --grad-accum 2 \
     --steps "$steps" --save-every "$every" --log-every 1 --device "${DEVICE:-cuda}"
 }
-compare() {  # config: its record, written as soon as its three runs are done
-  python3 - "$out/resume-floor-$1.json" "$1" << 'EOF'
-import json, sys
-from pathlib import Path
-
-import torch
-
-from medddpm.train.loop import read_loss_log
-
-
-def tensors(x, prefix=""):
-    if isinstance(x, torch.Tensor):
-        yield prefix, x
-    elif isinstance(x, dict):
-        for k, v in x.items():
-            yield from tensors(v, f"{prefix}/{k}")
-    elif isinstance(x, (list, tuple)):
-        for i, v in enumerate(x):
-            yield from tensors(v, f"{prefix}/{i}")
-
-
-def diff(x, y):
-    if x.shape != y.shape:
-        return float("inf")
-    if not x.is_floating_point():
-        return 0.0 if torch.equal(x, y) else float("inf")
-    return float((x.double() - y.double()).abs().max()) if x.numel() else 0.0
-
-
-records = []
-for config in sys.argv[2:]:
-    root = Path("runs/resume") / config
-    rec = {"config": config, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
-    try:
-        states = {r: torch.load(root / r / "checkpoint.pt", weights_only=True, map_location="cpu") for r in ("a", "b", "cut")}
-        flat = {r: dict(tensors(s)) for r, s in states.items()}
-        losses = {r: [float(x["loss"]) for x in read_loss_log(root / r)] for r in states}
-        rec |= {"steps": {r: int(s["step"]) for r, s in states.items()},
-                "killed_after_step": Path(f"runs/resume-logs/{config}-killed-at.txt").read_text().strip(),
-                "tensors": len(flat["a"]), "losses": losses, "pairs": {}}
-        for p, q in (("a", "b"), ("a", "cut"), ("b", "cut")):
-            keys = sorted(set(flat[p]) | set(flat[q]))
-            per = {k: (diff(flat[p][k], flat[q][k]) if k in flat[p] and k in flat[q] else float("inf")) for k in keys}
-            groups = {}
-            for k, v in per.items():
-                g = k.split("/")[1]
-                groups[g] = max(groups.get(g, 0.0), v)
-            lp, lq = losses[p], losses[q]
-            groups["loss_log"] = (max(abs(u - v) for u, v in zip(lp, lq)) if len(lp) == len(lq) and lp else float("inf"))
-            rec["pairs"][f"{p}-{q}"] = {"groups": groups, "tensors_equal": sum(v == 0 for v in per.values()),
-                                        "per_tensor": per}
-    except Exception as e:  # noqa: BLE001 - recorded; the next configuration still runs
-        rec["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
-    records.append(rec)
-    print(json.dumps({k: v for k, v in rec.items() if k not in ("pairs", "losses")}),
-          {p: v["groups"] for p, v in rec.get("pairs", {}).items()})
-Path(sys.argv[1]).write_text(json.dumps(records, indent=1) + "\n")
-EOF
+compare() {  # config: its record, written as soon as its three runs are done, and its verdict (lab/leases/tools/resume_floor.py)
+  python3 lab/leases/tools/resume_floor.py record "$out/resume-floor-$1.json" "$1" \
+    && python3 lab/leases/tools/resume_floor.py judge "$out/resume-floor-$1.json"
 }
 logs=runs/resume-logs; mkdir -p "$logs"
 for c in $configs; do

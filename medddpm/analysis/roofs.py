@@ -3,9 +3,15 @@ someone measured them (`medddpm.measure.timing.roofs`, table ``roofs`` in ``data
 its maker's datasheet, each value with where it comes from.
 
 Measured roofs are what a program reaches on random data (a device-to-device copy, a large matmul); datasheet
-roofs are what the silicon could do at its boost clock, which no program reaches. A comparison of two
-cards therefore takes both cards' roofs from one kind of source (`pair_of`): measured against measured where both
-were measured, datasheet against datasheet otherwise, so that the source's own bias cancels.
+roofs are what the silicon could do at its boost clock, which no program reaches. A label's measured roofs
+describe the machine that measured them, and no other: they are never lent to another label, even one of the same
+device type (two hosts of one type differ in clocks, power caps and memory, and a CPU type spans any CPU). A
+card is therefore read against its own measurement or its datasheet, never against another machine's.
+
+Cards set side by side are read against one kind of source, so that the source's own bias cancels: `basis`
+chooses it per roof for a whole set of cards (measured where every card with a datasheet value for that roof has
+measured it, the datasheet otherwise), `on_basis` gives one card's roofs on it, and `pair_of` two cards' roofs on
+the basis of the cards set beside them, or of the pair alone.
 
 Tensor-core work is counted from the tensor pipe's active cycles (Nsight Compute counts no tensor FLOPs):
 `tensor_flop_per_sm_cycle` is the dense rate of one SM in one cycle, the datasheet's peak over its SMs and the
@@ -15,6 +21,7 @@ clock the peak assumes.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import pandas as pd
@@ -88,42 +95,60 @@ def _measured(rows: pd.DataFrame) -> dict[str, Roof]:
                          float(r.p90)) for r in rows.itertuples()}
 
 
+def own_roofs(roofs: pd.DataFrame | None, slug: str) -> dict[str, Roof]:
+    """The roofs measured under the label `slug` itself (its ``roofs.parquet``), and no other label's."""
+    if roofs is None or roofs.empty:
+        return {}
+    return _measured(roofs[roofs["gpu_slug"] == slug])
+
+
 def card_roofs(roofs: pd.DataFrame, slug: str, gpu_type: str | None = None) -> dict[str, Roof]:
-    """The roofs of the card a label was measured on, each from the best source there is: the label's own
-    ``roofs.parquet``; else one of another label of the same device type (a machine measured beside the
-    committed rows of its type); else the datasheet of its type. A roof the measurement lacks (a precision the
-    device does not run) comes from the datasheet where that has it."""
-    kind = gpu_type or slug
-    out = datasheet_roofs(kind)
-    if roofs is not None and not roofs.empty:
-        own = roofs[roofs["gpu_slug"] == slug]
-        same = roofs[(roofs["gpu_type"] == kind) & (roofs["gpu_slug"] != slug)]
-        if own.empty and not same.empty:
-            own = same[same["gpu_slug"] == sorted(same["gpu_slug"].unique())[0]]
-        out |= _measured(own)
+    """The roofs of the card a label was measured on, each from the best source it has: the label's own
+    ``roofs.parquet``, else the datasheet of its type. Another label's measurement never stands in, even one of
+    the same device type: a machine's roofs describe that machine. A card with neither has no roofs."""
+    out = datasheet_roofs(gpu_type or slug) | own_roofs(roofs, slug)
     return {r: out[r] for r in ROOFS if r in out}
 
 
-def pair_of(roofs: pd.DataFrame, a: tuple[str, str], b: tuple[str, str]) -> tuple[dict, dict, str]:
-    """Two cards' roofs, each card given as (label, device type), roof by roof from one kind of source where one
-    serves both: both measured where both cards have that roof measured, else both datasheet where both
-    datasheets have it, else each card's best (a card with no datasheet measured against one never measured: a
-    "mixed" roof); a roof one card lacks altogether is left out. Returns the two value dicts (byte/s, FLOP/s) and
-    the source used: "measured", "datasheet", "mixed" (some roofs of each kind, or of both kinds at once) or
-    "none"."""
-    ra, rb = card_roofs(roofs, *a), card_roofs(roofs, *b)
-    sa, sb = datasheet_roofs(a[1]), datasheet_roofs(b[1])
+def basis(roofs: pd.DataFrame | None, cards: Mapping[str, str]) -> dict[str, str]:
+    """The one source per roof that every card of `cards` (label -> device type) is read against where they are
+    set side by side: MEASURED where every card whose datasheet gives the roof has measured it under its own
+    label, DATASHEET_SOURCE otherwise (one card not measured yet puts all of them on their datasheets). A card
+    without a datasheet takes no part in the choice: its own measurement is all it has."""
+    out = {}
+    for r in ROOFS:
+        sheets = [slug for slug, kind in cards.items() if r in datasheet_roofs(kind)]
+        out[r] = MEASURED if all(r in own_roofs(roofs, slug) for slug in sheets) else DATASHEET_SOURCE
+    return out
+
+
+def on_basis(roofs: pd.DataFrame | None, slug: str, gpu_type: str, chosen: Mapping[str, str]) -> dict[str, Roof]:
+    """One card's roofs on the chosen `basis`: per roof its own measurement where the basis is MEASURED, its
+    datasheet where that is the basis; a card that lacks the chosen source for a roof (no datasheet for its type)
+    keeps the other one, and its `Roof.source` says which it is."""
+    own, sheet = own_roofs(roofs, slug), datasheet_roofs(gpu_type)
+    out = {}
+    for r in ROOFS:
+        first, second = (own, sheet) if chosen.get(r) == MEASURED else (sheet, own)
+        if r in first or r in second:
+            out[r] = first.get(r) or second[r]
+    return out
+
+
+def pair_of(roofs: pd.DataFrame | None, a: tuple[str, str], b: tuple[str, str],
+            chosen: Mapping[str, str] | None = None) -> tuple[dict, dict, str]:
+    """Two cards' roofs, each card given as (label, device type), both on one `basis` (`on_basis`): `chosen`, the
+    basis of every card set beside them (a page's, with both among its cards), else that of the pair alone (both
+    measured where both have measured a roof, else both datasheet). A roof one card lacks altogether is left out.
+    Returns the two value dicts (byte/s, FLOP/s) and the source used: "measured", "datasheet", "mixed" (a card
+    with no datasheet read against one that is, or some roofs of each kind) or "none"."""
+    chosen = chosen if chosen is not None else basis(roofs, dict([a, b]))
+    ra, rb = on_basis(roofs, *a, chosen), on_basis(roofs, *b, chosen)
     av, bv, used = {}, {}, set()
     for r in ROOFS:
-        if r in ra and r in rb and ra[r].source == rb[r].source == MEASURED:
+        if r in ra and r in rb:
             av[r], bv[r] = ra[r].value, rb[r].value
-            used.add(MEASURED)
-        elif r in sa and r in sb:
-            av[r], bv[r] = sa[r].value, sb[r].value
-            used.add(DATASHEET_SOURCE)
-        elif r in ra and r in rb:
-            av[r], bv[r] = ra[r].value, rb[r].value
-            used.add("mixed")
+            used.add(ra[r].source if ra[r].source == rb[r].source else "mixed")
     return av, bv, used.pop() if len(used) == 1 else ("mixed" if used else "none")
 
 

@@ -31,6 +31,25 @@ def positive(text: str) -> int:
     return value
 
 
+MAX_SEED = 2**32 - 1  # NumPy's seeds end there; the seeds derived from it (`loop.batch_indices`) stay in 63 bits
+
+
+def seed_arg(text: str) -> int:
+    """A seed: an integer from 0 to MAX_SEED (a negative or larger one overflows the generators it seeds)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer seed from 0 to {MAX_SEED}, got {text!r}") from None
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"expected an integer seed from 0 to {MAX_SEED}, got {value}")
+    return value
+
+
+def add_force_memory(p, what: str = "the step's") -> None:
+    p.add_argument("--force-memory", action="store_true",
+                   help=f"start even where {what} estimated memory exceeds the device's (refused without it)")
+
+
 def size_arg(text: str) -> int | tuple[int, int, int]:
     try:
         return parse_size(text)
@@ -141,7 +160,9 @@ def seeds_arg(text: str) -> list[int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a count (3) or a list of seeds (0,4,7), got {text!r}") from None
     if len(values) == 1 and "," not in text:
+        if values[0] > 1000:  # a count: a list of that many seeds is made
+            raise argparse.ArgumentTypeError(f"a count of at most 1000 seeds, got {values[0]}")
         values = list(range(values[0]))
-    if not values or min(values) < 0 or len(set(values)) != len(values):
+    if not values or min(values) < 0 or max(values) > MAX_SEED or len(set(values)) != len(values):
         raise argparse.ArgumentTypeError(f"expected a positive count or distinct non-negative seeds, got {text!r}")
     return values

@@ -13,6 +13,21 @@ from medddpm.store.storage import atomic_write
 from medddpm.cli.args import WIDTH, config_from, open_data, spec_from
 
 
+def check_memory(args, spec, configs, device, *, sampling: int = 0, training: bool = True, batch: int = 1,
+                 advice: str | None = None) -> None:
+    """Refuse in one line, before any work, what cannot fit `device` (`train.budget`): a training step of `batch`
+    volumes under each configuration where `training`, a denoising step of `sampling` volumes at once where
+    given; with --force-memory, print the estimate and go on."""
+    from medddpm.train.budget import SAMPLING, TRAIN_ADVICE, TRAINING, check_fits
+
+    for kind, volumes in ((TRAINING, batch if training else 0), (SAMPLING, sampling)):
+        if volumes:
+            note = check_fits(spec, configs, device, force=args.force_memory, kind=kind, batch=volumes,
+                              advice=TRAIN_ADVICE if advice is None else advice)
+            if note:
+                print(note, file=sys.stderr)
+
+
 def cmd_info(args) -> None:
     from medddpm.model.flops import count
 
@@ -118,11 +133,16 @@ def cmd_claims(args) -> None:
         return
     cpus = set(data.run.loc[data.run["gpu_type"] == "cpu", "gpu_slug"])  # every CPU label: cpu, cpu-<host>
     for slug, rows in table.groupby("gpu_slug", sort=False):
-        counts = rows["verdict"].value_counts()
-        print(f"{slug}: " + ", ".join(f"{counts.get(v, 0)} {v}" for v in claims.VERDICTS))
+        counts, judged = rows["verdict"].value_counts(), rows["judged"].value_counts()
+        print(f"{slug}: " + ", ".join(f"{counts.get(v, 0)} {v}" for v in claims.VERDICTS)
+              + f"; {len(rows) - counts.get(report.NA, 0)} judged, {judged.get(claims.IN_PART, 0)} of them in part")
     if cpus & set(table["gpu_slug"]):
         print(f"  {', '.join(sorted(cpus & set(table['gpu_slug'])))}: {claims.ON_CPU}")
     gpus = table[~table["gpu_slug"].isin(cpus)]
+    said = claims.settle_text(gpus).replace("**", "").replace("`", "")
+    # a command's paths keep their hyphens on one line (nvidia-h100-80gb-hbm3), so that they copy whole
+    print("\n" + "\n".join(textwrap.fill(line, 100, subsequent_indent="    ", break_on_hyphens=False)
+                            for line in said.split("\n") if line))
     width = max((len(s) for s in gpus["gpu_slug"]), default=0) + 2
     for _, rows in gpus.groupby("claim_id", sort=False):  # each card's verdict side by side
         r = rows.iloc[0]
@@ -130,15 +150,14 @@ def cmd_claims(args) -> None:
                                         f"the paper's card: {r['paper_card']}" if r["paper_card"] else ""]))
         print(f"\n{r['short']} [{about}]")
         for d in rows.itertuples():
-            print(f"  {d.gpu_slug:<{width}}{d.verdict}")
+            print(f"  {d.gpu_slug:<{width}}{d.verdict}" + (f" ({d.judged})" if d.judged == claims.IN_PART else ""))
             print(textwrap.fill(d.evidence, 100, initial_indent=" " * (width + 2),
-                                subsequent_indent=" " * (width + 2)))
+                                subsequent_indent=" " * (width + 2), break_on_hyphens=False))
 
 
 def cmd_train(args) -> None:
     from medddpm.measure.env import pick_device
     from medddpm.store.lock import output_lock
-    from medddpm.train.budget import check_fits
     from medddpm.train.loop import check_lr, train
 
     check_lr(args.lr)
@@ -147,10 +166,7 @@ def cmd_train(args) -> None:
     # before the data is read or generated: a step that cannot fit is refused while nothing has been done (the
     # data's label channels are not known yet: a preset's own, else one, the least, so the estimate stays a lower
     # bound)
-    spec = spec_from(args, None if args.preset else args.mask_channels or 1)
-    note = check_fits(spec, config, device, force=args.force_memory)
-    if note:
-        print(note, file=sys.stderr)
+    check_memory(args, spec_from(args, None if args.preset else args.mask_channels or 1), [config], device)
     with output_lock(args.out, what="training"):  # before the data is read: a second training fails at once
         data = open_data(args)
         spec = spec_from(args, data.mask_channels, getattr(data, "image_channels", 1))
@@ -171,6 +187,8 @@ def cmd_sample(args) -> None:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out}: a file, not a folder")
     engine = load_checkpoint(args.checkpoint, device=device, use_ema=not args.no_ema, compiled=args.compiled)
+    # the checkpoint's model, at the size it says: refused before a label map is read or made at that size
+    check_memory(args, engine.spec, [engine.config], device, training=False, sampling=1, advice="")
     # every label map checked against the model's shape and width before the first sample: none is refused later
     volumes = [label_volume(source, size=engine.spec.size, mask_channels=engine.spec.mask_channels)
                for source in args.labels]
@@ -205,6 +223,8 @@ def cmd_bench(args) -> None:
     spec = spec_from(args)
     if args.reference and not (Path(args.reference) / "diffusion_model" / "unet.py").is_file():
         raise FileNotFoundError(f"{args.reference}: not a clone of mobaidoctor/med-ddpm (no diffusion_model/unet.py)")
+    sampling = args.phase == "sample"
+    check_memory(args, spec, configs, device, training=not sampling, sampling=int(sampling))
     results = {"environment": environment(device), "spec": spec.__dict__ | {"mult": list(spec.mult)},
                "phase": args.phase, "runs": []}
     bench = bench_sample if args.phase == "sample" else bench_train
@@ -250,25 +270,42 @@ def cmd_bench(args) -> None:
 
 
 def cmd_study(args) -> None:
-    from medddpm.measure.study.convergence import Settings, study, summary
+    from medddpm.measure.env import pick_device
+    from medddpm.measure.study.convergence import Settings, study, summary, unfinished
 
     settings = Settings(size=args.size, base_channels=args.base_channels, steps=args.steps, pairs=args.pairs,
                         lr=args.lr, grad_accum=args.grad_accum, samples=args.samples, label_maps=args.label_maps,
                         sample_steps=args.sample_steps)
-    configs = [c.name for c in parse_config_list(args.configs)]  # every name checked before any work
+    configs = parse_config_list(args.configs)  # every name checked before any work
     devices = [d.strip() for d in args.devices.split(",") if d.strip()] if args.devices else None
+    for device in devices or [args.device]:  # a run trains, then samples `samples` volumes at once
+        check_memory(args, settings.spec, configs, pick_device(device), sampling=settings.samples,
+                     advice="choose a smaller --size or --samples, or")
+    configs = [c.name for c in configs]
     tables = study(configs, args.seeds, settings, out=args.out, work=args.work, device=args.device, devices=devices,
                    gpu_label=args.gpu_label, jobs=args.jobs, force=args.force, time_limit=args.time_limit,
                    keep_checkpoints=args.keep_checkpoints)
-    table = summary(tables)
+    table, left = summary(tables), unfinished(tables)
     if table.empty:
-        print("no finished runs yet")
+        print(f"no run finished ({left}); the study's runs.parquet under {args.out} records each one's status and "
+              "message" if left else "no finished runs yet")
+        exit_if_errors(tables)
         return
     print(f"{'configuration':<16}{'runs':>5}{'label_dice':>12}{'seed sd':>9}{'hist_w1':>9}{'ms_ssim':>9}"
           f"{'skipped':>9}{'train s':>9}")
     for r in table.itertuples():
         print(f"{r.config:<16}{r.runs:>5}{r.label_dice:>12.3f}{r.label_dice_sd:>9.3f}{r.hist_w1:>9.3f}"
               f"{r.ms_ssim:>9.3f}{r.skipped_steps:>9.0f}{r.train_s:>9.0f}")
+    if left:
+        print(f"not finished: {left}")
+    exit_if_errors(tables)
+
+
+def exit_if_errors(tables: dict) -> None:
+    """Exit 1 where a run of the study ended in an error (a diverged run is a result: its configuration's numerics
+    failed from that seed); the same command runs it again."""
+    if (tables["runs"]["status"] == "error").any():
+        sys.exit(1)
 
 
 def cmd_scale(args) -> None:
@@ -285,6 +322,8 @@ def cmd_sweep(args) -> None:
     configs = parse_config_list(args.configs)  # every name checked before any work
     params = {k: getattr(args, k) for k in ("micro_steps", "warmup", "sample_steps", "size", "batch", "mask_channels", "data",
                                             "ncu_timeout", "time_limit") if getattr(args, k) is not None}
+    if args.resample_mask:
+        params["resample_mask"] = True
     if "size" in params:  # as text: a papermill parameter and a command-line argument alike
         params["size"] = format_size(params["size"])
     params["phases"] = args.phases
@@ -296,7 +335,8 @@ def cmd_sweep(args) -> None:
                             constraint=args.constraint, python=args.python, folder=args.slurm_folder,
                             gpu_types=[t.strip() for t in (args.gpu_type or "").split(",") if t.strip()] or [None])
         jobs = submit_slurm(configs, preset=args.preset, out=args.out, opts=opts, params=params, force=args.force,
-                            device=args.device, gpu_label=args.gpu_label, dry_run=args.dry_run)
+                            device=args.device, gpu_label=args.gpu_label, dry_run=args.dry_run,
+                            force_memory=args.force_memory)
         if args.dry_run:
             print_scripts(jobs)
         else:
@@ -309,10 +349,11 @@ def cmd_sweep(args) -> None:
         from medddpm.measure.cluster import run_local
 
         results = run_local(configs, preset=args.preset, out=args.out, params=params, force=args.force,
-                            gpu_label=args.gpu_label)
+                            gpu_label=args.gpu_label, force_memory=args.force_memory)
     else:
         results = sweep(configs, preset=args.preset, out=args.out, device=args.device, gpu_label=args.gpu_label,
-                        force=args.force, params=params, replace_committed=names(args.replace_committed))
+                        force=args.force, params=params, replace_committed=names(args.replace_committed),
+                        force_memory=args.force_memory)
     for r in results:
         print(f"{r['config']:<12}{r['status']:<14}{r['seconds']:>8.0f} s  {r['folder']}")
     exit_if_failed(results)
@@ -331,8 +372,22 @@ def exit_if_failed(results: list[dict]) -> None:
         sys.exit(1)
 
 
+def cmd_add_runs(args) -> None:
+    from medddpm.measure.add_runs import add_runs
+
+    said = add_runs(args.path, args.out)
+    for line in said["added"] + said["kept"]:
+        print(line)
+    for line in said["refused"]:
+        print(f"refused: {line}", file=sys.stderr)
+    print(f"{len(said['added'])} added, {len(said['kept'])} already in {args.out} (kept as they were), "
+          f"{len(said['refused'])} refused")
+    if said["refused"]:
+        sys.exit(1)
+
+
 def cmd_summary(args) -> None:
-    from medddpm.measure.sweep import summary
+    from medddpm.measure.summary import summary
 
     print(summary(args.out, device=args.device, gpu_label=args.gpu_label, book=args.book))
 
@@ -345,7 +400,7 @@ def cmd_ablation(args) -> None:
     params = {k: getattr(args, k) for k in ("micro_steps", "warmup") if getattr(args, k) is not None} | {"phases": ""}
     results = sweep(configs, preset=args.preset, out=args.out, device=args.device, gpu_label=args.gpu_label,
                     force=args.force, params=params, group="ablation",
-                    replace_committed=names(args.replace_committed))
+                    replace_committed=names(args.replace_committed), force_memory=args.force_memory)
     for r in results:
         print(f"{r['config']:<34}{r['status']:<14}{r['seconds']:>8.0f} s  {r['folder']}")
     exit_if_failed(results)
@@ -369,6 +424,34 @@ def cmd_roofs(args) -> None:
         df = roofs.measure(dev, label=label)
         path = roofs.write(df, args.out)
     print(roofs.describe(df))
+    print(f"wrote {path}")
+
+
+def cmd_sample_batches(args) -> None:
+    from medddpm.measure.env import gpu_slug, pick_device
+    from medddpm.measure.sweep import machine_label
+    from medddpm.measure.timing.sampling import best_batch, parse_batches, sample_batches, write_sample_batches
+    from medddpm.measure.validate import check_label
+    from medddpm.store.layout import levers_table
+
+    configs = parse_config_list(args.configs)  # every name and batch checked before any work
+    batches = parse_batches(args.batches)
+    if args.gpu_label is not None:
+        check_label(args.gpu_label)
+    device = pick_device(args.device)
+    spec = spec_from(args)
+    label = gpu_slug(args.gpu_label or machine_label(args.out, device))
+    path = levers_table(args.out, label, "sample_batches")
+    for c in configs:
+        rows = sample_batches(spec, c, batches, device=device, warmup=args.warmup, steps=args.micro_steps,
+                              seed=args.seed, label=label)
+        write_sample_batches(path, rows)  # after each configuration: a later failure keeps what was measured
+        for r in rows.itertuples():
+            what = f"{r.step_median_ms:8.2f} ms a step, {r.volume_s:7.2f} s a volume" if r.status == "ok" else \
+                f"{r.status}: {r.message}"
+            print(f"{c.name:<36} batch {r.batch:>3}: {what}")
+        for r in best_batch(rows).itertuples():
+            print(f"{c.name}: best batch {r.batch}, {r.volume_s:.2f} s a volume ({r.timesteps} steps)")
     print(f"wrote {path}")
 
 

@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from medddpm.cli.args import add_config_args, add_model_args, config_from, open_data, positive, spec_from
+from medddpm.cli.args import add_config_args, add_model_args, config_from, open_data, positive, seed_arg, spec_from
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=positive, default=100, help="optimizer steps")
     p.add_argument("--grad-accum", type=positive, default=1, help="micro-batches per rank and step")
     p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_arg, default=0)
     p.add_argument("--save-every", type=positive, default=500)
     p.add_argument("--log-every", type=positive, default=10)
     p.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl with CUDA, else gloo")

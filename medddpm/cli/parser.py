@@ -9,10 +9,10 @@ from medddpm.analysis.ncu_table import COVERAGE
 from medddpm.measure.profile.ncu import BOTH, PASSES
 from medddpm.store.layout import PARTITION_FILE
 from medddpm.store.schema import PHASES
-from medddpm.cli.args import (DEVICE_HELP, PRESET_NAMES, WIDTH, add_config_args, add_device_arg, add_model_args,
-                              fraction, phases_arg, positive, seeds_arg, size_arg)
+from medddpm.cli.args import (DEVICE_HELP, PRESET_NAMES, WIDTH, add_config_args, add_device_arg, add_force_memory,
+                              add_model_args, fraction, phases_arg, positive, seed_arg, seeds_arg, size_arg)
 from medddpm.cli.commands import (cmd_ablation, cmd_bench, cmd_claims, cmd_configs, cmd_counters, cmd_info, cmd_roofs, cmd_peak, cmd_sample, cmd_saved, cmd_scale, cmd_study, cmd_summary, cmd_sweep, cmd_train)
-from medddpm.cli.commands import cmd_export_data
+from medddpm.cli.commands import cmd_add_runs, cmd_export_data, cmd_sample_batches
 
 
 LABEL_HELP = ("the folder under OUT for this machine's runs (default: the device type, e.g. nvidia-h200, or "
@@ -94,11 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-accum", type=positive, default=2, metavar="N",
                    help="micro-steps per optimizer step (default 2)")
     p.add_argument("--lr", type=float, default=1e-5, help="Adam learning rate (default 1e-5, the reference's)")
-    p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the weights, the data and the noise")
+    p.add_argument("--seed", type=seed_arg, default=0, metavar="N", help="seed of the weights, the data and the noise")
     p.add_argument("--save-every", type=positive, default=500, metavar="N", help="optimizer steps between checkpoints")
     p.add_argument("--log-every", type=positive, default=10, metavar="N", help="optimizer steps between loss lines")
-    p.add_argument("--force-memory", action="store_true",
-                   help="start even where the step's estimated memory exceeds the device's (refused without it)")
+    add_force_memory(p)
     p.add_argument("--allow-changed", action="store_true",
                    help="resume a checkpoint of another seed, lr, grad-accum, configuration or size with the values "
                         "given here (refused without it)")
@@ -112,9 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compiled", action="store_true",
                    help="keep the checkpoint's torch.compile and CUDA-graph switches: the first sample waits for "
                         "compilation (tens of seconds at 128^3), later ones run at the compiled speed")
-    p.add_argument("--seed", type=int, default=0, help="noise seed of the first sample; the next ones count up")
+    p.add_argument("--seed", type=seed_arg, default=0, metavar="N",
+                   help="noise seed of the first sample; the next ones count up")
     add_device_arg(p)
     p.add_argument("--out", required=True, help="writes OUT/image/sample_NNN.nii.gz and OUT/mask/sample_NNN.nii.gz")
+    add_force_memory(p, "a denoising step's")
     p.set_defaults(func=cmd_sample)
 
     p = sub.add_parser("bench", help="time training micro-steps (fwd + bwd + Adam) or denoising steps "
@@ -124,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=positive, default=5, help="untimed micro-steps (or denoising steps) first "
                                                                "(default 5)")
     add_micro_steps(p, 30, "timed micro-steps, or denoising steps with --phase sample (default 30)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the embedded batch (default 0)")
+    p.add_argument("--seed", type=seed_arg, default=0, metavar="N",
+                   help="seed of the weights and the embedded batch (default 0)")
     add_device_arg(p)
     p.add_argument("--reference", help="path to a clone of the reference mobaidoctor/med-ddpm, timed alongside")
     p.add_argument("--reference-precisions", default="fp32,tf32",
@@ -143,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the summary of each run to DIR/bench.parquet (table bench), in place of rows of the "
                         "same --source; the book reads data/<gpu>/reference/bench.parquet")
     p.add_argument("--source", help="what these runs are, for a reader of the table (default: 'bench <UTC start>')")
+    add_force_memory(p, "a step's")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("saved", help="what a compiled configuration's training step saves for its backward "
@@ -188,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "250 times their median)")
     p.add_argument("--data", help="'mni', 'mni-brats', or a folder with mask/ and image/ (or seg/, t1/, t1ce/, t2/, "
                                   "flair/); default: the preset's embedded data")
+    p.add_argument("--resample-mask", action="store_true",
+                   help="a folder whose masks lie on another grid than their images (another affine or shape): "
+                        "resample each mask onto its image's grid, nearest neighbour (refused without it)")
     p.add_argument("--phases", default=",".join(PHASES), type=phases_arg,
                    help="what runs after the timed training steps, comma-separated: sample (one timed sample), "
                         "torch (the kernel breakdown), quality (parity with strict FP32), ncu (hardware counters); "
@@ -197,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=positive, metavar="S",
                    help="seconds one configuration's run may take: Nsight Compute, the last phase, gets what the "
                         "others left (at most --ncu-timeout), and keeps what it profiled when it runs out")
+    add_force_memory(p, "a configuration's training step's (or sample's)")
     g = p.add_argument_group("backends", "where the configurations run (default: one after another, here)")
     g.add_argument("--backend", choices=["here", "local", "slurm"], default="here",
                    help="here; local: one configuration per visible GPU at once; slurm: one job per "
@@ -228,14 +235,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-label", metavar="LABEL", help=LABEL_HELP)
     add_micro_steps(p, None, "timed micro-steps (default: the preset's)")
     p.add_argument("--warmup", type=positive, help="untimed micro-steps first (default: the preset's)")
+    add_force_memory(p, "a configuration's training step's")
     p.set_defaults(func=cmd_ablation)
 
-    p = sub.add_parser("summary", help="what this machine measured, its fastest configuration against the "
-                                       "committed rows of its device type, and where the book is")
+    p = sub.add_parser("add-runs", help="check runs a sweep made on another machine (schema, identity, spread, status) "
+                                        "and add those that pass under data/<label>/, by the sweep's rules")
+    p.add_argument("path", metavar="PATH", help="a sweep's --out folder (<label>/<run>/), a .tgz of one, or a folder of "
+                                                "such .tgz files")
+    p.add_argument("--out", default="data", help="the data tree to add them to (default data)")
+    p.set_defaults(func=cmd_add_runs)
+
+    p = sub.add_parser("summary", help="what a label measured (this machine's, or --gpu-label's), its fastest "
+                                       "configuration against the committed rows of its device type, else the "
+                                       "nearest other card in the data, and where the book is")
     p.add_argument("--out", default="data", help="the data tree (default data)")
     add_device_arg(p)
-    p.add_argument("--gpu-label", metavar="LABEL", help="the label the sweep wrote under (default: as the sweep "
-                                                        "derives it on this machine)")
+    p.add_argument("--gpu-label", metavar="LABEL", help="the label to summarise, read as the device type its rows "
+                                                        "recorded (default: this machine's, as the sweep derives it)")
     p.add_argument("--book", metavar="HTML", help="the built book's first page, to say where it is")
     p.set_defaults(func=cmd_summary)
 
@@ -268,6 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the same command resumes them from their last checkpoint")
     p.add_argument("--force", action="store_true", help="run again the (configuration, seed) runs already done")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep each finished run's checkpoint")
+    add_force_memory(p, "a training step's or a sample's")
     p.set_defaults(func=cmd_study)
 
     p = sub.add_parser("scale", help="data-parallel scaling: time one configuration on 1, 2, ... ranks (torchrun)")
@@ -295,6 +312,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-label", metavar="LABEL", help=LABEL_HELP)
     p.add_argument("--force", action="store_true", help="measure again where the label has roofs (else: show them)")
     p.set_defaults(func=cmd_roofs)
+
+    p = sub.add_parser("sample-batches", help="seconds per generated volume over batch sizes: each configuration's "
+                                              "denoising step timed at each batch, until one does not fit, into "
+                                              "OUT/<label>/levers/sample_batches.parquet")
+    add_model_args(p)
+    p.add_argument("--configs", default="best", help="comma-separated names (default best)")
+    p.add_argument("--batches", default="1,2,4,8", help="increasing batch sizes, comma-separated (default 1,2,4,8)")
+    p.add_argument("--warmup", type=positive, default=3, help="untimed denoising steps at each batch (default 3)")
+    add_micro_steps(p, 20, "timed denoising steps at each batch (default 20)")
+    p.add_argument("--seed", type=seed_arg, default=0, metavar="N",
+                   help="seed of the weights and the embedded label maps (default 0)")
+    add_device_arg(p)
+    p.add_argument("--out", default="data", help="the data tree (default data)")
+    p.add_argument("--gpu-label", metavar="LABEL", help=LABEL_HELP)
+    p.set_defaults(func=cmd_sample_batches)
 
     p = sub.add_parser("counters", help="Nsight Compute counters for runs already measured (GPU): a run's "
                                         "ncu.parquet is replaced when the new counters cover more of its step")
@@ -324,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "t1n, t1c, t2w, t2f (default reference)")
     p.add_argument("--size", type=size_arg, metavar="N|DxHxW",
                    help="voxels on disk (default 128 for reference, 240x240x155 for brats)")
-    p.add_argument("--seed", type=int, default=0, metavar="N", help="the first subject's seed")
+    p.add_argument("--seed", type=seed_arg, default=0, metavar="N", help="the first subject's seed")
     p.set_defaults(func=cmd_export_data)
 
     return parser

@@ -32,13 +32,15 @@ ROOT = REPO
 
 
 def run_configs(configs: list[str], *, preset: str, out: str, device: str | None = None,
-                gpu_label: str | None = None, force: bool = False, params: dict | None = None) -> list[dict]:
-    """The body of one job: the producer notebook for each configuration (`medddpm.sweep.sweep`)."""
+                gpu_label: str | None = None, force: bool = False, params: dict | None = None,
+                force_memory: bool = False) -> list[dict]:
+    """The body of one job: the producer notebook for each configuration (`medddpm.sweep.sweep`); what cannot fit
+    the job's device is refused there, unless `force_memory`."""
     from medddpm.configs import parse_config_list
     from medddpm.measure.sweep import sweep
 
     return sweep(parse_config_list(",".join(configs)), preset=preset, out=out, device=device,
-                 gpu_label=gpu_label, force=force, params=params)
+                 gpu_label=gpu_label, force=force, params=params, force_memory=force_memory)
 
 
 @dataclass
@@ -56,13 +58,18 @@ class SlurmOptions:
 
 
 def _sweep_command(configs: list[str], preset: str, out: str, params: dict, force: bool, device: str | None,
-                   gpu_label: str | None) -> str:
+                   gpu_label: str | None, force_memory: bool = False) -> str:
     """The equivalent command line, written into each script so that a reader sees what the job does."""
     argv = ["python", "-m", "medddpm", "sweep", "--configs", ",".join(configs), "--preset", preset, "--out", out]
     for k, v in sorted(params.items()):
-        argv += [f"--{k.replace('_', '-')}", str(v)]
+        if isinstance(v, bool):  # a switch: named where on
+            argv += [f"--{k.replace('_', '-')}"] if v else []
+        else:
+            argv += [f"--{k.replace('_', '-')}", str(v)]
     if force:
         argv.append("--force")
+    if force_memory:
+        argv.append("--force-memory")
     if device:
         argv += ["--device", device]
     if gpu_label:
@@ -142,7 +149,7 @@ def _check_job_strings(opts: SlurmOptions, **strings) -> None:
 
 def submit_slurm(configs: list[Config], *, preset: str, out: str, opts: SlurmOptions, params: dict | None = None,
                  force: bool = False, device: str | None = None, gpu_label: str | None = None,
-                 dry_run: bool = False, cluster: str = "slurm") -> list:
+                 dry_run: bool = False, cluster: str = "slurm", force_memory: bool = False) -> list:
     """One job per (GPU type, configuration). Returns the submitit jobs, or the sbatch scripts if `dry_run`.
 
     `cluster="local"` sends the very same jobs to submitit's local executor (the sbatch-only
@@ -163,7 +170,7 @@ def submit_slurm(configs: list[Config], *, preset: str, out: str, opts: SlurmOpt
     with _package_on_pythonpath():
         for gpu_type in opts.gpu_types:
             for config in configs:
-                command = _sweep_command([config.name], preset, out, params, force, device, gpu_label)
+                command = _sweep_command([config.name], preset, out, params, force, device, gpu_label, force_memory)
                 sb = slurm_job_parameters(opts, gpu_type, config.name, command)
                 if dry_run:
                     ex.update_parameters(**sb)
@@ -173,7 +180,7 @@ def submit_slurm(configs: list[Config], *, preset: str, out: str, opts: SlurmOpt
                 ex.update_parameters(name=sb["job_name"], timeout_min=opts.time_min,
                                      **{f"slurm_{k}": v for k, v in sb.items()})
                 results.append(ex.submit(run_configs, [config.name], preset=preset, out=out, device=device,
-                                         gpu_label=gpu_label, force=force, params=params))
+                                         gpu_label=gpu_label, force=force, params=params, force_memory=force_memory))
     return results
 
 
@@ -185,7 +192,7 @@ def visible_gpu_count() -> int:
 
 def run_local(configs: list[Config], *, preset: str, out: str, params: dict | None = None, force: bool = False,
               gpu_label: str | None = None, folder: str = "runs/local", time_min: int = 24 * 60,
-              gpus: int | None = None) -> list[dict]:
+              gpus: int | None = None, force_memory: bool = False) -> list[dict]:
     """Several configurations at once, one worker per visible GPU; one after another without a GPU."""
     names = [c.name for c in configs]
     if gpu_label is not None:
@@ -193,7 +200,8 @@ def run_local(configs: list[Config], *, preset: str, out: str, params: dict | No
     n = visible_gpu_count() if gpus is None else gpus
     n = min(n, len(names))
     if n <= 1:
-        return run_configs(names, preset=preset, out=out, gpu_label=gpu_label, force=force, params=params)
+        return run_configs(names, preset=preset, out=out, gpu_label=gpu_label, force=force, params=params,
+                           force_memory=force_memory)
     import submitit
 
     out = str(Path(out).resolve())
@@ -204,7 +212,7 @@ def run_local(configs: list[Config], *, preset: str, out: str, params: dict | No
             # Each worker sees one GPU as cuda:0 and measures its share in turn.
             ex.update_parameters(timeout_min=time_min, gpus_per_node=1, visible_gpus=(i,))
             jobs.append(ex.submit(run_configs, names[i::n], preset=preset, out=out, gpu_label=gpu_label,
-                                  force=force, params=params))
+                                  force=force, params=params, force_memory=force_memory))
     results = []
     for job in jobs:
         results += job.result()

@@ -65,7 +65,8 @@ class Measurement:
                  micro_steps: int | None = None, warmup: int | None = None, sample_steps: int | None = None,
                  out: str = "data",
                  stage: str | None = None, seed: int = 0, phases: tuple[str, ...] = PHASES, group: str = "",
-                 ncu_timeout: int = 420, time_limit: int | None = None, mask_channels: int | None = None):
+                 ncu_timeout: int = 420, time_limit: int | None = None, mask_channels: int | None = None,
+                 resample_mask: bool = False):
         # Every parameter is checked here, before any GPU work.
         self.config = get_config(config)
         self.preset = get_preset(preset)
@@ -99,11 +100,12 @@ class Measurement:
         self.sample_steps = sample_steps or self.preset.sample_steps
         self.batch, self.seed, self.phases = batch, seed, tuple(phases)
         data = self.preset.data if data is None else data  # an empty name is refused by open_dataset
-        self.data = open_dataset(data, size=self.preset.size, n=pairs, seed=seed)
+        self.data = open_dataset(data, size=self.preset.size, n=pairs, seed=seed, resample_mask=resample_mask)
         # another width than the data's own label channels (2 on the 3-tissue MNI data): a variant of its own
         self.mask_variant = mask_channels if mask_channels not in (None, self.data.mask_channels) else None
         if self.mask_variant is not None:
-            self.data = open_dataset(data, size=self.preset.size, n=pairs, seed=seed, mask_channels=mask_channels)
+            self.data = open_dataset(data, size=self.preset.size, n=pairs, seed=seed, mask_channels=mask_channels,
+                                     resample_mask=resample_mask)
         self.data_id = f"{data}{pairs}" if data in EMBEDDED else re.sub(r"[^A-Za-z0-9]+", "_", str(Path(data).resolve()))
         self.data_id += f"-m{self.mask_variant}" if self.mask_variant is not None else ""
         self.spec = self.preset.spec(mask_channels=self.data.mask_channels,

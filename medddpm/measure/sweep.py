@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 import shutil
 import sys
@@ -43,14 +42,15 @@ from medddpm.train.data import open_dataset
 from medddpm.measure.timing import roofs as measure_roofs
 from medddpm.measure.run import write_failed_run
 from medddpm.presets import get_preset
-from medddpm.model.unet import parse_size
+from medddpm.train.budget import SAMPLING, TRAINING, check_fits
+from medddpm.model.unet import ModelSpec, parse_size
 from medddpm.measure.validate import check_label, check_label_device, check_text, known_device_types
-from medddpm.store.identity import encode, folder_name, key, run_identity
+from medddpm.store.identity import encode, folder_name, key, run_identity, same
 from medddpm.store.layout import (KERNEL_LOG, NOTEBOOK_FILE, RUN_FILE, SEPARATOR, is_run, leftover_of, leftover_patterns,
                                    old_folder, run_folder, run_lock_file, run_table, stage_folder)
 from medddpm.store.lock import output_lock
 from medddpm.store.schema import PHASES, read_table, write_table
-from medddpm.store.storage import Interrupted, publish_folder, recover_folder, storage_error
+from medddpm.store.storage import Interrupted, open_regular, publish_folder, recover_folder, storage_error
 
 ROOT = REPO
 NOTEBOOK = ROOT / "notebooks" / NOTEBOOK_FILE
@@ -59,7 +59,11 @@ NOTEBOOK = ROOT / "notebooks" / NOTEBOOK_FILE
 def _run_host(path: Path) -> str:
     """The host recorded in a run.parquet; '' for rows written before hosts were recorded (committed ones)."""
     try:
-        return str(pq.read_table(path, columns=["host"]).column("host")[0]) if "host" in pq.read_schema(path).names else ""
+        with open_regular(path, "a run table") as f:  # never a named pipe, which would block the sweep
+            if "host" not in pq.read_schema(f).names:
+                return ""
+            f.seek(0)
+            return str(pq.read_table(f, columns=["host"]).column("host")[0])
     except (OSError, ValueError, IndexError):
         return ""
 
@@ -117,7 +121,7 @@ def _kernel_manager():
 FAILED = ("error", "oom")  # statuses of a configuration that did not give its measurement
 
 
-def _recorded(final: Path) -> tuple[str, str] | None:
+def recorded(final: Path) -> tuple[str, str] | None:
     """(identity, status) of the run in `final`, None where it holds none or an unreadable one."""
     try:
         row = read_table(run_table(final, "run")).iloc[0]
@@ -202,25 +206,34 @@ def _run_notebook(pm, notebook: Path, stage: Path, parameters: dict, *, env: dic
     return None
 
 
-def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.PathLike = "data",
-          device: str | None = None, gpu_label: str | None = None, force: bool = False,
-          params: dict | None = None, notebook: Path = NOTEBOOK, timeout_s: int | None = None,
-          group: str = "", roofs: bool = True, replace_committed: tuple[str, ...] = ()) -> list[dict]:
-    """Measure each configuration; returns one {config, status, seconds, folder} per configuration.
 
-    `group`: runs that belong together apart from the main ones, in ``data/<gpu-slug>/<group>/<run>/``
-    (the ablation's). Each configuration's folder is locked for the whole sweep (`store.lock`): a second
-    sweep of one of them fails at once, before any work, naming the first. `roofs`: measure the label's
-    bandwidth and matmul rates first where ``out/<label>/roofs.parquet`` does not exist (`measure.timing.roofs.ensure`),
-    while the device is idle.
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A configuration as a sweep measures it: its run folder's plain name (`layout.run_folder`), the identity it
+    measures, and the default identity of that folder name (`store.identity.folder_name`)."""
 
-    A run that git tracks (a committed row of `data/`) is replaced, by `force` or as a failed run measured again,
-    only where `replace_committed` names its configuration: otherwise the sweep is refused before any work, in one
-    line naming the committed runs it would replace."""
-    import papermill as pm  # imported here: the package itself does not need the Jupyter stack
+    config: Config
+    plain: str
+    identity: str
+    default: str
 
-    # Everything that can be checked is checked before any configuration runs.
-    configs = parse_config_list(configs) if isinstance(configs, str) else configs
+
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    """A sweep's parameters, checked, and what they make of the preset's model and data."""
+
+    preset: str
+    params: dict
+    batch: int
+    mask_variant: int | None
+    source: str
+    shape: tuple
+    default_shape: tuple
+    spec: ModelSpec  # the model each configuration trains: the preset's, at the sweep's size, for its data
+
+
+def _settings(preset: str, params: dict | None, gpu_label: str | None = None) -> _Settings:
+    """Check a sweep's parameters (one-line ValueErrors, before any work) and open its data."""
     spec_preset = get_preset(preset)
     params = dict(params or {})
     if "steps" in params:  # a step is an optimizer step; the timing loop times micro-steps
@@ -241,42 +254,106 @@ def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.P
         check_label(gpu_label)
     # an empty name is refused by open_dataset, never taken for the preset's embedded data
     source = spec_preset.data if params.get("data") is None else params["data"]
-    data = open_dataset(source, size=size)
+    resample = bool(params.get("resample_mask"))
+    data = open_dataset(source, size=size, resample_mask=resample)
     mask = params.get("mask_channels")
     mask_variant = mask if mask not in (None, data.mask_channels) else None  # the data's own width: no variant
     if mask_variant is not None:
-        data = open_dataset(source, size=size, mask_channels=mask_variant)
+        data = open_dataset(source, size=size, mask_channels=mask_variant, resample_mask=resample)
     # the preset's model, at this size, must take this data (a BraTS model needs four modalities and labels)
     image_channels = getattr(data, "image_channels", 1)
-    shape = dataclasses.replace(spec_preset, size=size).spec(mask_channels=data.mask_channels,
-                                                             image_channels=image_channels).shape
+    spec = dataclasses.replace(spec_preset, size=size).spec(mask_channels=data.mask_channels,
+                                                            image_channels=image_channels)
     default_shape = spec_preset.spec(mask_channels=data.mask_channels, image_channels=image_channels).shape
-    for option, text in (("--out", str(out)), ("--data", source), ("--device", device)):
+    return _Settings(preset, params, batch, mask_variant, source, spec.shape, default_shape, spec)
+
+
+def _plans(configs: list[Config], s: _Settings, slug: str, group: str) -> list[Plan]:
+    spec_preset = get_preset(s.preset)
+
+    def identity(config: Config, given: dict, size_shape, data_source) -> str:
+        return encode(run_identity(
+            config=config.name, switches=config.flags, preset=s.preset, shape="x".join(map(str, size_shape)),
+            batch=s.batch, warmup=given.get("warmup", spec_preset.warmup),
+            steps=given.get("micro_steps") or spec_preset.micro_steps,
+            sample_steps=given.get("sample_steps") or spec_preset.sample_steps, data=data_source,
+            mask_channels=s.mask_variant, label=slug, group=group,
+            resample_mask=bool(s.params.get("resample_mask"))))
+
+    return [Plan(c, run_folder(c.name, s.preset, s.batch, s.mask_variant), identity(c, s.params, s.shape, s.source),
+                 identity(c, {}, s.default_shape, spec_preset.data)) for c in configs]
+
+
+def plan_runs(configs: str | list[Config], *, preset: str, gpu_label: str, params: dict | None = None,
+          group: str = "") -> list[Plan]:
+    """What a sweep of `configs` under `gpu_label` (with the sweep's `params`) would measure, configuration by
+    configuration; nothing is measured or written."""
+    configs = parse_config_list(configs) if isinstance(configs, str) else configs
+    return _plans(configs, _settings(preset, params, gpu_label), gpu_slug(gpu_label), group)
+
+
+def measured_before(configs: str | list[Config], *, preset: str, gpu_label: str, out: str | os.PathLike = "data",
+                    params: dict | None = None, group: str = "") -> dict[str, Path | None]:
+    """Each configuration's folder under ``out/<label>/<group>/`` that holds a run the same sweep would skip (one of
+    its identity, or a row recorded before identities were, that did not fail with `error`); None for those it
+    would measure."""
+    root = Path(out) / gpu_slug(gpu_label) / group
+    found = {}
+    for p in plan_runs(configs, preset=preset, gpu_label=gpu_label, params=params, group=group):
+        final = final_folder(root, p.plain, p.identity, p.default)
+        found[p.config.name] = final if stands(recorded(final), p.identity) else None
+    return found
+
+
+def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.PathLike = "data",
+          device: str | None = None, gpu_label: str | None = None, force: bool = False,
+          params: dict | None = None, notebook: Path = NOTEBOOK, timeout_s: int | None = None,
+          group: str = "", roofs: bool = True, replace_committed: tuple[str, ...] = (),
+          force_memory: bool = False) -> list[dict]:
+    """Measure each configuration; returns one {config, status, seconds, folder} per configuration.
+
+    A configuration whose training step (or sample, where that phase runs) is estimated to exceed the device's
+    memory (`train.budget`) is refused in one line before any work, unless `force_memory`.
+
+    `group`: runs that belong together apart from the main ones, in ``data/<gpu-slug>/<group>/<run>/``
+    (the ablation's). Each configuration's folder is locked for the whole sweep (`store.lock`): a second
+    sweep of one of them fails at once, before any work, naming the first. `roofs`: measure the label's
+    bandwidth and matmul rates first where ``out/<label>/roofs.parquet`` does not exist (`measure.timing.roofs.ensure`),
+    while the device is idle.
+
+    A run that git tracks (a committed row of `data/`) is replaced, by `force` or as a failed run measured again,
+    only where `replace_committed` names its configuration: otherwise the sweep is refused before any work, in one
+    line naming the committed runs it would replace."""
+    import papermill as pm  # imported here: the package itself does not need the Jupyter stack
+
+    # Everything that can be checked is checked before any configuration runs.
+    configs = parse_config_list(configs) if isinstance(configs, str) else configs
+    settings = _settings(preset, params, gpu_label)
+    params = dict(settings.params)
+    batch, mask_variant = settings.batch, settings.mask_variant
+    for option, text in (("--out", str(out)), ("--data", settings.source), ("--device", device)):
         check_text(option, text)
     dev = pick_device(device)
+    # what cannot fit the device is refused here, not recorded as a failed run after the attempt
+    sampled = "sample" in str(params.get("phases", ",".join(PHASES))).split(",")
+    for kind, volumes in ((TRAINING, batch), (SAMPLING, batch if sampled else 0)):
+        if volumes and (note := check_fits(settings.spec, configs, dev, force=force_memory, kind=kind, batch=volumes)):
+            print(note, file=sys.stderr)
     out = Path(out)
     gpu_label = label_for(out, dev, gpu_label)
     slug = gpu_slug(gpu_label)
     root = out / slug / group
-
-    def identity(config: Config, given: dict, size_shape, data_source) -> str:
-        return encode(run_identity(
-            config=config.name, switches=config.flags, preset=preset, shape="x".join(map(str, size_shape)),
-            batch=batch, warmup=given.get("warmup", spec_preset.warmup),
-            steps=given.get("micro_steps") or spec_preset.micro_steps,
-            sample_steps=given.get("sample_steps") or spec_preset.sample_steps, data=data_source,
-            mask_channels=mask_variant, label=slug, group=group))
-
-    plans = [(c, run_folder(c.name, preset, batch, mask_variant), identity(c, params, shape, source),
-              identity(c, {}, default_shape, spec_preset.data)) for c in configs]
+    plans = [(p.config, p.plain, p.identity, p.default) for p in _plans(configs, settings, slug, group)]
     params |= {"preset": preset, "out": str(out), "gpu_label": gpu_label, "device": device, "group": group}
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    # TQDM_DISABLE: the producer's progress bars, streamed into the stored notebook, would be kept there as hundreds
+    # of redraws a run (the appendix renders every stored notebook); the sweep shows its own progress
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), "TQDM_DISABLE": "1"}
     results = []
     with contextlib.ExitStack() as held:
         for plain in dict.fromkeys(plain for _, plain, _, _ in plans):
             held.enter_context(run_lock(root / plain, "sweep"))
             _clean(root, plain)
-        finals = [_final(root, plain, ident, default) for _, plain, ident, default in plans]
+        finals = [final_folder(root, plain, ident, default) for _, plain, ident, default in plans]
         committed = _committed(root, [c for c, *_ in plans], finals, [ident for _, _, ident, _ in plans], force,
                                replace_committed)
         if roofs:  # once per label: every figure that uses a card's peaks reads them
@@ -285,8 +362,8 @@ def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.P
         held.callback(shutil.rmtree, sockets, ignore_errors=True)
         try:  # Ctrl-C: one line saying what is kept
             for i, ((config, plain, ident, default), final) in enumerate(zip(plans, finals), 1):
-                before = _recorded(final)
-                if _skipped(before, ident, force):
+                before = recorded(final)
+                if stands(before, ident, force):
                     results.append({"config": config.name, "status": "done before", "seconds": 0.0,
                                     "folder": str(final)})
                     done, again = (("committed", f"--force --replace-committed {config.name}") if final in committed
@@ -338,17 +415,18 @@ def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.P
     return results
 
 
-def _final(root: Path, plain: str, ident: str, default: str) -> Path:
+def final_folder(root: Path, plain: str, ident: str, default: str) -> Path:
     """The folder a configuration's run of identity `ident` is published in."""
     final = root / folder_name(plain, ident, default)
-    if final.name == plain and (_recorded(final) or (ident,))[0] not in ("", ident):
+    found = (recorded(final) or (ident,))[0]
+    if final.name == plain and found and not same(found, ident):
         final = root / f"{plain}{SEPARATOR}{key(ident)}"  # the default slot holds another definition
     return final
 
 
-def _skipped(before: tuple[str, str] | None, ident: str, force: bool) -> bool:
+def stands(before: tuple[str, str] | None, ident: str, force: bool = False) -> bool:
     """Whether the run found in a folder stands: one of this identity that did not fail with `error`."""
-    return before is not None and before[0] in ("", ident) and before[1] != "error" and not force
+    return before is not None and (before[0] == "" or same(before[0], ident)) and before[1] != "error" and not force
 
 
 def _committed(root: Path, configs: list[Config], finals: list[Path], idents: list[str], force: bool,
@@ -358,7 +436,7 @@ def _committed(root: Path, configs: list[Config], finals: list[Path], idents: li
     tracked = tracked_by_git(root, [run_table(f.absolute(), "run") for f in finals])
     committed = {f for f in finals if run_table(f.absolute(), "run") in tracked}
     replaced = [c.name for c, f, ident in zip(configs, finals, idents)
-                if f in committed and not _skipped(_recorded(f), ident, force)]
+                if f in committed and not stands(recorded(f), ident, force)]
     unnamed = [name for name in replaced if name not in named]
     if unnamed:
         raise ValueError(f"this sweep would replace committed run(s) in {root}: {', '.join(unnamed)} (tracked by "
@@ -380,6 +458,7 @@ def failed(results: list[dict]) -> bool:
     """Whether a configuration of the sweep did not give its measurement (the command exits 1 then)."""
     return any(r["status"] in FAILED for r in results)
 
+
 def _main_runs(folder: Path) -> list:
     """The run rows of `folder`'s main runs (`data/<label>/<config>/`, not those of another identity), in
     configuration order."""
@@ -389,52 +468,3 @@ def _main_runs(folder: Path) -> list:
     rows = [r for r in rows if run_folder(r["config"], r["preset"], max(int(r["batch"]), 1)) == r["config"]]
     order = {name: k for k, name in enumerate(CONFIGS)}
     return sorted(rows, key=lambda r: (order.get(r["config"], len(order)), r["config"]))
-
-
-def summary(out: str | os.PathLike = "data", *, device: str | None = None, gpu_label: str | None = None,
-            book: str | os.PathLike | None = None) -> str:
-    """What this machine measured under `out`, its fastest configuration against the committed rows of its
-    device type (`out/<type>/`: the rows of the type measured elsewhere), and where the book is."""
-    import textwrap
-
-    dev = pick_device(device)
-    out = Path(out)
-    label = gpu_slug(gpu_label or machine_label(out, dev))
-    kind = device_type(dev)
-    folder = out / label
-    mine = _main_runs(folder)
-    lines = [f"This machine: {kind} on host {host_name()}, labelled {label}."]
-    if not mine:
-        lines.append(f"Nothing measured yet in {folder}/ (python -m medddpm sweep measures it).")
-        return "\n".join(textwrap.fill(line, 100, subsequent_indent="  ", break_on_hyphens=False) for line in lines)
-    ok = [r for r in mine if r["status"] == "ok" and not math.isnan(r["train_median_ms"])]
-    first = mine[0]
-    lines.append(f"Measured {len(mine)} configuration(s) into {folder}/ ({first['preset']} preset, "
-                 f"{first['shape']} voxels, {int(first['parameters']):,} parameters), {len(ok)} ok:")
-    for r in mine:
-        what = (f"{r['train_median_ms']:9.1f} ms a training micro-step (median of {int(r['timed_steps'])})"
-                if r["status"] == "ok" else f"{r['status']}: {r['message']}")
-        lines.append(f"  {r['config']:<12} {what}")
-    if ok:
-        best = min(ok, key=lambda r: r["train_median_ms"])
-        line = f"Fastest here: {best['config']}, {best['train_median_ms']:.1f} ms."
-        theirs = {r["config"]: r for r in _main_runs(out / kind)} if label != kind else {}
-        ref = theirs.get(best["config"])
-        if label == kind:
-            line += f" No other rows of {kind} in {out}/ to compare with: these are the first."
-        elif ref is None or ref["status"] != "ok":
-            line += f" The committed {kind} rows ({out / kind}/) have no {best['config']} to compare with."
-        elif (ref["preset"], ref["shape"]) != (best["preset"], best["shape"]):
-            line += (f" The committed {kind} {best['config']} is of another size ({ref['preset']}, {ref['shape']}),"
-                     f" not comparable.")
-        else:
-            ratio = best["train_median_ms"] / ref["train_median_ms"]
-            line += (f" The committed {kind} row ({out / kind / best['config']}/): {ref['train_median_ms']:.1f} ms;"
-                     f" this machine takes {ratio:.2f}x its time ({1 / ratio:.2f}x its speed).")
-        lines.append(line)
-    if book is not None:
-        book = Path(book)
-        lines.append(f"The book: {book.resolve()} ({label} beside the committed devices)" if book.is_file()
-                     else f"The book is not built yet ({book}: bash scripts/book.sh builds it).")
-    return "\n".join(line if line.startswith("  ") else textwrap.fill(line, 100, subsequent_indent="  ", break_on_hyphens=False)
-                     for line in lines)

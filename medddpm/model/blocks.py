@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from medddpm.model.fused_conv import CONV_KINDS, norm_silu_conv
 from medddpm.model.group_norm import norm, norm_silu
 
 ATTENTION_KINDS = ("math", "sdpa")
@@ -72,6 +71,45 @@ class _TapSum(torch.autograd.Function):
         return F.pad(g, (0, ctx.width - 27 * c)).to(ctx.z_dtype), None
 
 
+_TAPS = tuple(itertools.product(range(3), repeat=3))  # (i, j, k) offsets of a 3x3x3 kernel's taps, tap-major order
+
+
+class _TapMajorConv(torch.autograd.Function):
+    """(B, Dp, Hp, Wp, C) input with a zero halo of one voxel, (n, C) weight rows (tap-major, then output channel;
+    n >= 27 * C_out), (C_out,) bias or None -> (B, C_out, D, H, W) in the GEMM's dtype: zt = w @ x^T, the n rows of
+    tap shares each contiguous over the padded grid, then y[v] = bias + sum_t zt[t, v + k_t] in float32 (one
+    rounding, as a convolution's accumulator): for each tap one shifted slice, read at unit stride, with no mask
+    (the halo's shares are zeros: the GEMM has no bias). Backward: each tap's row of the shares' gradient is the
+    output gradient shifted onto the padded grid (an unfold, flipped), then two GEMMs whose input gradient comes
+    out channels-last, (B, P, C) row-major."""
+
+    @staticmethod
+    def forward(ctx, xp: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, channels: int) -> torch.Tensor:
+        b, dp, hp, wp, c = xp.shape
+        d, h, w_ = dp - 2, hp - 2, wp - 2
+        zt = torch.matmul(w, xp.reshape(b, -1, c).transpose(1, 2)).view(b, -1, dp, hp, wp)  # (B, n, Dp, Hp, Wp)
+        ctx.save_for_backward(xp, w)
+        ctx.channels, ctx.bias = channels, None if bias is None else (bias.dtype, bias.shape)
+        z = zt.to(torch.promote_types(zt.dtype, torch.float32))
+        y = sum(z[:, t * channels:(t + 1) * channels, i:i + d, j:j + h, k:k + w_] for t, (i, j, k) in enumerate(_TAPS))
+        return (y if bias is None else y + bias.to(y.dtype).view(1, channels, 1, 1, 1)).to(zt.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        xp, w = ctx.saved_tensors
+        b, dp, hp, wp, c = xp.shape
+        n, co = w.shape[0], ctx.channels
+        grad = grad.to(torch.promote_types(grad.dtype, torch.float32))
+        dbias = None if ctx.bias is None else grad.sum((0, 2, 3, 4)).to(ctx.bias[0])
+        # dzt[t * C_out + o, p] = grad[o, p - k_t] on the padded grid: p + (2 - i, 2 - j, 2 - k) of grad padded by 2
+        g = F.pad(grad, (2, 2) * 3).unfold(2, 3, 1).unfold(3, 3, 1).unfold(4, 3, 1)  # (B, C_out, Dp, Hp, Wp, 3, 3, 3)
+        g = g.flip(-3, -2, -1).permute(0, 5, 6, 7, 1, 2, 3, 4).reshape(b, 27 * co, dp * hp * wp)
+        dzt = F.pad(g, (0, 0, 0, n - 27 * co)).to(w.dtype)  # (B, n, P)
+        dx = torch.matmul(dzt.transpose(1, 2), w).view(b, dp, hp, wp, c)  # (B, P, C): channels-last
+        dw = torch.matmul(dzt, xp.reshape(b, -1, c)).sum(0)
+        return dx, dw, dbias, None
+
+
 class TapConv3d(nn.Conv3d):
     """nn.Conv3d (same parameters; 3x3x3, stride 1, padding 1, few output channels) computed as a GEMM and
     a sum of shifted taps. For the U-Net's output layer, whose three convolution kernels cuDNN takes from
@@ -84,16 +122,25 @@ class TapConv3d(nn.Conv3d):
     16-byte rows). The result is channels-last. (The stem, narrow on its input side, as a GEMM over
     gathered taps was slower than cuDNN: gathering its columns cost more than the convolution.)"""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, tap_major: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         assert (self.kernel_size, self.stride, self.padding, self.dilation, self.groups) == (
             (3, 3, 3), (1, 1, 1), (1, 1, 1), (1, 1, 1), 1), "TapConv3d computes 3x3x3 convolutions with padding 1 only"
+        self.tap_major = tap_major
 
     def forward(self, x):
         xl = x.permute(0, 2, 3, 4, 1)  # (B, D, H, W, C): a contiguous view of a channels-last input
         c, n = self.out_channels, 27 * self.out_channels
         weight = self.weight.permute(2, 3, 4, 0, 1).reshape(n, self.in_channels)  # rows tap-major, then out channel
-        z = F.linear(xl, F.pad(weight, (0, 0, 0, -n % ALIGN_CHANNELS)))  # (B, D, H, W, n + pad)
+        weight = F.pad(weight, (0, 0, 0, -n % ALIGN_CHANNELS))
+        if self.tap_major:
+            # `tap_major`: the shares of the voxel-major GEMM (B, D, H, W, n) are read 27 times at a stride of n
+            # per voxel by the sum; tap-major each tap's shares are one contiguous row. The halo, written by the
+            # kernel that makes x, stands for the convolution's zero padding
+            xp = F.pad(xl, (0, 0, 1, 1, 1, 1, 1, 1))
+            y = _TapMajorConv.apply(xp, weight.to(xp.dtype), self.bias, c)  # (B, C_out, D, H, W)
+            return y.contiguous(memory_format=torch.channels_last_3d)
+        z = F.linear(xl, weight)  # (B, D, H, W, n + pad)
         y = _TapSum.apply(z, c)
         y = (y if self.bias is None else y + self.bias.to(y.dtype)).to(z.dtype)
         return y.permute(0, 4, 1, 2, 3)
@@ -111,16 +158,10 @@ def timestep_embedding(t: torch.Tensor, dim: int, *, max_period: float) -> torch
 
 
 class ResBlock(nn.Module):
-    """GN-SiLU-Conv, add projected time embedding, GN-SiLU-Conv(zero); 1x1x1 skip if widths differ.
+    """GN-SiLU-Conv, add projected time embedding, GN-SiLU-Conv(zero); 1x1x1 skip if widths differ."""
 
-    `conv_kind` "triton" or "triton_fp8": each GN-SiLU-Conv is one fused Triton kernel (`fused_conv`), the time
-    embedding the first one's per-sample bias, and the first one's output statistics the second norm's; the same
-    parameters, so checkpoints load either way."""
-
-    def __init__(self, ch_in: int, ch_out: int, *, emb_dim: int, norm_kind: str = "aten", conv_kind: str = "cudnn"):
+    def __init__(self, ch_in: int, ch_out: int, *, emb_dim: int, norm_kind: str = "aten"):
         super().__init__()
-        assert conv_kind in CONV_KINDS, f"conv kind must be one of {CONV_KINDS}, got {conv_kind!r}"
-        self.conv_kind = conv_kind
         self.in_layers = nn.Sequential(*norm_silu(ch_in, kind=norm_kind), nn.Conv3d(ch_in, ch_out, 3, padding=1))
         self.emb_layers = nn.Sequential(nn.SiLU(), nn.Linear(emb_dim, ch_out))
         self.out_layers = nn.Sequential(*norm_silu(ch_out, kind=norm_kind),
@@ -128,19 +169,10 @@ class ResBlock(nn.Module):
         self.skip = nn.Identity() if ch_in == ch_out else nn.Conv3d(ch_in, ch_out, 1)
 
     def forward(self, x, emb):
-        if self.conv_kind != "cudnn":
-            return self._fused(x, emb)
         skip = self.skip(x)
         h = self.in_layers(x)
-        h = h + self.emb_layers(emb).to(h.dtype)[:, :, None, None, None]
-        return skip + self.out_layers(h)
-
-    def _fused(self, x, emb):
-        (norm1, _, conv1), (norm2, _, conv2) = self.in_layers, self.out_layers
-        bias = conv1.bias + self.emb_layers(emb).float()  # (B, C_out): the time embedding, added in the epilogue
-        h, stats = norm_silu_conv(x, norm1, conv1, kind=self.conv_kind, bias=bias, want_stats=True)
-        out, _ = norm_silu_conv(h, norm2, conv2, kind=self.conv_kind, stats=stats)
-        return self.skip(x) + out
+        norm, act, conv = self.out_layers  # the timestep features are added by the norm (GroupNorm32's shift)
+        return skip + conv(act(norm(h, self.emb_layers(emb).to(h.dtype))))
 
 
 class Attention(nn.Module):

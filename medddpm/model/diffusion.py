@@ -15,8 +15,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm import tqdm  # text bars: tqdm.auto draws ipywidgets bars, a message per update under papermill
 
+from medddpm.progress import progress_bar
 
 TIMESTEPS = 250  # the reference's T, for training and for ancestral sampling
 
@@ -120,7 +120,8 @@ class GaussianDiffusion(nn.Module):
         b, _, *spatial = cond.shape
         shape = (b, image_channels, *spatial)
         x = torch.randn(shape, device=cond.device, generator=generator)
-        for i in tqdm(reversed(range(self.timesteps)), total=self.timesteps, desc="sampling", disable=not progress):
+        for i in progress_bar(reversed(range(self.timesteps)), total=self.timesteps, desc="sampling",
+                               progress=progress):
             t = torch.full((b,), i, device=cond.device, dtype=torch.long)
             x = step(x, cond, t, torch.randn(shape, device=cond.device, generator=generator))
             if step_callback is not None:

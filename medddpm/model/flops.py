@@ -55,6 +55,26 @@ def saved_activation_bytes(spec: ModelSpec, *, batch: int = 1, checkpointing: bo
     return sum(saved.values())
 
 
+@functools.cache
+def widest_convolution_elements(spec: ModelSpec) -> int:
+    """The most elements one convolution of a forward holds at once, its input and its output (batch 1), counted
+    on the meta device: what any forward, training or sampling, keeps live beside the weights at that moment."""
+    most = 0
+
+    def widest(conv, args, out):
+        nonlocal most
+        most = max(most, args[0].numel() + out.numel())
+
+    with torch.device("meta"):
+        model = UNet3D(spec)
+        for m in model.modules():
+            if isinstance(m, torch.nn.Conv3d):
+                m.register_forward_hook(widest)
+        with torch.no_grad():
+            model(torch.empty(1, spec.in_channels, *spec.shape), torch.zeros(1, dtype=torch.long))
+    return most
+
+
 LAYER_PREFIX = "conv3d "  # every layer name starts so: the profilers' NVTX ranges are told apart from others
 
 

@@ -1,18 +1,22 @@
 """GroupNorm as the U-Net computes it: statistics in float32 (or wider) whatever the activation dtype
 (`GroupNorm32`), in one of `GROUP_NORM_KINDS`: PyTorch's own ("aten"); from per-channel statistics over voxel
-chunks, for channels-last activations ("chunked", `group_norm_chunked`); or chunked statistics with a
-hand-written backward that takes in the SiLU after it ("fused", `_GroupNormSiLU`).
+chunks, for channels-last activations ("chunked", `group_norm_chunked`); chunked statistics with a
+hand-written backward that takes in the SiLU after it ("fused", `_GroupNormSiLU`); or the norm, the SiLU and
+the residual block's timestep features added before them as Triton kernels with split reductions ("triton",
+`medddpm.model.group_norm_triton`).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-GROUP_NORM_KINDS = ("aten", "chunked", "fused")
+GROUP_NORM_KINDS = ("aten", "chunked", "fused", "triton")
+SILU_KINDS = ("fused", "triton")  # the kinds that compute the SiLU after the norm themselves
 STAT_CHUNKS = 256  # voxel chunks of the first statistics pass: rows enough to fill the GPU at every level
 
 
@@ -141,16 +145,27 @@ class GroupNorm32(nn.GroupNorm):
     """GroupNorm whose statistics are computed in float32 (or wider) whatever the activation dtype.
 
     `kind="chunked"`: the same function through `group_norm_chunked` (for compiled channels-last runs).
-    `kind="fused"`: chunked statistics and a hand-written backward (`_GroupNormSiLU`); with `silu=True` the
-    SiLU that follows is part of it (the module then computes silu(group_norm(x)))."""
+    `kind="fused"`: chunked statistics and a hand-written backward (`_GroupNormSiLU`); `kind="triton"`: Triton
+    kernels (`medddpm.model.group_norm_triton`). With `silu=True` (those two kinds) the SiLU that follows is part
+    of it (the module then computes silu(group_norm(x))). `forward(x, shift)` normalizes x + shift, a per
+    (sample, channel) term broadcast over the voxels, which the Triton kernels add as they read x."""
 
     def __init__(self, num_groups: int, num_channels: int, *, kind: str = "aten", silu: bool = False):
         assert kind in GROUP_NORM_KINDS, f"group norm kind must be one of {GROUP_NORM_KINDS}, got {kind!r}"
-        assert not silu or kind == "fused", f"only the fused group norm takes its SiLU in, not {kind!r}"
+        assert not silu or kind in SILU_KINDS, f"only the {' and '.join(SILU_KINDS)} group norms take their SiLU " \
+                                               f"in, not {kind!r}"
+        if kind == "triton" and importlib.util.find_spec("triton") is None:
+            raise ModuleNotFoundError("group_norm='triton' needs the triton package (pip install triton)")
         super().__init__(num_groups, num_channels)
         self.kind, self.silu = kind, silu
 
-    def forward(self, x):
+    def forward(self, x, shift: torch.Tensor | None = None):
+        if self.kind == "triton":
+            from medddpm.model.group_norm_triton import group_norm_silu
+
+            return group_norm_silu(x, self.weight, self.bias, self.num_groups, self.eps, silu=self.silu, shift=shift)
+        if shift is not None:
+            x = x + shift[:, :, None, None, None]
         if self.kind == "fused":
             return _GroupNormSiLU.apply(x, self.weight, self.bias, self.num_groups, self.eps, self.silu)
         dtype = torch.promote_types(x.dtype, torch.float32)  # bf16 -> fp32; a float64 model (tests) stays float64
@@ -158,13 +173,25 @@ class GroupNorm32(nn.GroupNorm):
         return fn(x.to(dtype), self.num_groups, self.weight, self.bias, self.eps).to(x.dtype)
 
 
+def triton_unavailable(device: torch.device | str) -> str | None:
+    """Why `group_norm="triton"` cannot run on `device`, or None where it can: its kernels need the triton
+    package, and a CUDA device or Triton's CPU interpreter (TRITON_INTERPRET=1 when triton is first imported)."""
+    if importlib.util.find_spec("triton") is None:
+        return "needs the triton package"
+    if torch.device(device).type == "cuda":
+        return None
+    from medddpm.model.group_norm_triton import interpreted
+
+    return None if interpreted() else "Triton kernels: need a CUDA device (or TRITON_INTERPRET=1 on the CPU)"
+
+
 def norm(channels: int, *, kind: str = "aten") -> nn.GroupNorm:
     return GroupNorm32(32, channels, kind=kind)
 
 
 def norm_silu(channels: int, *, kind: str = "aten") -> list[nn.Module]:
-    """GroupNorm then SiLU, as two entries of an nn.Sequential; the fused kind computes both in its first
-    (the second is then an identity), so parameter names are the same for every kind."""
-    if kind == "fused":
+    """GroupNorm then SiLU, as two entries of an nn.Sequential; the fused and triton kinds compute both in their
+    first (the second is then an identity), so parameter names are the same for every kind."""
+    if kind in SILU_KINDS:
         return [GroupNorm32(32, channels, kind=kind, silu=True), nn.Identity()]
     return [norm(channels, kind=kind), nn.SiLU()]

@@ -192,14 +192,13 @@ class UNet3D(nn.Module):
     `narrow_checkpoints=True` (with `checkpointing`): the stem and each decoder level's upsampling run inside the
     checkpoints of the blocks that read their outputs, so that the checkpoints keep the narrow tensors before
     them (`_narrowed`).
-    `tap_gemm=True`: the output convolution as a GEMM and a sum of its 27 shifted taps (TapConv3d).
-    `conv="triton"` ("triton_fp8"): each residual block's GroupNorm-SiLU-convolutions as fused Triton kernels
-    (ResBlock, `fused_conv`), with bf16 (FP8) operands."""
+    `tap_gemm=True`: the output convolution as a GEMM and a sum of its 27 shifted taps (TapConv3d); with
+    `tap_major=True` the shares tap-major over a zero-haloed input."""
 
     def __init__(self, spec: ModelSpec = ModelSpec(), *, attention: str = "math", recompute_attention: bool = True,
                  upsample: str = "interpolate", checkpointing: bool = False, group_norm: str = "aten",
-                 pad_channels: bool = False, tap_gemm: bool = False, store_skip_grad: bool = False,
-                 narrow_checkpoints: bool = False, conv: str = "cudnn"):
+                 pad_channels: bool = False, tap_gemm: bool = False, tap_major: bool = False,
+                 store_skip_grad: bool = False, narrow_checkpoints: bool = False):
         super().__init__()
         assert spec.num_res_blocks >= 1, "each level needs a residual block (the stem's output is its input)"
         self.spec = spec
@@ -209,8 +208,7 @@ class UNet3D(nn.Module):
         emb_dim = 4 * ch
         attn = lambda c: Attention(c, kind=attention, recompute=recompute_attention and not checkpointing,  # noqa: E731
                                    norm_kind=group_norm)
-        res = lambda c_in, c_out: ResBlock(c_in, c_out, emb_dim=emb_dim, norm_kind=group_norm,  # noqa: E731
-                                           conv_kind=conv)
+        res = lambda c_in, c_out: ResBlock(c_in, c_out, emb_dim=emb_dim, norm_kind=group_norm)  # noqa: E731
 
         self.time_embed = nn.Sequential(nn.Linear(spec.time_dim, emb_dim), nn.SiLU(), nn.Linear(emb_dim, emb_dim))
         narrow = PaddedConv3d if pad_channels else nn.Conv3d  # the U-Net's two narrow convolutions
@@ -242,8 +240,8 @@ class UNet3D(nn.Module):
             ds //= 2 if level else 1
         assert not skips, "every encoder activation must feed a decoder block"
 
-        self.out = nn.Sequential(*norm_silu(ch, kind=group_norm),
-                                 zero_init((TapConv3d if tap_gemm else narrow)(ch, spec.image_channels, 3, padding=1)))
+        out = (functools.partial(TapConv3d, tap_major=tap_major) if tap_gemm else narrow)
+        self.out = nn.Sequential(*norm_silu(ch, kind=group_norm), zero_init(out(ch, spec.image_channels, 3, padding=1)))
 
     def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         spec = self.spec

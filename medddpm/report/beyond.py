@@ -6,10 +6,10 @@ import math
 
 import pandas as pd
 
+from medddpm.analysis.roofs import COMPUTE
 from medddpm.configs import CONFIGS, PAPER, ablation
-from medddpm.model.flops import count
-from medddpm.model.unet import ModelSpec
 from medddpm.report.loading import Data, _sort
+from medddpm.report.roofs import step_efficiency
 from medddpm.report.step_time import device_label
 from medddpm.report.tables import cpu_rows, gpus_first
 
@@ -93,21 +93,28 @@ def beyond_paper() -> pd.DataFrame:
                          if c not in PAPER])
 
 
-def bench_flops(data: Data, summary: pd.DataFrame) -> float | None:
-    """FLOPs of the bench's micro-step, counted on the meta device (no memory, no arithmetic), for GPUs that have
-    bench timings but no sweep yet; None where every benched GPU has a sweep."""
-    b = data.bench[data.bench["implementation"] == "ours"] if not data.bench.empty else data.bench
-    if b.empty or not set(b["gpu_slug"]) - set(summary["gpu_slug"]):
-        return None
-    shape = b[["size", "mask_channels", "base_channels"]].drop_duplicates()
-    assert len(shape) == 1, f"bench files of several model shapes: {shape.to_dict('records')}"
-    s = shape.iloc[0]
-    return count(ModelSpec(size=int(s["size"]), mask_channels=int(s["mask_channels"]),
-                           base_channels=int(s["base_channels"])))["train_flops"]
+FLOOR_COLUMNS_ALL = ["gpu_slug", "precision", "roof", "peak_tflops", "source", "basis", "floor_ms", "best_config",
+                     "best_ms", "fraction_of_peak", "timing_source"]
+
+
+def floors(data: Data) -> pd.DataFrame:
+    """Per card and precision with a roof for it: the shortest micro-step the roof allows (the step's FLOPs over
+    the roof) beside the fastest configuration that ran in that precision. Its share, floor over fastest, is that
+    configuration's efficiency as `roofs.step_efficiency` gives it to every page (the roof on the book's basis,
+    the sweep's timing, else the bench's)."""
+    e = step_efficiency(data)
+    if e.empty:
+        return pd.DataFrame(columns=FLOOR_COLUMNS_ALL)
+    best = e.loc[e.groupby(["gpu_slug", "precision"], sort=False)["train_median_ms"].idxmin()]
+    out = best.assign(floor_ms=best["flops_per_step"] / (best["peak_tflops"] * 1e12) * 1e3, source=best["peak_source"],
+                      best_config=best["config"], best_ms=best["train_median_ms"], fraction_of_peak=best["efficiency"],
+                      timing_source=best["timing"])
+    order = out["precision"].map({r: i for i, r in enumerate(COMPUTE)})
+    return out.assign(_order=order).sort_values(["gpu_slug", "_order"], ignore_index=True)[FLOOR_COLUMNS_ALL]
 
 
 def check_floors(floors: pd.DataFrame) -> None:
-    """A floor is a share of the fastest step: the peak's time can only be shorter than a measured one."""
+    """A floor is a share of the fastest step: the roof's time can only be shorter than a measured one."""
     assert floors["fraction_of_peak"].between(0, 1).all(), floors
 
 
@@ -153,15 +160,23 @@ def channels_last_text(summary: pd.DataFrame, bench: pd.DataFrame, cpus: set[str
     return "Channels-last on its own:\n\n" + "\n".join(lines) if lines else ""
 
 
-FLOOR_COLUMNS = {"gpu_slug": "device", "peak_tflops": "peak TFLOP/s", "floor_ms": "floor ms", "best_config": "fastest",
-                 "best_ms": "fastest ms", "fraction_of_peak": "floor / fastest"}
+FLOOR_COLUMNS = {"gpu_slug": "device", "precision": "precision", "peak_tflops": "roof TFLOP/s", "floor_ms": "floor ms",
+                 "best_config": "fastest", "best_ms": "fastest ms", "fraction_of_peak": "floor / fastest"}
+
+
+def floors_table(floors: pd.DataFrame) -> pd.DataFrame:
+    """`floors` as the page shows it (`FLOOR_COLUMNS`), a precision read against another roof named beside it."""
+    shown = floors.assign(precision=[p if r == p else f"{p} ({r} roof)" for p, r in zip(floors["precision"],
+                                                                                        floors["roof"])])
+    return shown[list(FLOOR_COLUMNS)].rename(columns=FLOOR_COLUMNS)
 
 
 def floors_text(floors: pd.DataFrame) -> str:
     return "\n".join(
-        f"- **{r.gpu_slug}**, {r.precision} peak {r.peak_tflops:.0f} TFLOP/s ({r.source}): floor {r.floor_ms:.3g} ms; "
-        f"the fastest {r.precision} configuration, `{r.best_config}`, takes {r.best_ms:.3g} ms, "
-        f"{r.fraction_of_peak:.0%} of that peak ({r.timing_source})." for r in floors.itertuples())
+        f"- **{r.gpu_slug}**, {r.precision}: against the {r.roof} roof ({r.peak_tflops:.4g} TFLOP/s, {r.basis}"
+        + (", the higher of the two the step runs in" if r.roof != r.precision else "") + f") the floor is "
+        f"{r.floor_ms:.3g} ms; the fastest {r.precision} configuration, `{r.best_config}`, takes {r.best_ms:.3g} ms, "
+        f"{r.fraction_of_peak:.0%} of that roof ({r.timing_source})." for r in floors.itertuples())
 
 
 def check_ablation(abl: pd.DataFrame) -> None:
@@ -235,3 +250,154 @@ def sampling_text(s: pd.DataFrame, cpus: set[str]) -> str:
             line += f", {g.loc['baseline', 'sample_s'] / g.loc[fast, 'sample_s']:.3g}x faster than `baseline`"
         lines.append(line + ".")
     return "\n".join(lines) if lines else "No sampling measured yet."
+
+
+# ------------------------------------------------------------------- where the remaining milliseconds are
+# The ranking and the lever decision are `medddpm.analysis.levers`'; here they meet the data tree.
+
+
+def lever_ranking(data: Data, base: str = "best") -> pd.DataFrame:
+    """Per GPU with a kernel table of `base` (main runs): its levers ranked by what each could save at most
+    (`analysis.levers.rank_step`), against the card's own roofs (measured on it where they were, else its
+    datasheet's), with the work counted by Nsight Compute on the GPU itself where it has counters of `base`,
+    else on another GPU that has (`counters_from`)."""
+    from medddpm.analysis import levers
+    from medddpm.report.roofs import card_roofs
+
+    cols = ["gpu_slug", *levers.LEVER_COLUMNS, "counters_from", "roofs"]
+    runs = data.ok[(data.ok["config"] == base) & data.ok["run_id"].isin(data.kernels["run_id"])]
+    counted = runs[runs["run_id"].isin(data.ncu["run_id"])]
+    if runs.empty or counted.empty:
+        return pd.DataFrame(columns=cols)
+    source = counted.iloc[0]
+    parts = []
+    for r in runs.itertuples():
+        own = r.run_id in set(counted["run_id"])
+        src = r if own else source
+        roofs = card_roofs(r.gpu_slug, data.run, data.roofs)
+        if not {"dram", r.precision_used} <= set(roofs):  # a CPU, or a card of no known roofs
+            continue
+        card = levers.Roofs(roofs["dram"].value, roofs[r.precision_used].value,
+                            " and ".join(sorted({roofs["dram"].source, roofs[r.precision_used].source})))
+        _, ranked = levers.rank_step(data.kernels[data.kernels["run_id"] == r.run_id],
+                                     data.kernels[data.kernels["run_id"] == src.run_id],
+                                     data.ncu[data.ncu["run_id"] == src.run_id], src.gpu_type, card, r.precision_used)
+        parts.append(ranked.assign(gpu_slug=r.gpu_slug, counters_from=src.gpu_slug, roofs=card.source))
+    if not parts:
+        return pd.DataFrame(columns=cols)
+    return _sort(pd.concat(parts, ignore_index=True)[cols], "max_saving_ms")
+
+
+def check_lever_ranking(ranked: pd.DataFrame) -> None:
+    """A lever's time at the roof lies between 0 and its counted time; its counted and uncounted times make its
+    time; the savings are what a roof leaves, never negative."""
+    import numpy as np
+
+    assert (ranked["at_roof_ms"] >= 0).all() and (ranked["at_roof_ms"] <= ranked["counted_ms"] + 1e-9).all(), ranked
+    assert np.allclose(ranked["counted_ms"] + ranked["uncounted_ms"], ranked["ms"]), ranked
+    assert (ranked["max_saving_ms"] >= -1e-9).all(), ranked
+
+
+LEVER_RANKING_COLUMNS = {"lever": "lever", "ms": "ms a micro-step", "at_roof_ms": "at the roof (ms)",
+                         "max_saving_ms": "saves at most (ms)", "of_roof": "of the roof", "binds": "roof",
+                         "uncounted_ms": "no counters (ms)"}
+
+
+def lever_ranking_text(ranked: pd.DataFrame) -> str:
+    """Per GPU: the step's kernel time, what the roofs would leave of it, the three largest levers, and how much of
+    the saving is the convolutions'."""
+    lines = []
+    for slug, g in ranked.groupby("gpu_slug", sort=False):
+        conv = g[g["lever"].str.startswith("convolution")]["max_saving_ms"].sum()
+        top = "; ".join(f"{r.lever} {r.max_saving_ms:.1f} ms" for r in g.head(3).itertuples())
+        own = g["counters_from"].iloc[0] == slug
+        lines.append(f"- **{slug}** ({g['roofs'].iloc[0]} roofs; work counted on "
+                     f"{'this card' if own else g['counters_from'].iloc[0]}): {g['ms'].sum():.1f} ms of kernels a "
+                     f"micro-step, of which {g['counted_ms'].sum():.1f} ms have counters; at the roofs those would "
+                     f"take {g['at_roof_ms'].sum():.1f} ms. The largest levers: {top}. The convolutions hold "
+                     f"{conv:.1f} of the {g['max_saving_ms'].sum():.1f} ms a lever could save.")
+    return "\n".join(lines) if lines else "No GPU has a kernel table of `best` and Nsight Compute counters yet."
+
+
+def lever_call(root=None) -> dict[str, pd.DataFrame]:
+    """Every label's lever calls (``data/<label>/levers/``): `repeats` and `sample_batches` with their rows, and
+    `kernels` and `quality` with each variant's table (`config` added), all validated."""
+    from pathlib import Path
+
+    from medddpm.store import schema
+    from medddpm.store.layout import LEVER_RUN_TABLES, LEVERS_DIR, LEVERS_TABLES, data_root
+
+    root = data_root() if root is None else Path(root)
+    out = {}
+    for table in LEVERS_TABLES:
+        frames = [schema.read_table(p, table) for p in sorted(root.glob(f"*/{LEVERS_DIR}/{table}.parquet"))]
+        out[table] = pd.concat(frames, ignore_index=True) if frames else schema.empty(table)
+    for table in LEVER_RUN_TABLES:
+        frames = [schema.read_table(p, table).assign(gpu_slug=p.parent.parent.parent.name, config=p.parent.name)
+                  for p in sorted(root.glob(f"*/{LEVERS_DIR}/*/{table}.parquet"))]
+        out[table] = (pd.concat(frames, ignore_index=True) if frames
+                      else schema.empty(table).assign(gpu_slug=pd.Series(dtype=str), config=pd.Series(dtype=str)))
+    return out
+
+
+def lever_verdicts(call: dict[str, pd.DataFrame], base: str = "best") -> pd.DataFrame:
+    """Per GPU, phase and variant of its latest lever call: the median of its blocks, their paired difference
+    against `base` and the spread of `base`'s neighbouring blocks (`analysis.levers.paired_verdict`), whether its
+    quality held against strict FP32 as `base`'s did (training only), and whether the lever `counts`."""
+    from medddpm.analysis import levers
+
+    cols = ["gpu_slug", "phase", "config", "blocks", "median_ms", "diff_ms", "spread_ms", "verdict", "parity", "counts"]
+    rows = []
+    rep = call["repeats"].sort_values(["gpu_slug", "phase", "call_id", "position"], ascending=[True, False, True, True])
+    for (slug, phase), g in rep.groupby(["gpu_slug", "phase"], sort=False):
+        last = g[g["call_id"] == g["call_id"].max()]
+        quality = call["quality"][call["quality"]["gpu_slug"] == slug]
+        q = {c: t for c, t in quality.groupby("config")}
+        for config, v in last.groupby("config", sort=False):
+            verdict = levers.paired_verdict(last, base, config) if config != base else {
+                "diff_ms": 0.0, "spread_ms": levers.repeat_spread(last, base), "verdict": ""}
+            judged = phase == "train" and config != base  # parity is the training step's (the quality phase)
+            held = (levers.parity_held(q[config], q[base]) if config in q and base in q else None) if judged else None
+            rows.append({"gpu_slug": slug, "phase": phase, "config": config, "blocks": len(v),
+                         "median_ms": float(v["block_ms"].median()),
+                         **{k: verdict[k] for k in ("diff_ms", "spread_ms", "verdict")},
+                         "parity": {True: "held", False: "lost", None: ""}[held],
+                         "counts": levers.lever_counts(verdict, held) if judged else False})
+    return pd.DataFrame(rows, columns=cols)  # per GPU: training first, the base, then the variants in call order
+
+
+def levers_after(data: Data, call: dict[str, pd.DataFrame], base: str = "best") -> pd.DataFrame:
+    """Per GPU and lever: milliseconds a micro-step in `base`'s committed kernel table (`before`) and in each
+    variant's kernel table from the latest lever call (a column per configuration, `base`'s own among them)."""
+    from medddpm.analysis import levers
+
+    parts = []
+    for slug, k in call["kernels"].groupby("gpu_slug", sort=False):
+        committed = data.ok[(data.ok["gpu_slug"] == slug) & (data.ok["config"] == base)]
+        before = data.kernels[data.kernels["run_id"].isin(committed["run_id"])].assign(column="before")
+        after = k.assign(column=k["config"])
+        table = levers.by_lever(pd.concat([before, after], ignore_index=True), key="column")
+        parts.append(table.reset_index(names="lever").assign(gpu_slug=slug))
+    if not parts:
+        return pd.DataFrame(columns=["gpu_slug", "lever", "before"])
+    out = pd.concat(parts, ignore_index=True)
+    return out[["gpu_slug", "lever", *[c for c in out.columns if c not in ("gpu_slug", "lever")]]]
+
+
+def levers_owed_text(verdicts: pd.DataFrame, base: str = "best") -> str:
+    """What the lever call decided, per GPU; or that the call is owed."""
+    if verdicts.empty:
+        return ("The call that measures `best` beside its new variants (interleaved blocks of steps in one process, "
+                "the quality phase for each, sampling by batch) has not run on a GPU yet: the table after the levers "
+                "is owed, and nothing here stands in for it.")
+    lines = []
+    for (slug, phase), g in verdicts.groupby(["gpu_slug", "phase"], sort=False):
+        wins = g[g["counts"]]["config"].tolist() if phase == "train" else \
+            g[g["verdict"] == "faster"]["config"].tolist()
+        lines.append(f"- **{slug}**, {'training micro-step' if phase == 'train' else 'denoising step'}: "
+                     f"{len(g) - 1} variants against `{base}` "
+                     f"({g.loc[g['config'] == base, 'median_ms'].iloc[0]:.2f} ms; neighbouring blocks of `{base}` "
+                     f"lie up to {g['spread_ms'].iloc[0]:.2f} ms apart); "
+                     + (f"faster beyond that{' with parity held' if phase == 'train' else ''}: "
+                        + ", ".join(f"`{c}`" for c in wins) if wins else "none is faster beyond that") + ".")
+    return "\n".join(lines)

@@ -1,6 +1,6 @@
 """What the claims read of one GPU (`GPU`): its runs, kernel tables and counters by configuration, and the
 summaries several rules share (step-weighted counters, the baseline/opt1 matched layers, achieved FLOP/s against
-the card's roofs), each computed once, on first use. The rules themselves are in `medddpm.report.claims`."""
+the card's roofs), each computed once, on first use. The rules themselves are in `medddpm.report.claim_rules`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from medddpm.analysis import layers
 from medddpm.report.convergence import Study
 from medddpm.report.counters import ncu_by_run
 from medddpm.report.loading import Data, is_cpu
-from medddpm.report.roofs import peaks_of
+from medddpm.report.roofs import step_efficiency
 
 
 class GPU:
@@ -79,16 +79,11 @@ class GPU:
         v = self.step_weighted.get(config, {}).get(column, math.nan)
         return None if pd.isna(v) else float(v)
 
-    def achieved(self, config: str) -> tuple[float, str, float, str] | None:
-        """(achieved FLOP/s of the configuration's step, its precision, the card's roof in it, the roof's source)."""
-        if config not in self.ok.index:
-            return None
-        r = self.ok.loc[config]
-        peaks = peaks_of(self.slug, self.data.run, self.data.roofs)
-        if r["precision_used"] not in peaks or not r["train_median_ms"] > 0:
-            return None
-        peak, source = peaks[r["precision_used"]]
-        return r["flops_per_step"] / (r["train_median_ms"] / 1e3), r["precision_used"], peak, source
+    def efficiency(self, config: str) -> pd.Series | None:
+        """The configuration's step against the card's roof in its precision, as every page reads it
+        (`roofs.step_efficiency`: achieved_tflops, roof, peak_tflops, efficiency, basis, peak_source)."""
+        e = step_efficiency(self.data, self.slug, config)
+        return e.iloc[0] if len(e) else None
 
     @cached_property
     def matched(self) -> pd.DataFrame:
@@ -97,6 +92,11 @@ class GPU:
         if a.empty or b.empty:
             return layers.matched_layers(a.iloc[0:0], b.iloc[0:0], pd.Series(dtype="int64"))
         return layers.matched_layers(a, b, layers.layer_counts(self.ok.loc["baseline"]))
+
+    def lacking(self, *configs: str) -> frozenset[tuple[str, str]]:
+        """What `missing` names, as (kind, configuration) pairs: "run" or "counters"."""
+        return frozenset({("run", c) for c in configs if c not in self.ok.index}
+                         | {("counters", c) for c in configs if c in self.ok.index and self.counters(c).empty})
 
     def missing(self, *configs: str) -> str:
         """Which of `configs` lack a run or counters here, with the command that gives them."""

@@ -1,12 +1,14 @@
-"""The published claims of Ryoo et al. (2026), each a small rule judged on every GPU in the data.
+"""The published claims of Ryoo et al. (2026) as a table of small rules (`CLAIMS`), each judged on every GPU in
+the data; what the claims page and ``python -m medddpm claims`` print of them.
 
-A rule reads the measurements of one GPU and returns a `Verdict` in one of five states: it *holds*; its
-*direction holds but its magnitude differs* (the effect goes the paper's way, but its size lies outside the band
-the paper's own figure sets: "up to 5x", "~1.5%"); it *does not hold*; it is *undecided* (measured, but the
-spread cannot tell); or it is *not measurable* (and why, naming what is missing). A claim whose paper gives no
-figure holds or does not. Every rule can come out every way it has; the thresholds and bands are the constants
-below. The claims are about GPU kernels, so a CPU's rows never judge one: on a CPU every claim is "not
-measurable", and the headline counts GPUs only.
+A rule (`medddpm.report.claim_rules`) reads the measurements of one GPU and returns a `Verdict` in one of five
+states: it *holds*; its *direction holds but its magnitude differs* (the effect goes the paper's way, but its size
+lies outside the band the paper's own figure sets: "up to 5x", "~1.5%"); it *does not hold*; it is *undecided*
+(measured, but the spread cannot tell); or it is *not measurable* (and why, naming what is missing). A claim whose
+paper gives no figure holds or does not. A claim of several parts judges each part its data can, and says it is
+judged *in part* and what would judge the rest (`settle`). Every rule can come out every way it has; the
+thresholds and bands are the constants of `claim_rules`. The claims are about GPU kernels, so a CPU's rows never
+judge one: on a CPU every claim is "not measurable", and the headline counts GPUs only.
 
 Each claim is judged in one **scope** (`SCOPES`), and each figure of its evidence names the scope it is of:
 
@@ -30,37 +32,21 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pandas as pd
 
-from medddpm.analysis import ncu_table
-from medddpm.report import equivalence
+from medddpm.report import claim_rules as rules, equivalence
+from medddpm.report.claim_rules import (  # noqa: F401 - the rules, as the claims page calls them
+    BAND_CL_L2, BAND_CL_SM, BAND_CL_TENSOR, BAND_CYCLES, BAND_INSTRUCTIONS, BAND_TENSOR, CONV_DOMINANT, FAIL_DICE,
+    IN_FULL, IN_PART, L1_LOW, LAYOUT_MIN, MARGINS, NEEDS, PEAK_FAR, QUALITY_LOSS, QUALITY_REL_ERR, SHIFT_MIN, SM_DROP,
+    SOURCE_RULES_MIN, SPEEDUP_MIN, TENSOR_LOW, TENSOR_NEAR, VERDICTS, Band, Verdict, cl_cache, cl_shift, cl_sm,
+    cl_tensor, conv_dominates, fusion_needed, inefficiency_sources, opt12_partial, opt12_peak, tf32_cycles,
+    tf32_instructions, tf32_memory, tf32_quality, tf32_samples, tf32_stalls, tf32_tensor)
 # The page's matched-layer tables are evidence of one GPU: read here, the claims page has one module to call.
 from medddpm.report.claim_evidence import GPU, MATCHED_FORMATS, check_matched, matched_tables  # noqa: F401
-from medddpm.report.convergence import FAIL_DICE, MARGINS, Study, paired, verdicts as study_verdicts
-from medddpm.report.loading import FAILS, HOLDS, MAGNITUDE, NA, UNDECIDED, Data, is_cpu
-from medddpm.report.quality import QUALITY_LOSS, QUALITY_REL_ERR
-
-SPEEDUP_MIN = 1.10  # a change "cuts" a time, cycle or instruction count when the ratio reaches 1.10
-CONV_DOMINANT = 0.50  # "dominated by convolution": more than half of the baseline's kernel time
-SHIFT_MIN = 0.05  # a shift of kernel-time share counts from 5 percentage points
-TENSOR_NEAR = 2.0  # "near baseline" tensor-pipe use: within 2 percentage points
-SM_DROP = 0.90  # "SM throughput drops": channels-last's step-weighted SM throughput at most 90% of baseline's
-PEAK_FAR = 0.50  # "does not reach peak": a step's achieved FLOP/s under half the card's roof in its precision
-# The five sources of inefficiency the paper names, each with the figure and threshold that shows it:
-SOURCE_RULES_MIN = 0.05  # memory access, warp scheduling: ncu rules estimate at least 5% of baseline's step
-LAYOUT_MIN = 0.05  # layout conversion: conversion kernels take at least 5% of one paper configuration's step
-L1_LOW = 50.0  # cache residency: baseline's step-weighted L1 hit rate under 50%
-TENSOR_LOW = 50.0  # low tensor-core use: the TF32 step's step-weighted tensor pipe under 50% of peak
-# The paper's magnitudes as bands: "up to X" spans X / MAGNITUDE_FACTOR to X x MAGNITUDE_FACTOR (the largest
-# value of the claim's scope is held against it), "~X" spans X within ABOUT_REL of itself, "A-B" is [A, B].
-MAGNITUDE_FACTOR = 1.5
-ABOUT_REL = 0.20
-MEMORY_SECTIONS = ("Memory Workload Analysis", "Memory Workload Analysis Tables", "Memory Workload Analysis Chart")
-SCHEDULING_SECTIONS = ("Warp State Statistics", "Scheduler Statistics")
-PAPER_CONFIGS = ("baseline", "opt1", "opt2", "opt12")
-VERDICTS = (HOLDS, MAGNITUDE, FAILS, UNDECIDED, NA)
+from medddpm.report.convergence import Study
+from medddpm.report.loading import FAILS, HOLDS, MAGNITUDE, NA, UNDECIDED, Data, config_order, is_cpu
 
 MATCHED, STEP, OUTPUT = "matched layer", "step-weighted", "model output"
 SCOPES = {
@@ -72,320 +58,6 @@ SCOPES = {
     OUTPUT: "what the model computes: one forward pass and the losses from the same weights, or the samples of "
             "trained models",
 }
-
-
-@dataclass(frozen=True)
-class Band:
-    """The paper's magnitude: `said` as published, [`low`, `high`] what counts as it, `of` which of our figures
-    is held against it."""
-
-    said: str
-    low: float
-    high: float
-    of: str
-    unit: str = ""  # what our figure is written with: "x", "%"
-
-    def holds(self, value: float) -> bool:
-        return self.low <= value <= self.high
-
-
-def up_to(value: float, said: str, of: str, unit: str = "", cap: float = math.inf) -> Band:
-    return Band(said, value / MAGNITUDE_FACTOR, min(value * MAGNITUDE_FACTOR, cap), of, unit)
-
-
-def about(value: float, said: str, of: str, unit: str = "") -> Band:
-    return Band(said, value * (1 - ABOUT_REL), value * (1 + ABOUT_REL), of, unit)
-
-
-BAND_CYCLES = up_to(5.0, "up to 5x", "the largest baseline/opt1 ratio over the matched layers", "x")
-BAND_INSTRUCTIONS = up_to(100.0, "up to 100x", "the largest baseline/opt1 ratio over the matched layers", "x")
-BAND_TENSOR = Band("1.45x-9.98x (A100)", 1.45, 9.98, "the top matched layer's opt1/baseline gain", "x")
-BAND_CL_TENSOR = about(1.5, "~1.5%", "opt2's step-weighted tensor pipe", "% of peak")
-BAND_CL_SM = about(0.5, "~50% drop", "opt2/baseline step-weighted SM throughput", "x")
-BAND_CL_L2 = up_to(85.0, "up to 85%", "opt2's step-weighted L2 hit rate", "%", cap=100.0)
-
-
-@dataclass(frozen=True)
-class Verdict:
-    verdict: str
-    evidence: str
-    figures: dict = field(default_factory=dict)
-
-
-def _judge(ok: bool, evidence: str, band: Band | None = None, value: float | None = None, fmt: str = ".3g",
-           **figures) -> Verdict:
-    """Does not hold where the direction fails (`ok` false); else holds, or, where the paper gives a `band` and
-    our `value` (its statistic) lies outside it, direction holds but magnitude differs."""
-    if band is None or value is None or not math.isfinite(value):
-        return Verdict(HOLDS if ok else FAILS, evidence, figures)
-    inside = band.holds(value)
-    evidence += (f"; magnitude: {band.of} {value:{fmt}}{band.unit} against the paper's {band.said} "
-                 f"({'inside' if inside else 'outside'} {band.low:.3g}-{band.high:.3g}{band.unit})")
-    figures |= {"magnitude": float(value), "band": [band.low, band.high]}
-    return Verdict(FAILS if not ok else HOLDS if inside else MAGNITUDE, evidence, figures)
-
-
-def _na(why: str) -> Verdict:
-    return Verdict(NA, why)
-
-
-# ------------------------------------------------------------------------------------------- rules
-
-def conv_dominates(g: GPU) -> Verdict:
-    s = g.category_share("baseline", ("convolution",))
-    if s is None:
-        return _na(g.missing("baseline"))
-    return _judge(s > CONV_DOMINANT, f"convolution kernels take {s:.0%} of baseline's kernel time (step-weighted)",
-                  conv_share=s)
-
-
-def _rules_share(kernels: pd.DataFrame, counters: pd.DataFrame, sections: tuple[str, ...]) -> float:
-    """Step time that ncu's rules of `sections` estimate recoverable: for each kernel its largest estimated
-    global speedup among those rules, times its share of the step."""
-    p = ncu_table.priorities(kernels, counters)
-    p = p[p["section"].isin(sections) & p["priority"].notna()]
-    return float(p.groupby("kernel")["priority"].max().sum()) if len(p) else 0.0
-
-
-def inefficiency_sources(g: GPU) -> Verdict:
-    k, c = g.kernels("baseline"), g.counters("baseline")
-    if c.empty or "opt1" not in g.step_weighted:
-        return _na(g.missing("baseline", "opt1"))
-    layout = {cfg: s for cfg in PAPER_CONFIGS if (s := g.category_share(cfg, ("layout",))) is not None}
-    worst = max(layout, key=layout.get)
-    figures = {"memory_rules_share": _rules_share(k, c, MEMORY_SECTIONS),
-               "layout_share": [worst, layout[worst]],
-               "scheduling_rules_share": _rules_share(k, c, SCHEDULING_SECTIONS),
-               "l1_hit_pct": g.rate("baseline", "l1_hit_pct"),
-               "tensor_pipe_pct_tf32": g.rate("opt1", "tensor_pipe_pct")}
-    if figures["l1_hit_pct"] is None or figures["tensor_pipe_pct_tf32"] is None:
-        return _na("the counters lack hit rates or tensor-pipe use")
-    sources = {
-        "memory access": (figures["memory_rules_share"] >= SOURCE_RULES_MIN,
-                          f"memory rules {figures['memory_rules_share']:.0%} of baseline's step"),
-        "layout conversion": (layout[worst] >= LAYOUT_MIN, f"layout kernels {layout[worst]:.0%} of {worst}'s step"),
-        "warp scheduling": (figures["scheduling_rules_share"] >= SOURCE_RULES_MIN,
-                            f"warp-state and scheduler rules {figures['scheduling_rules_share']:.0%} of baseline's step"),
-        "cache residency": (figures["l1_hit_pct"] < L1_LOW,
-                            f"baseline's L1 hit rate {figures['l1_hit_pct']:.0f}% over its whole step"),
-        "tensor-core use": (figures["tensor_pipe_pct_tf32"] < TENSOR_LOW,
-                            f"opt1's tensor pipe {figures['tensor_pipe_pct_tf32']:.0f}% of peak over its whole step"),
-    }
-    absent = [name for name, (ok, _) in sources.items() if not ok]
-    said = "; ".join(f"{name}: {text}" for name, (_, text) in sources.items()) + " (all step-weighted)"
-    return _judge(not absent, said + (f" (not shown: {', '.join(absent)})" if absent else ""), **figures)
-
-
-def _tf32(g: GPU) -> Verdict | None:
-    """Not measurable unless opt1 really ran TF32 and a layer was profiled in both baseline and opt1."""
-    if g.precision_used("opt1") != "tf32":
-        return _na("opt1 did not run TF32 here" if g.precision_used("opt1") else g.missing("opt1"))
-    if g.counters("baseline").empty or g.counters("opt1").empty:
-        return _na(g.missing("baseline", "opt1"))
-    if g.matched.empty:
-        return _na("no convolution layer has counters in both baseline and opt1 (the counters need layer ranges: "
-                   f"`python -m medddpm counters data/{g.slug}/baseline data/{g.slug}/opt1 --force`)")
-    return None
-
-
-def _top(g: GPU) -> pd.Series:
-    return g.matched.iloc[0]
-
-
-def _layer(m: pd.Series) -> str:
-    return f"matched layer `{m['layer']}` {m['direction']} ({m['step_ms_a']:.0f} ms of baseline's step)"
-
-
-def _tf32_cut(g: GPU, column: str, what: str, band: Band, context: str = "") -> Verdict:
-    """A TF32 count (`column`: a baseline/opt1 ratio of `matched_layers`) cut by at least SPEEDUP_MIN on the top
-    matched layer; its magnitude, the largest ratio over the matched layers, against the paper's `band`."""
-    if (na := _tf32(g)) is not None:
-        return na
-    m, r = _top(g), g.matched[column]
-    return _judge(m[column] >= SPEEDUP_MIN, f"{_layer(m)}: baseline/opt1 {what} {m[column]:.1f}x; {r.min():.2f}x to "
-                  f"{r.max():.1f}x over {len(r)} matched layers{context}", band, float(r.max()), ".1f",
-                  **{column: float(m[column])}, layer=m["layer"], direction=m["direction"],
-                  range=[float(r.min()), float(r.max())])
-
-
-def tf32_cycles(g: GPU) -> Verdict:
-    step = [g.train_median_ms(c) for c in ("baseline", "opt1")]
-    steps = (f" (context, step time: the whole step {step[0][0] / step[1][0]:.2f}x faster)"
-             if None not in step else "")
-    return _tf32_cut(g, "sm_cycles_ratio", "SM cycles", BAND_CYCLES, steps)
-
-
-def tf32_instructions(g: GPU) -> Verdict:
-    per = g.per_step
-    context = ""
-    if {"baseline", "opt1"} <= set(per.index) and "inst_total" in per and per.loc["opt1", "inst_total"] > 0:
-        ratio = per.loc["baseline", "inst_total"] / per.loc["opt1", "inst_total"]
-        context = (f" (context, step-weighted: the thread instructions of a whole step, over the kernels with "
-                   f"counters, {ratio:.1f}x fewer)")
-    return _tf32_cut(g, "instructions_ratio", "executed instructions", BAND_INSTRUCTIONS, context)
-
-
-def tf32_tensor(g: GPU) -> Verdict:
-    if (na := _tf32(g)) is not None:
-        return na
-    m = _top(g)
-    a, b = float(m["tensor_pipe_pct_a"]), float(m["tensor_pipe_pct_b"])
-    gain = b / a if a > 0 else math.inf
-    return _judge(gain >= SPEEDUP_MIN, f"{_layer(m)}: tensor pipe {a:.2f}% -> {b:.2f}% of peak ({gain:.1f}x)",
-                  BAND_TENSOR, gain, ".1f", tensor_pipe_pct=[a, b], layer=m["layer"], direction=m["direction"])
-
-
-def tf32_memory(g: GPU) -> Verdict:
-    if (na := _tf32(g)) is not None:
-        return na
-    m = _top(g)
-    l1 = [float(m["l1_hit_pct_a"]), float(m["l1_hit_pct_b"])]
-    dram = [float(m["dram_throughput_pct_a"]), float(m["dram_throughput_pct_b"])]
-    step = [g.rate(c, "l1_hit_pct") for c in ("baseline", "opt1")]
-    context = (f" (context, step-weighted: the whole step's L1 hit rate {step[0]:.1f}% -> {step[1]:.1f}%)"
-               if None not in step else "")
-    return _judge(l1[1] < l1[0] and dram[1] > dram[0],
-                  f"{_layer(m)}: L1 hit {l1[0]:.1f}% -> {l1[1]:.1f}%, DRAM throughput {dram[0]:.1f}% -> "
-                  f"{dram[1]:.1f}% of peak{context}", l1_hit_pct=l1, dram_throughput_pct=dram, layer=m["layer"],
-                  direction=m["direction"])
-
-
-def tf32_stalls(g: GPU) -> Verdict:
-    if (na := _tf32(g)) is not None:
-        return na
-    m = _top(g)
-    long = [float(m["stall_long_scoreboard_a"]), float(m["stall_long_scoreboard_b"])]
-    pipe = [float(m["stall_math_pipe_throttle_a"]), float(m["stall_math_pipe_throttle_b"])]
-    if any(math.isnan(v) for v in long + pipe):
-        return _na("the matched layer's counters lack a stall reason this claim reads")
-    parts = {"math-pipe-throttle stalls fall": pipe[1] < pipe[0], "long-scoreboard stalls rise": long[1] > long[0]}
-    wrong = [p for p, ok in parts.items() if not ok]
-    return _judge(not wrong, f"{_layer(m)}: math-pipe-throttle stalls {pipe[0]:.2f} -> {pipe[1]:.2f}, long-scoreboard "
-                  f"stalls {long[0]:.2f} -> {long[1]:.2f} cycles per issued instruction"
-                  + (f" (not so: {', '.join(wrong)})" if wrong else ""),
-                  stall_math_pipe_throttle=pipe, stall_long_scoreboard=long, layer=m["layer"],
-                  direction=m["direction"])
-
-
-def cl_shift(g: GPU) -> Verdict:
-    for plain, cl in (("baseline", "opt2"), ("opt1", "opt12")):
-        x, y = (g.category_share(c, ("elementwise", "layout")) for c in (plain, cl))
-        if x is not None and y is not None:
-            return _judge(y - x > SHIFT_MIN, f"element-wise + layout share of the step's kernel time {x:.0%} ({plain}) "
-                          f"-> {y:.0%} ({cl})", elementwise_layout_share=[x, y], configs=[plain, cl])
-    return _na(g.missing("baseline", "opt2"))
-
-
-def _rates(g: GPU, column: str, *configs: str) -> list[float] | Verdict:
-    values = [g.rate(c, column) for c in configs]
-    return _na(g.missing(*configs)) if None in values else values
-
-
-def cl_tensor(g: GPU) -> Verdict:
-    if isinstance(t := _rates(g, "tensor_pipe_pct", "baseline", "opt2"), Verdict):
-        return t
-    return _judge(abs(t[1] - t[0]) <= TENSOR_NEAR, f"tensor pipe {t[0]:.2f}% (baseline) vs {t[1]:.2f}% (opt2) of "
-                  "peak, step-weighted", BAND_CL_TENSOR, t[1], ".2f", tensor_pipe_pct=t)
-
-
-def cl_sm(g: GPU) -> Verdict:
-    if isinstance(s := _rates(g, "sm_throughput_pct", "baseline", "opt2"), Verdict):
-        return s
-    return _judge(s[1] / s[0] <= SM_DROP, f"SM throughput {s[0]:.1f}% -> {s[1]:.1f}% of peak ({s[1] / s[0]:.2f}x), "
-                  "step-weighted", BAND_CL_SM, s[1] / s[0], ".2f", sm_throughput_pct=s)
-
-
-def cl_cache(g: GPU) -> Verdict:
-    l2, dram = _rates(g, "l2_hit_pct", "baseline", "opt2"), _rates(g, "dram_throughput_pct", "baseline", "opt2")
-    if isinstance(l2, Verdict) or isinstance(dram, Verdict):
-        return l2 if isinstance(l2, Verdict) else dram
-    return _judge(l2[1] > l2[0] and dram[1] < dram[0], f"L2 hit {l2[0]:.1f}% -> {l2[1]:.1f}%, DRAM throughput "
-                  f"{dram[0]:.1f}% -> {dram[1]:.1f}% of peak (baseline -> opt2, step-weighted)", BAND_CL_L2, l2[1],
-                  ".1f", l2_hit_pct=l2, dram_throughput_pct=dram)
-
-
-def opt12_partial(g: GPU) -> Verdict:
-    times = [g.train_median_ms(c) for c in ("opt2", "opt12", "opt1")]
-    if None in times:
-        return _na(g.missing("opt1", "opt2", "opt12"))
-    ms = [t[0] for t in times]
-    if isinstance(t := _rates(g, "tensor_pipe_pct", "opt2", "opt12", "opt1"), Verdict):
-        return t
-    faster, piped = ms[0] > ms[1] > ms[2], t[0] < t[1] < t[2]
-    return _judge(faster and piped, f"step time opt2 {ms[0]:.4g} > opt12 {ms[1]:.4g} > opt1 {ms[2]:.4g} ms"
-                  f"{'' if faster else ' does not hold'}; tensor pipe opt2 {t[0]:.2f}% < opt12 {t[1]:.2f}% < opt1 "
-                  f"{t[2]:.2f}% (step-weighted){'' if piped else ' does not hold'}", step_ms=ms, tensor_pipe_pct=t)
-
-
-def opt12_peak(g: GPU) -> Verdict:
-    """OPT12 far from the card's roof in its precision, its step held by element-wise and layout kernels more
-    than by its convolutions."""
-    share = g.category_share("opt12", ("elementwise", "layout"))
-    conv = g.category_share("opt12", ("convolution",))
-    got = g.achieved("opt12")
-    if share is None or conv is None:
-        return _na(g.missing("opt12"))
-    if got is None:
-        return _na("no roof of opt12's precision for this card (no measured roofs and no datasheet for its type)")
-    flops, precision, peak, source = got
-    parts = {"reaches under half its roof": flops / peak < PEAK_FAR,
-             "element-wise + layout kernels outweigh the convolutions": share > conv}
-    wrong = [p for p, ok in parts.items() if not ok]
-    return _judge(not wrong, f"opt12 reaches {flops / 1e12:.3g} TFLOP/s, {flops / peak:.0%} of the card's "
-                  f"{precision.upper()} roof ({peak / 1e12:.4g} TFLOP/s, {source.split(':')[0]}); element-wise + layout "
-                  f"kernels take {share:.0%} of its step's kernel time, convolutions {conv:.0%} (step-weighted)"
-                  + (f" (not so: {', '.join(wrong)})" if wrong else ""),
-                  fraction_of_peak=flops / peak, elementwise_layout_share=share, conv_share=conv)
-
-
-def fusion_needed(g: GPU) -> Verdict:
-    a, b = g.train_median_ms("sdpa"), g.train_median_ms("compile")
-    if a is None or b is None:
-        return _na(g.missing("sdpa", "compile"))
-    return _judge(a[0] / b[0] >= SPEEDUP_MIN, f"compile's step is {a[0] / b[0]:.2f}x faster than sdpa's ({a[0]:.4g} vs "
-                  f"{b[0]:.4g} ms, {a[1]})", speedup=a[0] / b[0])
-
-
-def tf32_quality(g: GPU) -> Verdict:
-    if g.precision_used("opt1") != "tf32":
-        return _na("opt1 did not run TF32 here" if g.precision_used("opt1") else g.missing("opt1"))
-    q = g.data.quality
-    q = q[(q["gpu_slug"] == g.slug) & (q["config"] == "opt1")] if not q.empty else q
-    if q.empty:
-        return _na("no quality table for opt1")
-    rel = float(q["rel_err"].iloc[0])
-    dloss = float((q["loss"] - q["baseline_loss"]).abs().mean() / q["baseline_loss"].abs().mean())
-    return _judge(rel <= QUALITY_REL_ERR and dloss <= QUALITY_LOSS,
-                  f"forward relative error {rel:.1e}, mean loss difference {dloss:.2%}", rel_err=rel, loss_diff=dloss)
-
-
-def tf32_samples(g: GPU) -> Verdict:
-    """The trained model, not one step: opt1 against strict FP32 in the convergence study, seed by seed (same
-    weights, data order and noise), by the study's equivalence test (`convergence.verdicts`)."""
-    if g.study is None or g.study.empty:
-        return _na("no convergence study in the data (python -m medddpm study --configs baseline,opt1,...)")
-    v = study_verdicts(g.study, (("opt1", "baseline"),))
-    v = v[v["gpu_slug"] == g.slug]
-    if v.empty:
-        return _na("the convergence study here lacks opt1 or baseline runs of a shared seed")
-    r = v.iloc[0]
-    p = paired(g.study, (("opt1", "baseline"),))
-    p = p[p["gpu_slug"] == g.slug].set_index("metric")
-    parts = []
-    for m, row in p.iterrows():
-        interval = (f"{row['mean']:+.3f} [{row['low']:+.3f}, {row['high']:+.3f}]" if pd.notna(row["low"])
-                    else f"{row['mean']:+.3f} (no interval)")
-        need = (f", about {int(row['seeds_needed'])} seeds would decide" if pd.notna(row["seeds_needed"]) else "")
-        parts.append(f"{m} {interval} against ±{row['margin']:g}: {row['verdict']}{need}")
-    evidence = (f"opt1 minus strict FP32 over {int(r['seeds'])} paired seeds ({equivalence.CONFIDENCE:.0%} "
-                f"t-intervals): " + "; ".join(parts) +
-                f"; failed runs {int(r['candidate_failed'])} against {int(r['reference_failed'])}")
-    figures = {f"{m}_{k}": row[k] for m, row in p.iterrows() for k in ("mean", "low", "high")} | {
-        "seeds": int(r["seeds"]), "failed": [int(r["candidate_failed"]), int(r["reference_failed"])],
-        "verdicts": {m: row["verdict"] for m, row in p.iterrows()}}
-    state = {equivalence.EQUIVALENT: HOLDS, equivalence.BETTER: HOLDS, equivalence.WORSE: FAILS,
-             equivalence.UNDECIDED: UNDECIDED}[r["verdict"]]
-    return Verdict(state, evidence, figures)
 
 
 # ------------------------------------------------------------------------------------------- table
@@ -417,7 +89,9 @@ CLAIMS = [
           f"Each source shown: memory-access and warp-scheduling rules of ncu estimate at least "
           f"{SOURCE_RULES_MIN:.0%} of baseline's step recoverable; layout-conversion kernels take at least "
           f"{LAYOUT_MIN:.0%} of one paper configuration's step; baseline's L1 hit rate is under {L1_LOW:.0f}%; opt1's "
-          f"tensor pipe is under {TENSOR_LOW:.0f}% of peak.", inefficiency_sources),
+          f"tensor pipe is under {TENSOR_LOW:.0f}% of peak. Each source is a part: the layout source reads kernel "
+          "tables, the other four Nsight Compute counters; a source whose data are missing is not judged yet.",
+          inefficiency_sources),
     Claim("tf32-cycles", "TF32 cuts SM cycles (up to 5x)", "TF32 cuts SM cycles (up to 5x).",
           f"SM active cycles of the same layer, baseline / opt1 >= {SPEEDUP_MIN}, on the matched layer carrying the "
           "most of baseline's step." + _band_rule(BAND_CYCLES), tf32_cycles, MATCHED, BAND_CYCLES),
@@ -452,12 +126,12 @@ CLAIMS = [
           "Step-weighted L2 hit rate higher and DRAM throughput lower in opt2 than in baseline."
           + _band_rule(BAND_CL_L2), cl_cache, STEP, BAND_CL_L2),
     Claim("opt12-partial", "OPT12 only partly restores", "Combined (OPT12) only partly restores tensor-core use.",
-          "Both orderings opt2 < opt12 < opt1: in step speed (median step time), and in step-weighted tensor-pipe use.",
-          opt12_partial),
+          "Both orderings opt2 < opt12 < opt1: in step speed (median step time, from the runs), and in step-weighted "
+          "tensor-pipe use (from Nsight Compute counters); each judged where its data are.", opt12_partial),
     Claim("opt12-peak", "OPT12 on H100: far from peak, element-wise bound",
           "OPT12 does not reach peak on the H100 and stays dominated by element-wise and layout kernels.",
           f"opt12's achieved FLOP/s (FLOPs per step / median step time) under {PEAK_FAR:.0%} of the card's roof in "
-          "its precision (measured, else the datasheet's), and element-wise + layout kernels a larger share of its "
+          "its precision (on the book's basis: measured once every card has measured its own, else the datasheet's), and element-wise + layout kernels a larger share of its "
           "step's kernel time than convolutions; judged on every card.", opt12_peak, paper_card="H100"),
     Claim("fusion-needed", "Fusion is needed", "Further kernel fusion is needed.",
           f"Fusing the same model with torch.compile: sdpa / compile median step time >= {SPEEDUP_MIN}.", fusion_needed),
@@ -473,8 +147,8 @@ CLAIMS = [
           "undecided otherwise.",
           tf32_samples, OUTPUT),
 ]
-COLUMNS = ["claim_id", "short", "claim", "gpu_slug", "verdict", "scope", "paper", "paper_card", "rule", "evidence",
-           "figures"]
+COLUMNS = ["claim_id", "short", "claim", "gpu_slug", "verdict", "judged", "scope", "paper", "paper_card", "rule",
+           "evidence", "figures", "needs"]
 ON_CPU = "a claim about GPU kernels: not measurable on a CPU (the CPU run checks the pipeline, not the paper)"
 
 
@@ -484,34 +158,59 @@ def devices(data: Data) -> list[str]:
     return sorted(set(data.run["gpu_slug"]) | bench, key=lambda s: (is_cpu(s), s))  # GPUs first
 
 
+def example_device(data: Data) -> str | None:
+    """The device the claims page works its example on: the first GPU whose counters judge "TF32 cuts SM cycles"
+    (a matched layer in baseline and opt1), else the first device."""
+    found = devices(data)
+    for slug in found:
+        g = GPU(data, slug)
+        if g.is_gpu and tf32_cycles(g).verdict != NA:
+            return slug
+    return found[0] if found else None
+
+
+def _needs_text(needs: frozenset) -> str:
+    """(kind, configuration) pairs as the table keeps them: "counters:baseline counters:opt1 study:"."""
+    return " ".join(sorted(f"{kind}:{config}" for kind, config in needs))
+
+
 def verdicts(data: Data, claims=CLAIMS, study: Study | None = None) -> pd.DataFrame:
-    """Every claim against every device in the data (`COLUMNS`; `figures` a dict of the numbers judged); the
-    convergence study (`convergence.load_study`), where given, judges the trained models' samples."""
+    """Every claim against every device in the data (`COLUMNS`; `figures` a dict of the numbers judged; `judged`
+    "in full", "in part" or "" for not measurable; `needs` what would judge it or its other parts, as
+    "kind:configuration" words, `NEEDS`); the convergence study (`convergence.load_study`), where given, judges
+    the trained models' samples."""
     rows = []
     for slug in devices(data):
         g = GPU(data, slug, study)
         for c in claims:
-            v = c.judge(g) if g.is_gpu else _na(ON_CPU)
+            v = c.judge(g) if g.is_gpu else Verdict(NA, ON_CPU)
             rows.append({"claim_id": c.id, "short": c.short, "claim": c.text, "gpu_slug": slug, "verdict": v.verdict,
-                         "scope": c.scope, "paper": c.band.said if c.band else "", "paper_card": c.paper_card,
-                         "rule": c.rule, "evidence": v.evidence, "figures": v.figures})
+                         "judged": v.judged, "scope": c.scope, "paper": c.band.said if c.band else "",
+                         "paper_card": c.paper_card, "rule": c.rule, "evidence": v.evidence, "figures": v.figures,
+                         "needs": _needs_text(v.needs)})
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
 def headline(table: pd.DataFrame) -> pd.DataFrame:
-    """Verdict counts per GPU (CPU rows left out)."""
+    """Verdict counts per GPU (CPU rows left out), and how many of its verdicts are judged in part."""
     t = table[~table["gpu_slug"].map(is_cpu).astype(bool)]
-    return t.groupby("gpu_slug")["verdict"].value_counts().unstack(fill_value=0).reindex(columns=list(VERDICTS),
-                                                                                          fill_value=0)
+    counts = t.groupby("gpu_slug")["verdict"].value_counts().unstack(fill_value=0).reindex(columns=list(VERDICTS),
+                                                                                            fill_value=0)
+    return counts.assign(**{IN_PART: t.groupby("gpu_slug")["judged"].apply(lambda j: int((j == IN_PART).sum()))})
+
+
+def _shown(verdict: str, judged: str) -> str:
+    return f"{verdict} ({IN_PART})" if judged == IN_PART else verdict
 
 
 def side_by_side(table: pd.DataFrame) -> pd.DataFrame:
-    """A row per claim, a verdict column per GPU (CPU rows left out), with the claim's scope, the paper's
-    magnitude and the card the paper made it about."""
+    """A row per claim, a verdict column per GPU (CPU rows left out; "(in part)" where some of the claim's parts
+    are not judged yet), with the claim's scope, the paper's magnitude and the card the paper made it about."""
     t = table[~table["gpu_slug"].map(is_cpu).astype(bool)]
     if t.empty:
         return pd.DataFrame(columns=["claim_id", "short", "scope", "paper", "paper_card"])
-    wide = t.pivot(index="claim_id", columns="gpu_slug", values="verdict")
+    t = t.assign(shown=[_shown(v, j) for v, j in zip(t["verdict"], t["judged"])])
+    wide = t.pivot(index="claim_id", columns="gpu_slug", values="shown")
     meta = t.drop_duplicates("claim_id").set_index("claim_id")[["short", "scope", "paper", "paper_card"]]
     order = list(dict.fromkeys(t["claim_id"]))
     gpus = list(dict.fromkeys(t["gpu_slug"]))
@@ -530,38 +229,108 @@ def _plain(v):
 
 def as_json(table: pd.DataFrame) -> str:
     """The verdicts as a JSON list, a claim each, every device's verdict side by side: {claim, text, scope, paper,
-    paper_card, rule, verdicts: {device: {verdict, evidence, figures}}}."""
+    paper_card, rule, verdicts: {device: {verdict, judged, evidence, figures, needs}}}, `needs` as [kind,
+    configuration] pairs."""
     out = []
     for claim_id, rows in table.groupby("claim_id", sort=False):
         r = rows.iloc[0]
         out.append({"claim": claim_id, "text": r["claim"], "scope": r["scope"], "paper": r["paper"] or None,
                     "paper_card": r["paper_card"] or None, "rule": r["rule"],
-                    "verdicts": {d.gpu_slug: {"verdict": d.verdict, "evidence": d.evidence,
-                                              "figures": {k: _plain(v) for k, v in d.figures.items()}}
+                    "verdicts": {d.gpu_slug: {"verdict": d.verdict, "judged": d.judged or None, "evidence": d.evidence,
+                                              "figures": {k: _plain(v) for k, v in d.figures.items()},
+                                              "needs": [w.split(":", 1) for w in d.needs.split()]}
                                  for d in rows.itertuples()}})
     return json.dumps(out, indent=1)
+
+
+# ------------------------------------------------------------------------------------- what is left
+
+def settle(table: pd.DataFrame) -> pd.DataFrame:
+    """Per GPU, what would judge the claims it cannot judge yet, or the parts of those it judges in part: a row
+    per kind of measurement (`NEEDS`) with the configurations it is of, how many claims it would judge (`claims`,
+    now not measurable) and how many it would complete (`parts`, now judged in part)."""
+    cols = ["gpu_slug", "kind", "configs", "claims", "parts"]
+    t = table[~table["gpu_slug"].map(is_cpu).astype(bool) & (table["needs"] != "")]
+    rows = []
+    for slug, g in t.groupby("gpu_slug", sort=False):
+        per_kind: dict[str, dict] = {}
+        for r in g.itertuples():
+            kinds: dict[str, set] = {}
+            for w in r.needs.split():
+                kind, config = w.split(":", 1)
+                kinds.setdefault(kind, set()).add(config)
+            for kind, configs in kinds.items():
+                k = per_kind.setdefault(kind, {"configs": set(), "claims": 0, "parts": 0})
+                k["configs"] |= configs
+                k["claims" if r.verdict == NA else "parts"] += 1
+        for kind in NEEDS:
+            if kind in per_kind:
+                k = per_kind[kind]
+                configs = [c for c in config_order(k["configs"]) if c in k["configs"] and c]
+                rows.append({"gpu_slug": slug, "kind": kind, "configs": configs, "claims": k["claims"],
+                             "parts": k["parts"]})
+    return pd.DataFrame(rows, columns=cols)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _what(kind: str, slug: str, configs: list[str]) -> str:
+    """A kind of measurement of some configurations, with the command that makes it."""
+    names, paths = ", ".join(f"`{c}`" for c in configs), " ".join(f"data/{slug}/{c}" for c in configs)
+    return {
+        "run": f"runs of {names} (`python -m medddpm sweep --preset paper --configs {','.join(configs)}`)",
+        "counters": f"Nsight Compute counters of {names} (the sweep's `ncu` phase; for the runs already measured, "
+                    f"`python -m medddpm counters {paths}`)",
+        "layers": f"counters with layer ranges of {names} (`python -m medddpm counters {paths} --force`)",
+        "kernels": f"kernel tables of {names} (the sweep's `torch` phase)",
+        "quality": f"the quality table of {names} (the sweep's `quality` phase)",
+        "study": "the convergence study (`python -m medddpm study --configs baseline,opt1`)",
+    }[kind]
+
+
+def settle_text(table: pd.DataFrame) -> str:
+    """Per GPU, the runs that would settle what its data cannot judge yet (`settle`), each with its command."""
+    lines = []
+    for slug, g in settle(table).groupby("gpu_slug", sort=False):
+        items = [f"{_what(r.kind, slug, r.configs)} would "
+                 + " and ".join(filter(None, [f"judge {_plural(r.claims, 'claim')}" if r.claims else "",
+                                              f"complete {_plural(r.parts, 'claim')} judged in part" if r.parts
+                                              else ""]))
+                 for r in g.itertuples()]
+        lines.append(f"- **{slug}**: " + "; ".join(items) + ".")
+    return ("What would settle the rest, card by card:\n\n" + "\n".join(lines)) if lines else (
+        "Every claim is judged in full on every card in these data.")
 
 
 # ------------------------------------------------------------------------------------------ the page
 
 def check_verdicts(table: pd.DataFrame, cpus: set[str]) -> None:
-    """Every claim judged once on every device, with a known verdict, none on a CPU."""
+    """Every claim judged once on every device, with a known verdict, none on a CPU; a verdict judged in part
+    names the parts not judged and what would judge them."""
     assert set(table["verdict"]) <= set(VERDICTS), set(table["verdict"])
     assert len(table) == len(CLAIMS) * table["gpu_slug"].nunique(), len(table)
     assert (table.loc[table["gpu_slug"].isin(cpus) | table["gpu_slug"].map(is_cpu), "verdict"] == NA).all()
+    part = table[table["judged"] == IN_PART]
+    assert part["evidence"].str.contains("not judged yet: ").all() and (part["needs"] != "").all(), part
 
 
 def tally_text(t: pd.Series) -> str:
     """One device's verdict counts (a row of `headline`) in words."""
+    judged = t[HOLDS] + t[MAGNITUDE] + t[FAILS] + t[UNDECIDED]
     return (f"{t[HOLDS]} hold, {t[MAGNITUDE]} hold in direction but not in magnitude, {t[FAILS]} do not hold"
-            + (f", {t[UNDECIDED]} undecided" if t[UNDECIDED] else "") + f", {t[NA]} not measurable")
+            + (f", {t[UNDECIDED]} undecided" if t[UNDECIDED] else "") + f", {t[NA]} not measurable"
+            + (f"; {t[IN_PART]} of the {judged} judged are judged in part" if t[IN_PART] else ""))
 
 
 def headline_text(table: pd.DataFrame, on_cpu: bool) -> str:
     """The tally of every GPU, and that a CPU run judges none."""
     lines = [f"- **{slug}**: **{r[HOLDS]} hold**, **{r[MAGNITUDE]} hold in direction but not in magnitude**, "
              f"**{r[FAILS]} do not hold**" + (f", {r[UNDECIDED]} undecided" if r[UNDECIDED] else "")
-             + f", {r[NA]} not measurable" for slug, r in headline(table).iterrows()]
+             + f", {r[NA]} not measurable"
+             + (f" ({r[IN_PART]} of the judged claims judged in part: some of their data are not measured yet)"
+                if r[IN_PART] else "") for slug, r in headline(table).iterrows()]
     cpu = "\n\nThe CPU run (a small model, to check the pipeline) judges none of them." if on_cpu else ""
     return (f"{len(CLAIMS)} claims on each GPU:\n\n" + ("\n".join(lines) or "- no GPU measured yet") + cpu
             + "\n\nHover over a cell for the numbers; click a verdict in the legend to pick those cells out.")
@@ -575,8 +344,8 @@ def claims_text(gpu_table: pd.DataFrame) -> str:
         about = f"*Scope:* {c.scope}" + (f"; *the paper's magnitude:* {c.band.said}" if c.band else "") + (
             f"; *the paper's card:* {c.paper_card}" if c.paper_card else "")
         parts.append(f"**{c.text}**\n\n{about}\n\n*Rule:* {c.rule}\n\n"
-                     + ("\n".join(f"- {r.gpu_slug}: **{r.verdict}**: {r.evidence}" for r in rows.itertuples())
-                        or "- no GPU measured yet"))
+                     + ("\n".join(f"- {r.gpu_slug}: **{_shown(r.verdict, r.judged)}**: {r.evidence}"
+                                  for r in rows.itertuples()) or "- no GPU measured yet"))
     return "\n\n".join(parts)
 
 
@@ -600,7 +369,7 @@ THRESHOLDS = {
 
 def thresholds() -> pd.DataFrame:
     """The constants the rules use, with their values as they are now and what each means."""
-    return pd.DataFrame([{"constant": k, "value": globals()[k], "meaning": v} for k, v in THRESHOLDS.items()])
+    return pd.DataFrame([{"constant": k, "value": getattr(rules, k), "meaning": v} for k, v in THRESHOLDS.items()])
 
 
 def scopes() -> pd.DataFrame:

@@ -24,7 +24,7 @@ from medddpm.report import equivalence
 from medddpm.store import convergence as store
 from medddpm.store import schema
 from medddpm.store.layout import CONVERGENCE_DIR, CONVERGENCE_TABLES, SLICES_DIR
-from medddpm.report.loading import DataError, _sort, config_order, data_root
+from medddpm.report.loading import DataError, _sort, config_order, data_root, labels
 
 FAIL_DICE = 0.6  # a run whose samples' mean label_dice is below this drew tissue in the wrong places
 METRICS = {  # metric -> (tissue of its summary row, what a reader is told, higher is better)
@@ -73,9 +73,9 @@ def load_study(root: str | os.PathLike | None = None) -> Study:
     root = Path(root) if root is not None else data_root()
     frames = {t: [] for t in CONVERGENCE_TABLES}
     folders = {}
-    for folder in sorted(root.glob(f"*/{CONVERGENCE_DIR}")):
+    for folder in (gpu / CONVERGENCE_DIR for gpu in labels(root) if (gpu / CONVERGENCE_DIR).is_dir()):
         slug = folder.parent.name
-        if not (folder / "runs.parquet").is_file():
+        if not os.path.lexists(folder / "runs.parquet"):  # one that is there is read, or refused naming what it is
             if any(folder.glob("*.parquet")):
                 raise DataError(f"incomplete study {folder}: parquet files but no runs.parquet")
             continue

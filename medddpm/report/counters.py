@@ -299,26 +299,17 @@ def top_savings(prio: pd.DataFrame) -> pd.DataFrame:
                  "how": "share × speedup", "what": "rule, on kernel"})
 
 
-def roofs_text(roofs: pd.DataFrame) -> str:
-    """Which cards' roofs are measured and which are their datasheet's."""
-    unmeasured = sorted(set(roofs.loc[roofs["source"] != "measured", "gpu_slug"]))
-    return ("The roofs in use, per card: "
-            + ("every one measured." if not unmeasured else
-               f"{', '.join(f'**{s}**' for s in unmeasured)} has no measurement of some or all of them yet (no "
-               "`roofs.parquet` beside its runs), so those roofs are its datasheet's, the silicon's limit at its boost "
-               "clock, above what a program reaches (`python -m medddpm roofs` measures them on the card)."))
-
-
 def roofs_in_use(roofs: pd.DataFrame) -> pd.DataFrame:
-    """`roofs.roofs_view` as the page shows it: each roof's value with its unit, source, the datasheet's value and
-    the measured share of it."""
+    """`roofs.roofs_view` as the page shows it: each roof's value in use with its unit and source, the card's own
+    measurement and the datasheet's value beside it, and the measured share of the datasheet."""
     t = roofs.assign(shown=[f"{v / 1e12:.3g} {'TB/s' if u == 'byte/s' else 'TFLOP/s'}"
                             for v, u in zip(roofs["value"], roofs["unit"])],
+                     own=[f"{v / 1e12:.3g}" if pd.notna(v) else "-" for v in roofs["measured"]],
                      sheet=[f"{v / 1e12:.3g}" if pd.notna(v) else "-" for v in roofs["datasheet"]],
                      share=[f"{v:.0%}" if pd.notna(v) else "-" for v in roofs["of_datasheet"]])
-    return t[["gpu_slug", "what", "shown", "source", "sheet", "share"]].rename(columns={
-        "gpu_slug": "GPU", "what": "roof", "shown": "value", "sheet": "datasheet (same unit)",
-        "share": "measured / datasheet"})
+    return t[["gpu_slug", "what", "shown", "source", "own", "sheet", "share"]].rename(columns={
+        "gpu_slug": "GPU", "what": "roof", "shown": "value", "own": "measured (same unit)",
+        "sheet": "datasheet (same unit)", "share": "measured / datasheet"})
 
 
 def roof_sources_text(roofs: pd.DataFrame) -> str:

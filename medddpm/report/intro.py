@@ -16,7 +16,7 @@ from medddpm.model.unet import ModelSpec
 from medddpm.report import convergence, equivalence, tables
 from medddpm.report.claims import CLAIMS, tally_text
 from medddpm.report.loading import Data, cpu_slugs, gpu_types
-from medddpm.report.roofs import DATASHEET_FP32, gpu_labels, peaks_of
+from medddpm.report.roofs import DATASHEET_FP32, gpu_labels, step_efficiency
 from medddpm.report.step_time import HEADLINE_ROLES, REFERENCE_ACCUM, REFERENCE_STEPS, headline
 
 # The claims whose figures the paper gives as counters of the same work before and after TF32 (matched layers).
@@ -77,17 +77,19 @@ def quality_text(study) -> str:
             f"equivalence test against a stated margin ({equivalence.CONFIDENCE:.0%} intervals):\n\n" + said)
 
 
-def tf32_beside_paper(verdicts: pd.DataFrame, cpus: set[str]) -> pd.DataFrame:
-    """The paper's TF32 figures (`PAPER_TF32`), each with its band and every GPU's measured magnitude and verdict;
-    the frame has no measured column when no GPU judged them."""
+def tf32_beside_paper(verdicts: pd.DataFrame, cpus: set[str], names: dict[str, str] | None = None) -> pd.DataFrame:
+    """The paper's TF32 figures (`PAPER_TF32`), each with its band and every GPU's measured magnitude and verdict,
+    a column per GPU headed by its short name (`names`, `tables.card_names`); the frame has no measured column when
+    no GPU judged them."""
+    names = names or {}
     rows = []
     for claim_id, what in PAPER_TF32:
         band = next(c.band for c in CLAIMS if c.id == claim_id)
         row = {"TF32 against strict FP32": what, "paper (V100, A100, H100)": band.said}
         for r in verdicts[(verdicts["claim_id"] == claim_id) & ~verdicts["gpu_slug"].isin(cpus)].itertuples():
             f = r.figures
-            row[f"measured here, {r.gpu_slug}"] = (f"{f['magnitude']:.1f}x ({r.verdict})" if "magnitude" in f
-                                                   else "not measured")
+            shown = f"{f['magnitude']:.1f}x ({r.verdict})" if "magnitude" in f else "not measured"
+            row[f"measured here, {names.get(r.gpu_slug, r.gpu_slug)}"] = shown
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -117,45 +119,34 @@ def count_text(step: dict, total: float) -> str:
             f"**{total / 1e18:.2f} × 10¹⁸ FLOP** for one training run.")
 
 
-def fp32_efficiency(data: Data, flops: float) -> pd.DataFrame:
-    """Per GPU label: the efficiency of strict FP32, achieved FLOP/s over the card's FP32 peak, from the sweep's
-    baseline where there is one (its own FLOPs per step), else from the bench timings (`flops`, the counted
-    micro-step). The paper's GPUs enter the cost table with their datasheet peaks, so the efficiency is taken
-    against this card's datasheet peak too where its type has one, its measured roof otherwise."""
-    cols = ["gpu_slug", "efficiency", "ms", "timing", "peak", "peak_source"]
+def fp32_efficiency(data: Data) -> pd.DataFrame:
+    """Per GPU label: the efficiency of strict FP32 (the baseline's step against the card's FP32 roof), as
+    `roofs.step_efficiency` gives it to every page: the paper preset's sweep where there is one, else the bench
+    timings; the roof on the book's basis, with the card's FP32 datasheet peak beside it (`datasheet_tflops`), by
+    which the cost table scales the step to the paper's GPUs."""
+    e = step_efficiency(data, config="baseline")
+    e = e[e["gpu_slug"].isin(gpu_labels(data)) & ((e["preset"] == "paper") | (e["timing"] != "sweep"))]
     types = gpu_types(data.run, data.roofs)
-    rows = []
-    for slug in gpu_labels(data):
-        sheet = datasheet_roofs(types.get(slug, slug))
-        peaks = ({"fp32": (sheet["fp32"].value, f"datasheet: {sheet['fp32'].detail}")} if "fp32" in sheet
-                 else peaks_of(slug, data.run, data.roofs))
-        if "fp32" not in peaks:
-            continue
-        ok = data.ok
-        run = ok[(ok["gpu_slug"] == slug) & (ok["config"] == "baseline") & (ok["preset"] == "paper")]
-        if len(run):
-            ms, timing, f = run["train_median_ms"].iloc[0], "sweep", run["flops_per_step"].iloc[0]
-        else:
-            b = data.bench
-            b = b[(b["gpu_slug"] == slug) & (b["config"] == "baseline") & (b["implementation"] == "ours")]
-            if b.empty:
-                continue
-            ms, timing, f = b["train_median_ms"].median(), "bench", flops
-        peak, source = peaks["fp32"]
-        rows.append({"gpu_slug": slug, "efficiency": f / (ms / 1e3) / peak, "ms": ms, "timing": timing, "peak": peak,
-                     "peak_source": source})
-    return pd.DataFrame(rows, columns=cols)
+    sheet = [datasheet_roofs(types.get(s, s)).get("fp32") for s in e["gpu_slug"]]
+    return e.assign(datasheet_tflops=[r.value / 1e12 if r else float("nan") for r in sheet]).reset_index(drop=True)
 
 
-def training_cost(eff: pd.DataFrame, total: float) -> pd.DataFrame:
+def _paced(slug: str, names: dict[str, str] | None) -> str:
+    return f"hours at strict FP32's pace on {(names or {}).get(slug, slug)}"
+
+
+def training_cost(eff: pd.DataFrame, total: float, names: dict[str, str] | None = None) -> pd.DataFrame:
     """GPU-hours of one training run (`total` FLOP) on each of the paper's GPUs: at 100% of its FP32 datasheet
-    peak, and at the efficiency strict FP32 reaches on each measured card."""
+    peak, and at the pace strict FP32 keeps on each measured card (a column each, headed by its short name,
+    `names`), scaled to each GPU by the two datasheets' FP32 peaks (the one FP32 figure all of them have; a card
+    without a datasheet is left out of that scaling)."""
+    eff = eff.dropna(subset=["datasheet_tflops"])
     rows = []
     for gpu, peak in DATASHEET_FP32.items():
         row = {"GPU": gpu, "FP32 peak (TFLOP/s, datasheet)": peak / 1e12, "hours at 100% of peak": total / peak / 3600}
         for r in eff.itertuples():
-            hours = total / (peak * r.efficiency) / 3600
-            row[f"hours at {r.efficiency:.0%} of peak (strict FP32 on {r.gpu_slug})"] = hours
+            share = r.achieved_tflops / r.datasheet_tflops  # of its own datasheet peak
+            row[_paced(r.gpu_slug, names)] = total / (peak * share) / 3600
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -164,18 +155,20 @@ def check_cost(cost: pd.DataFrame) -> None:
     assert (cost.filter(like="hours").to_numpy() > 0).all(), cost
 
 
-def cost_text(eff: pd.DataFrame, cost: pd.DataFrame) -> str:
-    """What the efficiency of the first measured card means for a training run, in words."""
-    if eff.empty:
+def cost_text(eff: pd.DataFrame, cost: pd.DataFrame, names: dict[str, str] | None = None) -> str:
+    """What the efficiency of the first measured card of the cost table means for a training run, in words, with
+    the roof it is read against."""
+    shown = [r for r in eff.dropna(subset=["datasheet_tflops"]).itertuples() if _paced(r.gpu_slug, names) in cost]
+    if not shown:
         return ""
-    r = eff.iloc[0]
-    hours = [c for c in cost.columns if c.startswith("hours at") and "100%" not in c][0]
-    return (f"Strict FP32 on {r.gpu_slug} takes {r.ms:.0f} ms a micro-step ({r.timing} timing): {r.efficiency:.0%} of "
-            f"its FP32 peak ({r.peak / 1e12:.3g} TFLOP/s, {r.peak_source.split(':')[0].split(' (')[0]}). At that "
-            f"efficiency one training run costs from {cost[hours].min():.0f} GPU-hours on the newest of these GPUs to "
-            f"{cost[hours].max():.0f} on the oldest, before any hyper-parameter search or repeated run. Tensor cores, "
-            "lower precision, other memory layouts and kernel fusion change that by large factors; this book measures "
-            "by how much.")
+    r, paced = shown[0], cost[_paced(shown[0].gpu_slug, names)]
+    roof = "datasheet peak" if r.basis == "datasheet" else "measured roof"
+    return (f"Strict FP32 on the {(names or {}).get(r.gpu_slug, r.gpu_slug)} takes {r.train_median_ms:.0f} ms a "
+            f"micro-step ({r.timing} timing): {r.efficiency:.0%} of its FP32 {roof} ({r.peak_tflops:.3g} TFLOP/s). "
+            f"At that pace, scaled to each GPU by its FP32 datasheet peak, one training run costs from "
+            f"{paced.min():.0f} GPU-hours on the newest of these GPUs to {paced.max():.0f} on the oldest, before any "
+            "hyper-parameter search or repeated run. Tensor cores, lower precision, other memory layouts and kernel "
+            "fusion change that by large factors; this book measures by how much.")
 
 
 def configurations() -> pd.DataFrame:

@@ -12,9 +12,11 @@ not runs. A run of another identity than its folder name's default sits in ``<ru
 a variant like those above.
 
 One bad folder never takes the tree down with it: a folder with other parquet but no ``run.parquet`` (an
-incomplete run), a table that does not read or holds another run's rows, a row in another folder than it
-names, is left out with a `DataWarning` naming it (one line), and every other folder is shown; a page never
-drops a measurement silently. A missing tree is a `DataError`, and so is a folder left out where
+incomplete run), a finished run without a table its row says it wrote (`expected_tables`), a table that is not
+a regular file, does not read or holds another run's rows, a row in another folder than it names, a device
+folder whose name is no label, is left out with a `DataWarning` naming it (one line), and every other folder is
+shown; a page never drops a measurement silently. Hidden names (a writer's staging folders and locks) are
+skipped by every reader alike (`labels`). A missing tree is a `DataError`, and so is a folder left out where
 ``MEDDDPM_STRICT_DATA=1`` (the published book's build, `scripts/book.sh`: every committed folder must read).
 
 Nothing here names a GPU: every summary is grouped by the ``gpu_slug`` found in the data, so a GPU added
@@ -23,31 +25,36 @@ under ``data/`` appears on every page without an edit.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
+from medddpm.errors import Notice, UserError
 from medddpm.store import identity, schema
+from medddpm.store.storage import NotRegularFile, check_regular
 from medddpm.store.layout import (ABLATION_DIR, BENCH_FILE, NOT_RUNS, ROOFS_FILE, RUN_FILE, RUN_TABLES, SCALING_DIR,
-                                  data_root, hidden, is_run, run_folder, run_table)
+                                  data_root, hidden, run_folder, run_table)
 from medddpm.configs import CONFIGS
 
 HOLDS, FAILS, NA = "holds", "does not hold", "not measurable"
 MAGNITUDE = "direction holds, magnitude differs"  # the effect goes the paper's way, its size lies outside the paper's
 UNDECIDED = "undecided"  # measured, but the spread of the measurements cannot tell (more seeds would)
+IN_FULL, IN_PART = "in full", "in part"  # how much of a claim a verdict judged: all its halves, or some not yet
 NOT_MEASURED = "not measured yet"
 _GIB = 2**30
 NOT_YET = "not met by the runs so far"  # a memory target none of the measured runs meets, while others are unmeasured
 
 
-class DataError(RuntimeError):
+class DataError(UserError):
     """The data tree is missing or malformed (one line naming the folder or file)."""
 
 
-class DataWarning(UserWarning):
+class DataWarning(Notice):
     """A folder or table of the data tree is left out (one line naming it and why); the rest is shown."""
 
 
@@ -90,6 +97,56 @@ def _sort(df: pd.DataFrame, *cols: str) -> pd.DataFrame:
 
 
 
+_LABEL = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*")  # a device label as the sweep names its folder (`gpu_slug`)
+
+
+def labels(root: Path) -> list[Path]:
+    """The device folders of the data tree, sorted: every folder but hidden ones (a writer's, `layout.hidden`);
+    one whose name is not a label (lower-case letters and digits in hyphen-separated runs) is left out, named."""
+    found = []
+    if not root.is_dir():
+        return found
+    for folder in sorted(p for p in root.iterdir() if p.is_dir() and not hidden(p.name)):
+        if _LABEL.fullmatch(folder.name):
+            found.append(folder)
+        else:
+            _leave_out(f"{folder}: not a device label (lower-case letters, digits and hyphens, as a sweep names it)")
+    return found
+
+
+def _regular(path: Path) -> bool:
+    """Whether `path` is a regular file; where something else is there (a folder, a named pipe, a symlink loop or
+    one to nothing), it is left out, named."""
+    try:
+        check_regular(path, "a table")
+    except FileNotFoundError:
+        if os.path.lexists(path):
+            _leave_out(f"{path}: a symlink to nothing")
+        return False
+    except NotRegularFile as e:
+        _leave_out(str(e))
+        return False
+    return True
+
+
+def expected_tables(r: pd.Series) -> set[str]:
+    """The tables besides run.parquet that a finished run's row says it wrote: steps and quality where it ended
+    ok (training and the quality phase fail the run: a failure ends it in error; a quality phase not requested is
+    recorded in `profilers`), kernels and ncu where their profiler's status is ok. A row that records no phases
+    (written by hand, or before they were recorded) promises its steps alone."""
+    if r["status"] != "ok":
+        return set()
+    try:
+        phases = json.loads(r["profilers"]) if r["profilers"] else None
+    except ValueError:
+        phases = None
+    if not isinstance(phases, dict):
+        return {"steps"}
+    ran = {table for phase, table in (("torch", "kernels"), ("ncu", "ncu"))
+           if isinstance(phases.get(phase), dict) and phases[phase].get("status") == "ok"}
+    return {"steps"} | ran | ({"quality"} if "quality" not in phases else set())
+
+
 @dataclass(frozen=True)
 class Scan:
     runs: list[Path]  # data/<slug>/<config>/ folders with run.parquet
@@ -102,12 +159,13 @@ def scan(root: str | os.PathLike | None = None) -> Scan:
     if not root.is_dir():
         raise DataError(f"no data tree at {root} (set MEDDDPM_DATA or run `python -m medddpm sweep`)")
     runs, not_runs = [], []
-    for gpu in sorted(p for p in root.iterdir() if p.is_dir() and not hidden(p.name)):
+    for gpu in labels(root):
         for folder in sorted(p for p in gpu.iterdir() if p.is_dir() and not hidden(p.name)):
             if folder.name in NOT_RUNS:  # `scaling_runs`, `ablation_runs`, and the study's `report.convergence`
                 continue
-            if is_run(folder):
-                runs.append(folder)
+            if os.path.lexists(folder / RUN_FILE):
+                if _regular(folder / RUN_FILE):
+                    runs.append(folder)
             elif any(p.name != BENCH_FILE for p in folder.glob("*.parquet")):
                 _leave_out(f"incomplete run {folder}: parquet files but no run.parquet "
                            "(re-run the sweep for it, or remove the folder)")
@@ -161,6 +219,14 @@ def _checked_run(folder: Path, parent: str) -> pd.DataFrame | None:
         says = "/".join([r["gpu_slug"], *group, name])
         _leave_out(f"{folder}: run.parquet says {says}, the folder says {parent}/{folder.name}")
         return None
+    for table in sorted(expected_tables(r)):
+        path = run_table(folder, table)
+        if not os.path.lexists(path):
+            _leave_out(f"{folder}: a finished run without its {path.name} (its row says it wrote one; re-run the sweep "
+                       "for it, or remove the folder)")
+            return None
+        if not _regular(path):
+            return None
     return df
 
 
@@ -191,8 +257,10 @@ def ablation_runs(root: str | os.PathLike | None = None, *, variants: bool = Fal
     compares one identity per configuration."""
     root = Path(root) if root is not None else data_root()
     frames = []
-    for path in sorted(root.glob(f"*/{ABLATION_DIR}/*/{RUN_FILE}")):
+    for path in sorted(p for gpu in labels(root) for p in gpu.glob(f"{ABLATION_DIR}/*/{RUN_FILE}")):
         folder = path.parent
+        if hidden(folder.name) or not _regular(path):
+            continue
         if not variants and identity.SEPARATOR in folder.name:
             continue
         df = _checked_run(folder, f"{folder.parent.parent.name}/{ABLATION_DIR}")
@@ -214,8 +282,8 @@ def load(table: str, root: str | os.PathLike | None = None, *, variants: bool = 
     frames = []
     for folder in run["folder"]:
         path = run_table(root / folder, table)
-        if not path.is_file():
-            continue  # a phase that did not run (a CPU has no ncu table; a failed run has few tables)
+        if not os.path.lexists(path):
+            continue  # a phase that did not run (a CPU has no ncu table; a failed run has few): `expected_tables`
         try:
             df = _read(path, table)
         except DataError as e:
@@ -262,7 +330,7 @@ def roofs_table(root: str | os.PathLike | None = None) -> pd.DataFrame:
     whose rows name another label than its folder is left out with a warning."""
     root = Path(root) if root is not None else data_root()
     frames = []
-    for path in sorted(root.glob(f"*/{ROOFS_FILE}")):
+    for path in (gpu / ROOFS_FILE for gpu in labels(root) if os.path.lexists(gpu / ROOFS_FILE)):
         try:
             df = _read(path, "roofs")
         except DataError as e:
@@ -290,7 +358,7 @@ def scaling_runs(root: str | os.PathLike | None = None) -> pd.DataFrame:
     """Every ``data/<gpu-slug>/scaling/<config>.parquet`` (`python -m medddpm scale`), validated."""
     root = Path(root) if root is not None else data_root()
     frames = []
-    for path in sorted(root.glob(f"*/{SCALING_DIR}/*.parquet")):
+    for path in sorted(p for gpu in labels(root) for p in gpu.glob(f"{SCALING_DIR}/*.parquet") if not hidden(p.name)):
         try:
             df = _read(path, "scaling")
         except DataError as e:
@@ -317,7 +385,7 @@ def bench_runs(root: str | os.PathLike | None = None, *, phase: str | None = "tr
     frames = []
     for folder in scan(root).not_runs:
         path = folder / BENCH_FILE
-        if not path.is_file():
+        if not os.path.lexists(path):
             continue
         try:
             df = _read(path, "bench")

@@ -6,6 +6,7 @@ import html
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,19 +89,30 @@ def memory_runs(run: pd.DataFrame) -> pd.DataFrame:
     return _sort(ok[cols], "model", "batch")
 
 
+_SOLD = re.compile(r"(?<![\w.])(\d+)\s?GB\b", re.IGNORECASE)
+
+
+def sold_size(name: str) -> float:
+    """The size a card is sold with (GB), where its driver's name states it ("NVIDIA H100 80GB HBM3": 80); NaN
+    where it does not ("NVIDIA H200")."""
+    m = _SOLD.search(str(name))
+    return float(m.group(1)) if m else math.nan
+
+
 def card_memory(run: pd.DataFrame | None = None, catalogue=CARDS) -> pd.DataFrame:
     """The cards the page answers for, smallest first, a row each: its name, the size it is sold with (GB, the
-    vendor's figure, NaN for a card known only from a run) and the memory its driver reports in GiB (`card_gib`),
-    with where that figure comes from (`kind`: measured by a run here, else cited). A run that measured its device
-    (``gpu_total_bytes``) replaces the catalogue's figure of that device type, and adds its card where the
-    catalogue has none of that type."""
+    vendor's figure; for a card known only from a run, as its name states it, else NaN) and the memory its driver
+    reports in GiB (`card_gib`), with where that figure comes from (`kind`: measured by a run here, else cited).
+    A run that measured its device (``gpu_total_bytes``) replaces the catalogue's figure of that device type, and
+    adds its card where the catalogue has none of that type."""
     rows = {c.gpu_type: {"card": c.name, "gpu_type": c.gpu_type, "sold_gb": float(c.sold_gb),
                          "card_gib": c.reported_bytes / _GIB, "kind": CITED_CARD, "source": c.source}
             for c in catalogue}
     if run is not None and len(run):
         seen = run[(run["gpu_total_bytes"] > 0) & (run["gpu_name"] != "cpu")]
         for kind, g in seen.groupby("gpu_type"):
-            known = rows.get(kind, {"card": g["gpu_name"].iloc[0], "gpu_type": kind, "sold_gb": math.nan})
+            known = rows.get(kind, {"card": g["gpu_name"].iloc[0], "gpu_type": kind,
+                                    "sold_gb": sold_size(g["gpu_name"].iloc[0])})
             rows[kind] = known | {"card_gib": g["gpu_total_bytes"].max() / _GIB, "kind": MEASURED_CARD,
                                   "source": "measured here: the driver's total memory recorded by the runs on "
                                             + ", ".join(sorted(set(g["gpu_slug"])))}
@@ -191,10 +203,16 @@ def _flag_columns() -> list[str]:
     return [f for f in Config.__dataclass_fields__ if f not in ("name", "description")]
 
 
+# Autocast keeps the activations it saves for the backward in 2 bytes (bf16, fp16) instead of 4 (strict FP32 and
+# TF32, which round only inside the tensor cores): a precision switch saves memory only across that line.
+HALF_PRECISIONS = ("bf16", "fp16")
+
+
 def _saves_memory(switch: str, off, on) -> bool:
-    """Is going from `off` to `on` the memory-saving direction of `switch`?"""
+    """Is going from `off` to `on` the memory-saving direction of `switch`? For precision: from a 4-byte
+    precision to a 2-byte one (`HALF_PRECISIONS`); bf16 against fp16 saves nothing."""
     if switch == "precision":
-        return on == "bf16" and off != "bf16"
+        return on in HALF_PRECISIONS and off not in HALF_PRECISIONS
     return bool(on) and not bool(off)
 
 

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pandas as pd
 
-from medddpm.configs import CONFIGS, PAPER
+from medddpm.configs import PAPER
 from medddpm.report.loading import Data, _sort
 from medddpm.report.roofs import DATASHEET_FP32, peaks_of  # noqa: F401 - the pages read them here too
 from medddpm.model.diffusion import TIMESTEPS
@@ -71,36 +71,6 @@ def check_strict_baseline(data: Data) -> None:
         assert all(v == "ieee" for v in flags.values()), f"{r['run_id']}: baseline math modes {flags}"
 
 
-
-
-def floors(run: pd.DataFrame, bench: pd.DataFrame | None = None, bench_flops: float | None = None,
-           roofs: pd.DataFrame | None = None) -> pd.DataFrame:
-    """Per GPU and precision with a known peak (its measured roofs, else its datasheet's: `roofs.peaks_of`): the
-    shortest possible micro-step (FLOPs per step / peak) beside the fastest configuration that ran in that
-    precision. GPUs with no sweep use their bench timings when `bench_flops` (the FLOPs of the bench's
-    micro-step) is given."""
-    s = step_summary(run)[["gpu_slug", "config", "precision_used", "train_median_ms", "flops_per_step"]]
-    s = s.assign(timing_source="sweep")
-    if bench is not None and not bench.empty and bench_flops:
-        ours = bench[(bench["implementation"] == "ours") & ~bench["gpu_slug"].isin(s["gpu_slug"])
-                     & bench["config"].isin(list(CONFIGS))]
-        b = ours.groupby(["gpu_slug", "config"], as_index=False)["train_median_ms"].median()
-        b = b.assign(precision_used=b["config"].map(lambda c: CONFIGS[c].precision), flops_per_step=bench_flops,
-                     timing_source="bench timings")
-        s = pd.concat([s, b], ignore_index=True)
-    rows = []
-    for slug, g in s.groupby("gpu_slug"):
-        for precision, (peak, peak_source) in peaks_of(slug, run, roofs).items():
-            same = g[g["precision_used"] == precision]
-            if same.empty:
-                continue
-            best = same.loc[same["train_median_ms"].idxmin()]
-            floor_ms = best["flops_per_step"] / peak * 1e3
-            rows.append({"gpu_slug": slug, "precision": precision, "peak_tflops": peak / 1e12, "source": peak_source,
-                         "floor_ms": floor_ms, "best_config": best["config"], "best_ms": best["train_median_ms"],
-                         "fraction_of_peak": floor_ms / best["train_median_ms"], "timing_source": best["timing_source"]})
-    return pd.DataFrame(rows, columns=["gpu_slug", "precision", "peak_tflops", "source", "floor_ms", "best_config",
-                                       "best_ms", "fraction_of_peak", "timing_source"])
 
 
 def best_by_gpu(summary: pd.DataFrame) -> pd.DataFrame:

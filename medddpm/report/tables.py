@@ -15,22 +15,63 @@ from IPython.display import HTML
 from medddpm.report.loading import cpu_slugs, is_cpu
 
 
-DEVICE_COLUMNS = ("device", "GPU", "gpu_slug", "measured on")
-LONG_TEXT = 30  # characters: longer cell text may break inside a word
+DEVICE_COLUMNS = ("device", "GPU", "gpu_slug", "measured on", "card")
+LONG_TEXT = 30  # characters: a longer word of a cell's text may break inside itself
+VENDORS = ("NVIDIA ", "AMD ", "Intel ")  # a device name's maker, left out of its short name
 
 
-def table_html(df: pd.DataFrame, digits: int = 4, formats: dict | None = None, code: tuple[str, ...] = ()) -> str:
+def card_names(run: pd.DataFrame) -> dict[str, str]:
+    """A short display name per device label of `run`: its device's name without the maker ("NVIDIA H100 80GB
+    HBM3" -> "H100 80GB HBM3"), with the host where the label is `<type>-<host>` (a machine kept beside the
+    committed rows of its type: "H200 (lab3)"); a label of the user's own choosing (`--gpu-label`) and a CPU's
+    stay as they are. In a narrow column a label such as nvidia-h100-80gb-hbm3 breaks at each hyphen, over four
+    lines; its short name breaks between its words, if at all."""
+    if run.empty:
+        return {}
+    names = {}
+    for slug, g in run.groupby("gpu_slug"):
+        name, kind = str(g["gpu_name"].mode().iloc[0]), str(g["gpu_type"].mode().iloc[0])
+        if name == "cpu" or is_cpu(slug):
+            names[slug] = slug
+            continue
+        short = next((name.removeprefix(v) for v in VENDORS if name.startswith(v)), name)
+        if slug == kind:
+            names[slug] = short
+        elif slug.startswith(kind + "-"):
+            names[slug] = f"{short} ({slug.removeprefix(kind + '-')})"
+        else:
+            names[slug] = slug
+    return names
+
+
+def _device_cell(names: dict[str, str]):
+    """A device column's cell: its short name (`card_names`) with the label as the hover title, on one line; a
+    label without a short name on one line too (a browser breaks it after its hyphens). A short name is short by
+    design, and a card's name broken over three lines reads as three cards."""
+    def cell(v):  # `v` comes escaped (Styler's escape="html")
+        shown = names.get(html.unescape(str(v)))
+        if shown is None:
+            return f'<span style="white-space: nowrap">{v}</span>'
+        return f'<span style="white-space: nowrap" title="{v}">{html.escape(shown)}</span>'
+    return cell
+
+
+def table_html(df: pd.DataFrame, digits: int = 4, formats: dict | None = None, code: tuple[str, ...] = (),
+               names: dict[str, str] | None = None, devices: tuple[str, ...] = DEVICE_COLUMNS) -> str:
     """A compact HTML table: no index, cell text escaped (a `<config>` stays text), floats to `digits`
     significant digits unless `formats` says otherwise for a column, NaN as '-'; the columns named in `code`
-    set as code (names a reader types)."""
+    set as code (names a reader types). The columns named in `devices` hold device labels, shown by their short
+    names where `names` (`card_names`) gives them, and a column headed by a device label gets its short name."""
+    names = names or {}
+    df = df.rename(columns={c: names[c] for c in df.columns if c in names})
     fmt = {c: (lambda v, d=digits: "-" if pd.isna(v) else f"{v:.{d}g}") for c in df.columns
            if pd.api.types.is_float_dtype(df[c])}
     fmt |= {c: (lambda v: f"<code>{v}</code>") for c in code}  # Styler escapes the value before this
-    # a device label such as nvidia-h200 stays on one line (a browser breaks it after its hyphen)
-    fmt |= {c: (lambda v: f'<span style="white-space: nowrap">{v}</span>') for c in df.columns
-            if c in DEVICE_COLUMNS and c not in fmt}
-    # a long name without spaces (a kernel's C++ signature) may break anywhere rather than widen the table
-    fmt |= {c: (lambda v: f'<span style="overflow-wrap: anywhere">{v}</span>' if len(str(v)) > LONG_TEXT else v)
+    fmt |= {c: _device_cell(names) for c in df.columns if c in devices and c not in fmt}
+    # a long name without spaces (a kernel's C++ signature) may break anywhere rather than widen the table; text of
+    # shorter words ("conv3d 64>64 k3 s1 @128x128x128") breaks only between them
+    fmt |= {c: (lambda v: f'<span style="overflow-wrap: anywhere">{v}</span>'
+                if max(map(len, str(v).split()), default=0) > LONG_TEXT else v)
             for c in df.columns if c not in fmt and (pd.api.types.is_object_dtype(df[c])
                                                      or pd.api.types.is_string_dtype(df[c]))}
     fmt |= formats or {}
@@ -85,4 +126,5 @@ def gpus_first(slugs) -> list[str]:
     return sorted(set(slugs), key=lambda s: (is_cpu(s), s))
 
 
-__all__ = ["table_html", "fold", "show", "show_folded", "cpu_rows", "by_device", "gpus_first", "cpu_slugs"]
+__all__ = ["DEVICE_COLUMNS", "card_names", "table_html", "fold", "show", "show_folded", "cpu_rows", "by_device",
+           "gpus_first", "cpu_slugs"]

@@ -7,8 +7,10 @@ real, small enough for a CPU, and measures the GPU instead where one is present.
   committed profiles and in a profile of one convolution made now.
 - `stall_table`: Nsight Compute's warp-stall breakdown per kernel, with its dominant reason and a
   reading of it.
-- `efficiencies`, `matmul_tflops`, `gpu_hours`: fraction of peak reached by the measured GPUs, a
-  device's dense matmul throughput measured now, and the training cost that follows.
+- `efficiencies`, `matmul_tflops`, `gpu_hours`, `cost_estimates`, `here_estimates`: fraction of peak reached by
+  the measured GPUs (the book's one figure per card, `roofs.step_efficiency`), a device's dense matmul throughput
+  measured now, and the training cost that follows, a measured step carried to another device by the ratio of
+  two peaks of one source.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import pandas as pd
 import torch
 
 from medddpm import report
+from medddpm.analysis import roofs as ar
 from medddpm.configs import Config, set_precision_flags
 from medddpm.train.timing import summarize, time_steps
 
@@ -268,50 +271,118 @@ def stall_table(ncu_df: pd.DataFrame, *, top: int = 8) -> pd.DataFrame:
 # ---------------------------------------------------------------------------------------- cost
 
 
-def efficiencies(data: report.Data) -> pd.DataFrame:
-    """Per GPU with known peaks (its measured roofs, else its datasheet's: `roofs.peaks_of`) and precision measured
-    there: achieved TFLOP/s of a training micro-step (strict FP32 = the baseline; TF32 = opt1; bf16 = the bf16
-    configuration; fp16 = the fp16 one), from the sweep, else from the bench timings, and the fraction of the peak
-    it is."""
-    run = data.ok
-    rows = []
-    slugs = sorted(set(run["gpu_slug"]) | (set(data.bench["gpu_slug"]) if not data.bench.empty else set()))
-    for slug in slugs:
-        for precision, (peak, source) in report.peaks_of(slug, run, data.roofs).items():
-            config = {"fp32": "baseline", "tf32": "opt1", "bf16": "bf16", "fp16": "fp16"}[precision]
-            r = run[(run["gpu_slug"] == slug) & (run["config"] == config)]
-            if len(r):
-                r = r.iloc[0]
-                achieved, flops, train_ms = r["achieved_tflops"] * 1e12, r["flops_per_step"], r["train_median_ms"]
-                src = f"sweep ({r['folder']})"
-            else:
-                b = data.bench[(data.bench["gpu_slug"] == slug) & (data.bench["config"] == config)
-                               & (data.bench["implementation"] == "ours")] if not data.bench.empty else []
-                if not len(b):
-                    continue
-                # the bench table has no FLOP count: the step's FLOPs are those of the sweep's runs on this GPU
-                # at the same size, else counted on the meta device for the bench's model.
-                train_ms = float(b["train_median_ms"].median())
-                size = int(b["size"].iloc[0])
-                same = run[(run["gpu_slug"] == slug) & (run["size"] == size)]
-                if len(same):
-                    flops = float(same["flops_per_step"].iloc[0])
-                else:
-                    from medddpm.model.flops import count
-                    from medddpm.model.unet import ModelSpec
+EFFICIENCY_CONFIGS = {"fp32": "baseline", "tf32": "opt1", "bf16": "bf16", "fp16": "fp16"}
+MICRO_STEPS = report.REFERENCE_STEPS * report.REFERENCE_ACCUM  # the reference's training: 100,000 optimizer steps
 
-                    flops = count(ModelSpec(size=size, mask_channels=int(b["mask_channels"].iloc[0]),
-                                            base_channels=int(b["base_channels"].iloc[0])))["train_flops"]
-                achieved, src = flops / (train_ms / 1e3), f"bench ({b['source'].iloc[0]})"
-            rows.append({"gpu_slug": slug, "precision": precision, "config": config, "train_median_ms": train_ms,
-                         "flops_per_step": flops, "achieved_tflops": achieved / 1e12, "peak_tflops": peak / 1e12,
-                         "efficiency": achieved / peak, "measured_in": src, "peak_source": source})
-    return pd.DataFrame(rows, columns=["gpu_slug", "precision", "config", "train_median_ms", "flops_per_step",
-                                       "achieved_tflops", "peak_tflops", "efficiency", "measured_in", "peak_source"])
+
+def efficiencies(data: report.Data) -> pd.DataFrame:
+    """Per GPU and precision it ran: the efficiency of a training micro-step in that precision (strict FP32 = the
+    baseline; TF32 = opt1; bf16 = the bf16 configuration; fp16 = the fp16 one), the figure the whole book prints
+    for it (`roofs.step_efficiency`: the step's FLOPs over its median time, over the card's roof on the book's
+    basis), from the sweep, else from the bench timings."""
+    e = report.step_efficiency(data)
+    e = e[e["gpu_slug"].isin(gpus_in(data))]
+    e = e[[EFFICIENCY_CONFIGS.get(p) == c for p, c in zip(e["precision"], e["config"])]]
+    return e[["gpu_slug", "precision", "config", "timing", "train_median_ms", "flops_per_step", "achieved_tflops",
+              "peak_tflops", "efficiency", "basis", "peak_source"]].reset_index(drop=True)
+
+
+EFFICIENCY_SHOWN = {"gpu_slug": "card", "precision": "precision", "config": "configuration", "train_median_ms": "ms",
+                    "achieved_tflops": "achieved TFLOP/s", "peak_tflops": "peak TFLOP/s", "efficiency": "efficiency"}
+
+
+def efficiency_table(eff: pd.DataFrame) -> pd.DataFrame:
+    """`efficiencies` as the page shows it (`EFFICIENCY_SHOWN`): the roofs' source is said once above it."""
+    return eff[list(EFFICIENCY_SHOWN)].rename(columns=EFFICIENCY_SHOWN)
+
+
+def carried_ms(step_ms: float, peak_from: float, peak_to: float) -> float:
+    """A step carried from one device to another at the same fraction of each one's peak: its time x the peak of
+    the device it ran on / the other's. Both peaks come from one source (both datasheets, or both measured), the
+    only way the fraction carries: a measured roof lies below its datasheet, so a step read against one and
+    carried to the other would come back shorter than it ran."""
+    if not (step_ms > 0 and peak_from > 0 and peak_to > 0):
+        raise ValueError(f"need a step and two peaks > 0; got {step_ms}, {peak_from}, {peak_to}")
+    return step_ms * peak_from / peak_to
+
+
+def step_hours(step_ms: float, micro_steps: int = MICRO_STEPS) -> float:
+    """Device hours for `micro_steps` training micro-steps of `step_ms` each."""
+    return micro_steps * step_ms / 1e3 / 3600
+
+
+def cost_estimates(eff: pd.DataFrame, data: report.Data, cards=ar.PAPER_CARDS, precision: str = "fp32") -> pd.DataFrame:
+    """Exercise 4's estimates: the reference's training (100,000 optimizer steps of two micro-steps) on each of
+    `cards` (device types), from each measured GPU's step in `precision` (`efficiencies`) carried by the ratio of
+    the two cards' datasheet peaks (`carried_ms`): the paper's cards are known by their datasheets, so the measured
+    card's peak is its datasheet's too, whichever roofs the book reads it against. Where the data holds a run of
+    the estimated card, its measured hours stand beside the estimate; `own` marks the estimate made from that
+    card's own step, which gives them back."""
+    mine = eff[eff["precision"] == precision]
+    types = report.gpu_types(data.run, data.roofs)
+    measured = {types.get(r.gpu_slug, r.gpu_slug): r.train_median_ms for r in mine.itertuples()}
+    cols = ["GPU", "gpu_type", "from", "its step (ms)", "peak ratio", "estimated hours", "measured hours", "own"]
+    rows = []
+    for r in mine.itertuples():
+        kind = types.get(r.gpu_slug, r.gpu_slug)
+        peak_from = ar.DATASHEET[kind].roofs.get(precision) if kind in ar.DATASHEET else None
+        if peak_from is None:  # no datasheet peak to carry the step from
+            continue
+        for card in cards:
+            peak = ar.DATASHEET[card].roofs.get(precision)
+            if peak is None:
+                continue
+            rows.append(dict(zip(cols, [
+                ar.DATASHEET[card].name.removeprefix("NVIDIA "), card, r.gpu_slug, r.train_median_ms, peak_from / peak,
+                step_hours(carried_ms(r.train_median_ms, peak_from, peak)),
+                step_hours(measured[card]) if card in measured else math.nan, kind == card])))
+    return pd.DataFrame(rows, columns=cols)
+
+
+def check_estimates(estimates: pd.DataFrame) -> None:
+    """Every estimate is positive, and a card estimated from its own step gets back its measured hours."""
+    assert (estimates["estimated hours"] > 0).all(), estimates
+    own = estimates[estimates["own"]]
+    assert np.allclose(own["estimated hours"], own["measured hours"], rtol=1e-9), own
+
+
+def here_estimates(eff: pd.DataFrame, data: report.Data, rates: dict[str, float]) -> pd.DataFrame:
+    """The reference's training on the device that runs the page, from the dense matmul rate measured on it now
+    (`rates`: precision -> TFLOP/s, `matmul_tflops`): each measured GPU's step in that precision carried by the
+    ratio of that GPU's own measured roof (a large matmul too, `python -m medddpm roofs`) to the rate here
+    (`carried_ms`), measured against measured. A GPU without its own measured roof in that precision carries
+    nothing here."""
+    cols = ["precision", "matmul TFLOP/s here", "from", "its step (ms)", "its measured roof TFLOP/s",
+            "estimated hours here"]
+    rows = []
+    for r in eff[eff["precision"].isin(list(rates))].itertuples():
+        roof = ar.own_roofs(data.roofs, r.gpu_slug).get(r.precision)
+        if roof is None:
+            continue
+        here = rates[r.precision]
+        rows.append(dict(zip(cols, [r.precision, here, r.gpu_slug, r.train_median_ms, roof.value / 1e12,
+                                    step_hours(carried_ms(r.train_median_ms, roof.value, here * 1e12))])))
+    return pd.DataFrame(rows, columns=cols)
+
+
+def profiled_counts(data: report.Data, table: str = "kernels") -> pd.DataFrame:
+    """How many rows each run has in a profile `table` ("kernels": kernels and operators; "ncu": launches with
+    counters), a row per configuration and a column per device: the count, "none" where the run has no such
+    rows, and "not run" where the device never ran the configuration. A zero would read as a measurement."""
+    ok = data.ok[data.ok["batch"] == 1]
+    frame = getattr(data, table)
+    frame = frame[frame["run_id"].isin(set(ok["run_id"]))]
+    n = frame.groupby("run_id")["kernel_id"].nunique() if table == "ncu" else frame.groupby("run_id").size()
+    devices = report.tables.gpus_first(ok["gpu_slug"])
+    configs = [c for c in report.config_order(ok["config"]) if c in set(ok["config"])]
+    out = pd.DataFrame("not run", index=pd.Index(configs, name="configuration"), columns=devices, dtype=object)
+    for r in ok.itertuples():
+        out.loc[r.config, r.gpu_slug] = str(int(n[r.run_id])) if r.run_id in n.index else "none"
+    return out.reset_index()
 
 
 def gpu_hours(*, flops_per_step: float, peak_flops: float, efficiency: float,
-              micro_steps: int = report.REFERENCE_STEPS * report.REFERENCE_ACCUM) -> float:
+              micro_steps: int = MICRO_STEPS) -> float:
     """Device hours for `micro_steps` training micro-steps at `efficiency` x `peak_flops`."""
     if not (peak_flops > 0 and 0 < efficiency <= 1 and flops_per_step > 0):
         raise ValueError(f"need peak > 0, 0 < efficiency <= 1, flops > 0; got {peak_flops}, {efficiency}, "
@@ -461,20 +532,37 @@ def stalls_text(st: pd.DataFrame) -> str:
     return text
 
 
-def estimates_text(estimates: pd.DataFrame) -> str:
-    """Exercise 4's estimates in hours and days, and the weakest assumption behind them."""
-    e = estimates.set_index("GPU")["estimated hours"]
-    return ("- " + "; ".join(f"**{g}**: {h:,.0f} h ({h / 24:.1f} days)" for g, h in e.items()) + ".\n"
-            "- The weakest assumption is that the efficiency carries over. It is a property of the GPU as much as of "
-            "the model: the memory-bound kernels of a step (exercise 3) follow memory bandwidth, not the FLOP peak, "
-            "and the ratio of the two, the cache sizes and the convolution kernels cuDNN has differ from one GPU to "
-            "the next. The estimate is a first guess, to check against one measured step on the new GPU.")
+def estimates_text(estimates: pd.DataFrame, names: dict[str, str] | None = None) -> str:
+    """Exercise 4's estimates in hours and days, per card whose step they carry, each against the measured hours
+    where the estimated card is the measured one; and the weakest assumption behind them."""
+    names = names or {}
+    lines = []
+    for src, g in estimates.groupby("from", sort=False):
+        parts = []
+        for _, r in g.iterrows():
+            h, m = r["estimated hours"], r["measured hours"]
+            part = f"{r['GPU']}: {h:,.1f} h ({h / 24:.1f} days)"
+            if r["own"]:
+                part += f", the {m:,.1f} h its own measured step gives"
+            elif pd.notna(m):
+                part += f", against {m:,.1f} h from its measured step ({h / m - 1:+.1%})"
+            parts.append(part)
+        lines.append(f"- From the **{names.get(src, src)}**'s step: " + "; ".join(parts) + ".")
+    return ("\n".join(lines) + "\n"
+            "- The weakest assumption is that the fraction of the peak carries over. It is a property of the GPU as "
+            "much as of the model: the memory-bound kernels of a step (exercise 3) follow memory bandwidth, not the "
+            "FLOP peak, and the ratio of the two, the cache sizes and the convolution kernels cuDNN has differ from "
+            "one GPU to the next. The estimate is a first guess, to check against one measured step on the new GPU.")
 
 
-def here_text(here: pd.DataFrame, device: torch.device) -> str:
-    """What the reference's training would take on the device that runs the page, at the measured matmul rate."""
+def here_text(here: pd.DataFrame, device: torch.device, names: dict[str, str] | None = None) -> str:
+    """What the reference's training would take on the device that runs the page, at the measured matmul rate:
+    from the first GPU's step that `here_estimates` carries here."""
     r = here.iloc[0]
-    hours = r["estimated hours here"]
-    return (f"At {r['matmul TFLOP/s here']:.3g} TFLOP/s ({r['precision']}), 100,000 optimizer steps would take about "
+    hours, src = r["estimated hours here"], (names or {}).get(r["from"], r["from"])
+    ms = carried_ms(r["its step (ms)"], r["its measured roof TFLOP/s"], r["matmul TFLOP/s here"])
+    return (f"At {r['matmul TFLOP/s here']:.3g} TFLOP/s ({r['precision']}) measured here, against the "
+            f"{r['its measured roof TFLOP/s']:.3g} TFLOP/s the {src} measured for the same matmul, its "
+            f"{r['its step (ms)']:.4g} ms step becomes {ms:,.0f} ms, and 100,000 optimizer steps would take about "
             f"{hours:,.0f} hours here ({hours / 24 / 365:.2g} years)"
             + (": the reason this model trains on GPUs." if torch.device(device).type == "cpu" else "."))

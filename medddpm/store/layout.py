@@ -11,6 +11,9 @@
           kernel.log                      KERNEL_LOG: what the notebook's kernel process printed outside its cells
         <run>~<key>/                      the same run under another identity (SEPARATOR, `store.identity`)
         ablation/<run>/                   ABLATION_DIR: the ablation's runs, a run folder each
+        levers/                           LEVERS_DIR: calls that time best and its variants interleaved
+          repeats.parquet, sample_batches.parquet                           LEVERS_TABLES, every call's rows
+          <config>/kernels.parquet, <config>/quality.parquet                LEVER_RUN_TABLES, the latest call's
         scaling/<config>.parquet          SCALING_DIR, scaling_table(): every rank's step times
         reference/bench.parquet           REFERENCE_DIR, BENCH_FILE: bench timings of ours and the reference
         convergence/                      CONVERGENCE_DIR: the convergence study
@@ -52,10 +55,16 @@ SCALING_DIR = "scaling"  # `python -m medddpm scale`: one table per configuratio
 REFERENCE_DIR = "reference"  # `python -m medddpm bench --reference --out`: bench timings, not a run folder
 BENCH_FILE = "bench.parquet"  # table bench, in a folder that is not a run (REFERENCE_DIR, or any --out)
 CONVERGENCE_DIR = "convergence"  # `python -m medddpm study`
+# One process times best and its variants in interleaved blocks (A, B, C, A, B, C, ...) and keeps each block
+# (table repeats; every call's rows, told apart by their call_id) and the sampling time by batch (sample_batches),
+# and per variant its kernels and its quality against strict FP32 (one run each, the latest call's)
+LEVERS_DIR = "levers"
+LEVERS_TABLES = ("repeats", "sample_batches")  # levers/<table>.parquet
+LEVER_RUN_TABLES = ("kernels", "quality")  # levers/<config>/<table>.parquet
 CONVERGENCE_TABLES = ("runs", "losses", "samples")  # file stems; the schema's tables are convergence_<stem>
 SLICES_DIR = "slices"  # under CONVERGENCE_DIR
 # folders of a label that hold no run of their own name: every other folder is a run (or an incomplete one)
-NOT_RUNS = (ABLATION_DIR, SCALING_DIR, CONVERGENCE_DIR)
+NOT_RUNS = (ABLATION_DIR, SCALING_DIR, CONVERGENCE_DIR, LEVERS_DIR)
 
 
 def scaling_table(root: str | os.PathLike, label: str, config: str) -> Path:
@@ -64,6 +73,14 @@ def scaling_table(root: str | os.PathLike, label: str, config: str) -> Path:
 
 def convergence_folder(root: str | os.PathLike, label: str) -> Path:
     return Path(root) / label / CONVERGENCE_DIR
+
+
+def levers_table(root: str | os.PathLike, label: str, table: str, config: str | None = None) -> Path:
+    """Where a label's lever calls keep one of `LEVERS_TABLES`, or with `config` one of that variant's
+    `LEVER_RUN_TABLES` (each file's schema table is its stem)."""
+    assert table in (LEVER_RUN_TABLES if config else LEVERS_TABLES), (table, config)
+    folder = Path(root) / label / LEVERS_DIR
+    return (folder / config if config else folder) / f"{table}.parquet"
 
 
 # -------------------------------------------------------------------------------------------------- a run
@@ -180,7 +197,8 @@ def snapshot_summary(path: str | os.PathLike) -> Path:
 def table_of(path: str | os.PathLike) -> str:
     """The schema table a parquet file of the tree holds, from its place: scaling/<config>.parquet is table
     scaling, convergence/<stem>.parquet convergence_<stem>, a snapshot's summary snapshot, any other
-    <table>.parquet its stem (run, steps, kernels, ncu, quality, bench, roofs, partition)."""
+    <table>.parquet its stem (run, steps, kernels, ncu, quality, bench, roofs, partition; under levers/ repeats and
+    sample_batches, and kernels and quality per variant)."""
     path = Path(path)
     if path.parent.name == SCALING_DIR:
         return "scaling"

@@ -29,7 +29,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from medddpm.store.storage import os_error_reason
+from medddpm.errors import UserError
+from medddpm.store.storage import NotRegularFile, os_error_reason, read_regular
 
 
 
@@ -56,7 +57,7 @@ def _close_in_child() -> None:
 os.register_at_fork(after_in_child=_close_in_child)
 
 
-class FolderInUse(ValueError):
+class FolderInUse(UserError):
     """Another process holds the folder's lock; the message is one line naming it (pid, host, since when)."""
 
     def __init__(self, folder: Path, what: str, holder: dict):
@@ -74,8 +75,8 @@ def lock_holder(folder: str | os.PathLike, lock_file: str | os.PathLike | None =
     """What the lock file of `folder` says of its holder: pid, host, since, what ({} if none). Whether the
     lock is held is known only by trying to take it (`output_lock`)."""
     try:
-        text = Path(lock_file or lock_path(folder)).read_text(errors="replace")
-    except OSError:
+        text = read_regular(Path(lock_file or lock_path(folder))).decode(errors="replace")
+    except (OSError, NotRegularFile):  # gone, or not a file (a named pipe would block the read)
         return {}
     info = {}
     for line in text.splitlines():

@@ -1,10 +1,11 @@
 """The tables every measurement writes, documented in one place and checked on write and on read.
 
 Each table is a parquet file whose place in the data tree `medddpm.store.layout` names: a run folder's
-``run``, ``steps``, ``kernels``, ``ncu`` and ``quality``; a label's ``roofs``, ``scaling`` and ``bench``; the
-study's ``convergence_*``; the data root's ``partition``; and the ``snapshot`` summary beside an allocator
-snapshot. A column renamed (`RENAMED`), retired (`RETIRED`) or added (`ADDED`) since a committed table was
-written is read under today's schema, so that every table of the tree reads, whenever it was written.
+``run``, ``steps``, ``kernels``, ``ncu`` and ``quality``; a label's ``roofs``, ``scaling`` and ``bench``, and its
+lever calls' ``repeats`` and ``sample_batches``; the study's ``convergence_*``; the data root's ``partition``; and
+the ``snapshot`` summary beside an allocator snapshot. A column renamed (`RENAMED`), retired (`RETIRED`) or added
+(`ADDED`) since a committed table was written is read under today's schema, so that every table of the tree reads,
+whenever it was written.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from medddpm.errors import UserError
 from medddpm.configs import Config, switch_kind, switches
 from medddpm.store.layout import table_of
-from medddpm.store.storage import atomic_write
+from medddpm.store.storage import atomic_write, open_regular
 
 S, I, F, B = pa.string(), pa.int64(), pa.float64(), pa.bool_()
 
@@ -246,6 +248,55 @@ TABLES: dict[str, dict[str, tuple[pa.DataType, str]]] = {
         "git_commit": (S, "commit of this repository (-dirty if modified)"),
         "start_time": (S, "UTC start of the measurement, ISO 8601"),
     },
+    # data/<gpu-slug>/levers/repeats.parquet: one process times best and its variants in interleaved blocks of
+    # steps (A, B, C, A, B, C, ...), a row per block; a variant is judged against the blocks of best beside it
+    # (`medddpm.analysis.levers.paired_verdict`)
+    "repeats": {
+        "call_id": (S, "the process that timed the blocks: <gpu-slug>/levers/<UTC start>"),
+        "gpu_slug": (S, "the label of the folder data/<gpu-slug>/"),
+        "gpu_name": (S, "torch.cuda.get_device_name, or 'cpu'"),
+        "config": (S, "configuration name"),
+        "phase": (S, "train (training micro-steps: forward + backward + Adam) | sample (denoising steps)"),
+        "batch": (I, "volumes per step"),
+        "size": (I, "input size: voxels per side of a cube"),
+        "position": (I, "the block's place in the call's order of blocks, from 0 (both phases counted)"),
+        "repeat": (I, "the round of the interleaving the block belongs to, from 0"),
+        "steps": (I, "timed steps in the block, back to back after the variant's warm-up"),
+        "block_ms": (F, "median step time of the block (CUDA events; host clock on a CPU)"),
+        "block_p10_ms": (F, "10th percentile step time of the block"),
+        "block_p90_ms": (F, "90th percentile step time of the block"),
+        "peak_mem_bytes": (I, "peak allocated device memory of the variant's steps, a CUDA graph's capture included "
+                              "(-1 on a CPU)"),
+        "first_step_s": (F, "wall time of the variant's first step in the call (compilation, or loading it from "
+                            "Inductor's cache, and autotuning)"),
+        "git_commit": (S, "commit of this repository"),
+        "torch": (S, "torch.__version__"),
+        "cudnn": (S, "cuDNN version in use"),
+        "start_time": (S, "UTC start of the call, ISO 8601"),
+    },
+    # data/<gpu-slug>/levers/sample_batches.parquet: seconds per generated volume over batch sizes
+    # (`medddpm.measure.timing.sampling`)
+    "sample_batches": {
+        "call_id": (S, "the process that measured: <gpu-slug>/levers/<UTC start>, or the command's own"),
+        "gpu_slug": (S, "the label of the folder data/<gpu-slug>/"),
+        "gpu_name": (S, "torch.cuda.get_device_name, or 'cpu'"),
+        "config": (S, "configuration name"),
+        "size": (I, "input size: voxels per side of a cube"),
+        "batch": (I, "volumes generated at once (one label map each)"),
+        "status": (S, "ok | oom (this batch does not fit; larger ones are not tried) | error"),
+        "message": (S, "why, when status is not ok"),
+        "timesteps": (I, "denoising steps of a full sample (T)"),
+        "steps": (I, "timed denoising steps, after the warm-up"),
+        "step_median_ms": (F, "median time of one denoising step of the whole batch"),
+        "step_p10_ms": (F, "10th percentile time of one denoising step"),
+        "step_p90_ms": (F, "90th percentile time of one denoising step"),
+        "volume_s": (F, "seconds per generated volume: timesteps x the median step / batch"),
+        "peak_mem_bytes": (I, "peak allocated device memory while sampling, a CUDA graph's capture included (-1 on a "
+                              "CPU)"),
+        "git_commit": (S, "commit of this repository"),
+        "torch": (S, "torch.__version__"),
+        "start_time": (S, "UTC start of the measurement, ISO 8601"),
+    },
     "partition": {
         "preset": (S, "the model: smoke | paper | brats"),
         "shape": (S, "input D x H x W in voxels"),
@@ -360,13 +411,17 @@ ADDED: dict[str, dict[str, object]] = {
     "kernels": {"op": ""},  # which operator launched a kernel: unknown in tables written before it was recorded
 }
 
-# Columns that committed tables carry and the schema no longer has: switches removed from the product
-# after their runs were recorded (each measured a loss or was never kept). A table is read without them (the
-# files themselves stay as measured); writing rejects them like any column not in the schema.
-RETIRED: dict[str, tuple[str, ...]] = {
-    "run": ("split_skip", "store_norm_grad", "cudnn_try_all", "memory_budget", "aot_cse", "recompute_reads",
-            "nd_tiling", "coordinate_descent", "combo_kernels"),
+# Columns that tables written while a switch existed carry and the schema no longer has: switches removed from
+# the product after runs recorded them (each measured a loss or was never kept), with the value that meant "off"
+# (what every run the product can still make measured). A table is read without them (the files themselves stay as
+# measured); writing rejects them like any column not in the schema. A recorded identity compares them at that value
+# (`store.identity.canonical`).
+RETIRED_SWITCHES: dict[str, object] = {
+    "split_skip": False, "store_norm_grad": False, "cudnn_try_all": False, "memory_budget": 1.0, "aot_cse": True,
+    "recompute_reads": False, "nd_tiling": False, "coordinate_descent": False, "combo_kernels": False,
+    "conv": "cudnn", "condition_once": False,
 }
+RETIRED: dict[str, tuple[str, ...]] = {"run": tuple(RETIRED_SWITCHES)}
 
 # Columns renamed after data was committed: table -> {old name: new name}. A table written under the old name
 # reads under the new one; writing takes the new name only.
@@ -383,7 +438,7 @@ RENAMED: dict[str, dict[str, str]] = {
 PHASES = ("sample", "torch", "quality", "ncu")
 
 
-class SchemaError(ValueError):
+class SchemaError(UserError):
     """A table does not match its documented schema (one line)."""
 
 
@@ -397,6 +452,8 @@ ENUMS: dict[str, dict[str, tuple[str, ...]]] = {
     "bench": {"phase": ("train", "sample")},
     "roofs": {"roof": ("dram", "fp32", "tf32", "bf16", "fp16"), "unit": ("byte/s", "FLOP/s")},
     "convergence_runs": {"status": ("ok", "diverged", "error")},
+    "repeats": {"phase": ("train", "sample")},
+    "sample_batches": {"status": ("ok", "oom", "error")},
 }
 # A measured time is never negative or infinite: such a value in a table (written by hand, or by a tool that
 # parsed text) would still compare as a number, and flip a claim's verdict.
@@ -412,6 +469,10 @@ RANGES: dict[str, dict[str, tuple[float, float]]] = {  # inclusive bounds; NaN p
     "scaling": {"world_size": (1, math.inf), "rank": (0, math.inf), "micro_step": (0, math.inf)},
     "convergence_losses": {"step": (1, math.inf)},
     "roofs": {"value": (0, math.inf), "repeats": (1, math.inf), "size": (1, math.inf)},
+    "repeats": {**dict.fromkeys(("block_ms", "block_p10_ms", "block_p90_ms"), _TIME), "steps": (1, math.inf),
+                "batch": (1, math.inf), "position": (0, math.inf), "repeat": (0, math.inf)},
+    "sample_batches": {**dict.fromkeys(("step_median_ms", "step_p10_ms", "step_p90_ms", "volume_s"), _TIME),
+                       "batch": (1, math.inf)},
     "snapshot": {"peak_bytes": (0, math.inf), "held_bytes": (0, math.inf), "blocks": (0, math.inf),
                  "bytes": (0, math.inf), "largest": (0, math.inf)},
 }
@@ -425,6 +486,8 @@ KEYS: dict[str, tuple[str, ...]] = {  # non-null, non-empty, and unique together
     "convergence_losses": ("config", "seed", "step"),
     "roofs": ("gpu_slug", "roof"),
     "snapshot": ("origin",),
+    "repeats": ("call_id", "position"),
+    "sample_batches": ("call_id", "config", "batch"),
 }
 ONE_RUN = ("steps", "kernels", "ncu", "quality")  # a run folder's tables of many rows: all of its one run
 
@@ -512,9 +575,10 @@ def read_table(path: str | os.PathLike, table: str | None = None) -> pd.DataFram
     one the schema has retired (`RETIRED`) is dropped, one added since (`ADDED`) is filled in."""
     path = Path(path)
     table = table or table_of(path)
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise FileNotFoundError(f"missing data file {path}")
-    arrow = pq.read_table(path)
+    with open_regular(path, "a table") as f:  # a folder, a named pipe or a symlink loop: one line naming it
+        arrow = pq.read_table(f)
     renamed = RENAMED.get(table, {})
     if any(n in renamed for n in arrow.schema.names):  # a table written before a column's rename
         arrow = arrow.rename_columns([renamed.get(n, n) for n in arrow.schema.names])

@@ -1,18 +1,24 @@
 """Files are written whole or not at all: write to a temporary file beside the target, then rename.
 Folders are published the same way: a staged folder takes the place of the old one in one atomic step.
 
-A write that the file system refuses (a full disk, a read-only or forbidden folder) raises `StorageError`,
-a ValueError whose message is one line naming the path and the reason, e.g. "the disk is full"."""
+A write that the file system refuses (a full disk, a file-size limit, a read-only or forbidden folder) raises
+`StorageError`, a ValueError whose message is one line naming the path and the reason, e.g. "the disk is full".
+
+A file the product reads from a path a user gives (a checkpoint, a log, a table) is opened by `open_regular`: a
+regular file, or a one-line `NotRegularFile` naming what the path is instead. A named pipe would block its reader
+for ever, a folder or a device reads as nonsense; none of them is opened in a way that can block."""
 
 from __future__ import annotations
 
 import ctypes
 import errno
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import BinaryIO, Callable
 
+from medddpm.errors import UserError
 from medddpm.store.layout import is_run
 
 _REASONS = {
@@ -24,6 +30,9 @@ _REASONS = {
     errno.ENOTDIR: "a part of the path is a file, not a folder",
     errno.EEXIST: "a part of the path is a file, not a folder",
     errno.EISDIR: "a folder, not a file",
+    errno.EFBIG: "the file exceeds the largest file allowed (the shell's file-size limit, ulimit -f, or the file "
+                 "system's)",
+    errno.ELOOP: "a symlink loop",
 }
 
 
@@ -32,7 +41,7 @@ def os_error_reason(e: OSError) -> str | None:
     return _REASONS.get(e.errno)
 
 
-class StorageError(ValueError):
+class StorageError(UserError):
     """The file system refused a write (one line: the path and why)."""
 
 
@@ -41,10 +50,67 @@ class Interrupted(KeyboardInterrupt):
     line prints it and exits 130, as a shell does for SIGINT)."""
 
 
-def storage_error(path: str | os.PathLike, e: OSError) -> Exception:
-    """`e` as a one-line StorageError where its cause is the file system's, else `e` itself."""
-    reason = os_error_reason(e)
-    return StorageError(f"cannot write {path}: {reason}") if reason else e
+def describe_os_error(e: OSError) -> str:
+    """One line for an OSError: the path it names, if any, and the reason in words a user acts on."""
+    reason = os_error_reason(e) or e.strerror or str(e) or type(e).__name__
+    return f"{e.filename}: {reason}" if e.filename and e.strerror else reason
+
+
+def storage_error(path: str | os.PathLike, e: OSError) -> StorageError:
+    """`e`, raised while writing `path`, as a one-line StorageError: the file system's reason in words where it is
+    one a user acts on ("the disk is full"), else its own."""
+    return StorageError(f"cannot write {path}: {os_error_reason(e) or e.strerror or e}")
+
+
+class NotRegularFile(UserError):
+    """A path the product reads is not a regular file (a folder, a named pipe, a device, a socket): one line naming
+    it and what it is."""
+
+
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def _not_regular(path: str | os.PathLike, mode: int, what: str) -> NotRegularFile | None:
+    if stat.S_ISREG(mode):
+        return None
+    kind = next((name for test, name in _KINDS if test(mode)), "not a file")
+    return NotRegularFile(f"{path}: {kind}, not a regular file; {what} is read from a regular file only")
+
+
+def check_regular(path: str | os.PathLike, what: str = "it") -> None:
+    """Refuse, in one line, a path that exists but is not a regular file (`stat` follows symlinks and never
+    blocks); a missing path raises FileNotFoundError, a symlink loop a NotRegularFile."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise NotRegularFile(f"{path}: a symlink loop, not a regular file") from None
+        raise
+    if (error := _not_regular(path, mode, what)) is not None:
+        raise error
+
+
+def open_regular(path: str | os.PathLike, what: str = "it") -> BinaryIO:
+    """`path` opened for reading in binary mode, refused in one line unless it is a regular file. It is checked
+    before it is opened, and opened without blocking (O_NONBLOCK: an open of a named pipe waits for a writer) and
+    checked again through the descriptor, so that a path swapped meanwhile is refused too."""
+    check_regular(path, what)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if (error := _not_regular(path, os.fstat(fd).st_mode, what)) is not None:
+            raise error
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular(path: str | os.PathLike, what: str = "it") -> bytes:
+    """The bytes of a regular file (`open_regular`)."""
+    with open_regular(path, what) as f:
+        return f.read()
 
 
 def _umask() -> int:

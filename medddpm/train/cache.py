@@ -20,7 +20,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from medddpm.store.storage import StorageError, atomic_write
+from medddpm.store.storage import StorageError, atomic_write, check_regular, read_regular
 from medddpm.train.nifti import DataError
 
 # bump when an entry's layout, the meaning of a parameter or the checks a build makes change (2: images checked
@@ -65,7 +65,9 @@ class VolumeCache:
         if not meta_path.exists():
             return None
         try:
-            meta = json.loads(meta_path.read_text())
+            meta = json.loads(read_regular(meta_path))  # a named pipe or a folder there is rebuilt, never waited on
+            for path in (image_path, labels_path):
+                check_regular(path)
             image = np.load(image_path, mmap_mode="r", allow_pickle=False)
             labels = np.load(labels_path, mmap_mode="r", allow_pickle=False)
             if (list(image.shape) != meta["image_shape"] or list(labels.shape) != meta["labels_shape"]

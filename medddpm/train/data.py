@@ -22,10 +22,10 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch.utils.data import Dataset
-from tqdm import tqdm  # text bars: tqdm.auto draws ipywidgets bars, a message per update under papermill
 
+from medddpm.progress import progress_bar
 from medddpm.model.unet import ModelSpec
-from medddpm.store.storage import atomic_write
+from medddpm.store.storage import atomic_write, check_regular
 from medddpm.train.folders import BratsCases, NiftiPairs, brats_folders, default_cache_dir
 from medddpm.train.loader import one_hot_condition
 from medddpm.train.nifti import DataError  # noqa: F401 - what open_dataset raises, for its callers
@@ -43,6 +43,7 @@ def _read_npz(path: Path) -> dict[str, np.ndarray] | None:
     """The arrays of a cached subject, or None when it is missing or does not read back (truncated, overwritten):
     the caller generates it again, as it is a pure function of its seed and size."""
     try:
+        check_regular(path)  # a named pipe there would block np.load; anything but a file is generated again
         with np.load(path, allow_pickle=False) as f:
             return {"image": f["image"], "labels": f["labels"]}
     except FileNotFoundError:
@@ -88,7 +89,7 @@ class MNIPairs(Dataset):
     def prepare(self) -> MNIPairs:
         """Generate every missing pair now (with a progress bar), not during training."""
         missing = [i for i in range(self.n) if not self.path(i).exists()]
-        for i in tqdm(missing, desc=f"MNI pairs {_size_name(self.size)}", disable=not self.progress):
+        for i in progress_bar(missing, desc=f"MNI pairs {_size_name(self.size)}", progress=self.progress):
             self._pair(i)
         return self
 

@@ -59,6 +59,13 @@ class EMA:
 RECOMPUTE_POINTWISE = {"realize_reads_threshold": 100, "realize_opcount_threshold": 1000}
 
 
+# `conv_autotune`. Inductor times each forward convolution of a graph among cuDNN (ATen's call) and its Triton
+# templates, and keeps the fastest; a template takes the pointwise work after it (the bias it peels off cuDNN's
+# call, a residual add) as an epilogue. GEMMs stay on cuBLAS, so that the switch is about convolutions alone.
+CONV_AUTOTUNE = {"max_autotune": True, "max_autotune_conv_backends": "ATEN,TRITON",
+                 "max_autotune_gemm_backends": "ATEN"}
+
+
 def inductor_options(run: Resolved, *, training: bool = True) -> dict:
     """`torch.compile(options=...)` for a configuration as it runs; the training graphs' own switch
     (`recompute_pointwise`) is left out of the denoising step's (`Engine.sampler`)."""
@@ -67,6 +74,8 @@ def inductor_options(run: Resolved, *, training: bool = True) -> dict:
         options["joint_custom_pre_pass"] = SaveRandomOps()  # a recomputed SDPA kept the graphs out of the FX cache
     if training and run.recompute_pointwise:
         options |= RECOMPUTE_POINTWISE
+    if run.config.conv_autotune and run.compile:
+        options |= CONV_AUTOTUNE
     return options
 
 
@@ -81,10 +90,9 @@ class Engine:
         torch.manual_seed(seed)
 
         model = UNet3D(spec, attention=config.attention, recompute_attention=config.recompute_attention,
-                       upsample=config.upsample, checkpointing=config.checkpointing, group_norm=config.group_norm,
-                       pad_channels=config.pad_channels, tap_gemm=config.tap_gemm,
-                       store_skip_grad=config.store_skip_grad, narrow_checkpoints=config.narrow_checkpoints,
-                       conv=self.run.conv)
+                       upsample=config.upsample, checkpointing=config.checkpointing, group_norm=self.run.group_norm,
+                       pad_channels=config.pad_channels, tap_gemm=config.tap_gemm, tap_major=config.tap_major,
+                       store_skip_grad=config.store_skip_grad, narrow_checkpoints=config.narrow_checkpoints)
         self.model = model.to(self.device, memory_format=self.run.memory_format)
         self.denoiser = self._compile(self.model) if self.run.compile else self.model
         # Sampling saves nothing for a backward, so `recompute_pointwise` only adds work there (a tenth of the

@@ -9,23 +9,24 @@ import os
 from pathlib import Path
 
 import torch
-from tqdm import tqdm  # text bars: tqdm.auto draws ipywidgets bars, a message per update under papermill
 
+from medddpm.progress import progress_bar
+from medddpm.errors import UserError
 from medddpm.configs import Config, ConfigError, get_config
 from medddpm.train import checkpoint
-from medddpm.train.checkpoint import CHECKPOINT, writing
+from medddpm.train.checkpoint import CHECKPOINT, CheckpointError, load_error, writing
 from medddpm.train.engine import Engine
 from medddpm.train.loader import DeviceLoader, closing_with
 from medddpm.model.unet import ModelSpec
 from medddpm.store.lock import output_lock
-from medddpm.store.storage import Interrupted, atomic_write
+from medddpm.store.storage import Interrupted, atomic_write, read_regular
 from medddpm.train.timing import StepTimer
 
 LOSS_LOG = "loss.jsonl"
 RANK_LOG = "ranks.jsonl"  # under DDP: one line per rank and step, {"step", "rank", "world_size", "step_ms"}
 
 
-class Diverged(ValueError):
+class Diverged(UserError):
     """Training reached a non-finite loss on a step that fp16's loss scaler did not skip: the run stops there, its
     log holds the steps up to that one, and its last checkpoint (written before the loss went bad) is kept."""
 
@@ -140,7 +141,7 @@ def _train(spec, config, dataset, *, out, steps, device, grad_accum, lr, seed, s
     ckpt = out / CHECKPOINT
     hyper = {"seed": seed, "grad_accum": grad_accum, "lr": lr}
     state = None
-    if ckpt.exists():
+    if os.path.lexists(ckpt):  # a symlink that leads nowhere is refused by `read`, not taken for no checkpoint
         # read on the CPU: the RNG states stay CPU tensors, and loading moves the rest to the device
         state = checkpoint.read(ckpt, map_location="cpu")
         if state.get("world_size", 1) != world:
@@ -153,8 +154,8 @@ def _train(spec, config, dataset, *, out, steps, device, grad_accum, lr, seed, s
     if state is not None:
         try:
             engine.load_state_dict(state)
-        except (RuntimeError, KeyError) as e:
-            raise ValueError(f"{ckpt} does not fit this model ({str(e).strip().splitlines()[0][:200]})") from None
+        except (RuntimeError, KeyError, ValueError, TypeError) as e:
+            raise CheckpointError(f"{ckpt} does not fit this model ({load_error(e)})") from None
         for group in engine.opt.param_groups:  # the checkpoint's optimizer state carries the lr it ran with
             group["lr"] = lr
     start = engine.step_count
@@ -203,8 +204,8 @@ def _train(spec, config, dataset, *, out, steps, device, grad_accum, lr, seed, s
         if bad:
             raise Diverged(bad[0], bad[1], counted["saved"])
 
-    bar = tqdm(range(start, steps), initial=start, total=steps, desc=f"train {engine.config.name}",
-               disable=not (progress and main))
+    bar = progress_bar(range(start, steps), initial=start, total=steps, desc=f"train {engine.config.name}",
+                       progress=progress and main)
     # items read ahead by worker processes, in the order batch_indices gives (the loader shuts them down when the
     # loop ends, by an error or Ctrl-C too)
     order = (batch_indices(len(dataset), s, rank * grad_accum + m, seed=seed) for s in range(start, steps)
@@ -261,10 +262,10 @@ def _append(path: Path, records: list[dict]) -> None:
 def _truncate_log(path: Path, step: int) -> None:
     """Drop log lines past the checkpoint, so a resumed run neither repeats nor loses steps (a line a killed
     run left half-written is past it too)."""
-    if not path.exists():
+    if not os.path.lexists(path):
         return
     keep = []
-    for line in path.read_text().splitlines():
+    for line in read_regular(path, "the loss log").decode(errors="replace").splitlines():
         try:
             if line and json.loads(line)["step"] <= step:
                 keep.append(line)
@@ -276,4 +277,6 @@ def _truncate_log(path: Path, step: int) -> None:
 
 def read_loss_log(out_dir: str | os.PathLike) -> list[dict]:
     path = Path(out_dir) / LOSS_LOG
-    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+    if not os.path.lexists(path):
+        return []
+    return [json.loads(line) for line in read_regular(path, "the loss log").decode().splitlines() if line]

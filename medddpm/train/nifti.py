@@ -25,17 +25,17 @@ import torch.nn.functional as F
 from nibabel.filebasedimages import ImageFileError
 from nibabel.spatialimages import HeaderDataError
 
+from medddpm.errors import UserError
+from medddpm.store.storage import NotRegularFile, check_regular
+
 _READ_ERRORS = (ImageFileError, HeaderDataError, OSError, EOFError, ValueError, zlib.error)
 # The largest volume read: 512^3 voxels (0.5 GB as float32) is several times any MRI (BraTS is 240x240x155), so a
 # header claiming more is corrupt or not a scan, and is refused before nibabel allocates it.
 MAX_VOXELS = 512 ** 3
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """Bad input data; str(e) is one line naming the offending file."""
-
-    def __init__(self, message: str):
-        super().__init__(" ".join(str(message).splitlines()))
 
 
 # helpers
@@ -81,8 +81,14 @@ def check_file(path: Path) -> None:
     """A folder entry that should be a NIfTI file: an error naming it if it is not."""
     if (why := missing_why(path)) is not None:
         raise fail(path, why)
-    if nifti_name(path) is None or not path.is_file():
+    if nifti_name(path) is None:
         raise fail(path, "not a NIfTI file (.nii or .nii.gz)")
+    try:  # a folder, or a named pipe that would block the reader, of a NIfTI file's name
+        check_regular(path, "a volume")
+    except FileNotFoundError:
+        raise fail(path, "no such file") from None
+    except NotRegularFile as e:
+        raise DataError(str(e)) from None
 
 
 def numbered_files(folder: Path) -> dict[int, Path]:

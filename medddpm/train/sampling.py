@@ -36,7 +36,7 @@ def load_checkpoint(path: str | os.PathLike, *, device: torch.device | str = "cp
     path = Path(path)
     if path.is_dir():
         path = path / checkpoint.CHECKPOINT
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise FileNotFoundError(f"no checkpoint at {path}")
     state = checkpoint.read(path, map_location="cpu")
     try:
@@ -52,8 +52,9 @@ def load_checkpoint(path: str | os.PathLike, *, device: torch.device | str = "cp
         if use_ema and "ema" in state:
             engine.ema.load_state_dict(state["ema"])
             engine.ema.copy_to(engine.model)
-    except (RuntimeError, KeyError, TypeError) as e:
-        raise ValueError(f"{path}: its weights do not fit its model ({str(e).strip().splitlines()[0][:200]})") from None
+    except (RuntimeError, KeyError, TypeError, ValueError) as e:
+        raise checkpoint.CheckpointError(f"{path}: its weights do not fit its model ({checkpoint.load_error(e)})") \
+            from None
     engine.model.eval()
     return engine
 

@@ -4,6 +4,7 @@
 # $OUT, so that what was measured comes back even if the lease ends in the middle of the next one.
 # Usage: lab/leases/tools/device-sweep.sh DEADLINE_S PRESET CONFIG [CONFIG ...]
 #   SWEEP_ARGS: more `python -m medddpm sweep` flags, e.g. "--ncu-timeout 150".
+#   SWEEP_OUT: the data tree it writes (runs/device-data; the queue's is runs/queue/data, a copy of data/).
 # Each configuration runs with --time-limit set to what is left before the deadline (less a margin for
 # papermill and packing), so that Nsight Compute, its last phase, shrinks to fit rather than the whole
 # configuration being killed.
@@ -13,7 +14,7 @@ cd "$(dirname "$0")/../../.."
 deadline=$1 preset=$2
 shift 2
 out=${OUT:-runs/out}
-work=runs/device-data
+work=${SWEEP_OUT:-runs/device-data}
 mkdir -p "$out" "$work" runs/ncu
 pack() {
   tar -czf "$out/.data.tgz" -C "$work" . && mv "$out/.data.tgz" "$out/data.tgz"

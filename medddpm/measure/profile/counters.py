@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from medddpm.errors import UserError
 from medddpm.store import schema
 from medddpm.store.layout import NCU_REPORTS, RUN_FILE, is_run, run_table
 from medddpm.configs import mismatch
@@ -29,7 +30,7 @@ from medddpm.analysis.ncu_table import COVERAGE, join_launches, profiled_coverag
 from medddpm.measure.profile.ncu import PASSES, library_launches_done, run_ncu
 
 
-class CountersError(ValueError):
+class CountersError(UserError):
     """A run folder that cannot be given counters here (one line, before any GPU work)."""
 
 

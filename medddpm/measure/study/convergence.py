@@ -34,6 +34,8 @@ import pandas as pd
 import torch
 from tqdm import tqdm  # text bars: tqdm.auto draws ipywidgets bars, a message per update under papermill
 
+from medddpm.progress import progress_bar
+from medddpm.errors import UserError
 from medddpm.configs import get_config
 from medddpm.measure.study import sample_metrics as sm
 from medddpm.measure.env import device_type, environment, gpu_slug, pick_device
@@ -54,7 +56,7 @@ SETTINGS = ("size", "base_channels", "data", "pairs", "steps", "grad_accum", "lr
             "sample_steps")
 
 
-class StudyError(ValueError):
+class StudyError(UserError):
     """Settings that cannot run, or that differ from those of the results already in the folder (one line)."""
 
 
@@ -78,8 +80,8 @@ class Settings:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise StudyError(f"{name} must be a positive integer, got {value!r}")
-        if not (isinstance(self.lr, (int, float)) and self.lr > 0):
-            raise StudyError(f"lr must be a positive number, got {self.lr!r}")
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not 0 < self.lr < math.inf:
+            raise StudyError(f"lr must be a positive finite number, got {self.lr!r}")
         if self.data != "mni":
             raise StudyError(f"the study trains on the embedded data ('mni'), not {self.data!r}: its scores name "
                              "CSF, grey and white matter")
@@ -285,8 +287,8 @@ def prepare_data(settings: Settings, *, processes: int = 1, progress: bool = Tru
         from concurrent.futures import ProcessPoolExecutor
 
         with ProcessPoolExecutor(min(processes, len(missing)), mp_context=mp.get_context("spawn")) as pool:
-            list(tqdm(pool.map(_make_pair, missing, [settings.size] * len(missing)), total=len(missing),
-                      desc=f"MNI pairs {settings.size}", disable=not progress))
+            list(progress_bar(pool.map(_make_pair, missing, [settings.size] * len(missing)), total=len(missing),
+                              desc=f"MNI pairs {settings.size}", progress=progress))
     data.prepare()
     items = [data[i] for i in range(len(data))]
     reference = sm.tissue_quantiles([x[0].numpy() for x, _ in items], [labels_of(c) for _, c in items])
@@ -384,7 +386,7 @@ def study(configs: list[str], seeds: list[int], settings: Settings = Settings(),
         else:
             tqdm.write(f"{job.config} seed {job.seed}: {run['status']}: {run['message']}")
 
-    bar = tqdm(total=len(todo_jobs), desc="study", unit="run", disable=not progress)
+    bar = progress_bar(total=len(todo_jobs), desc="study", unit="run", progress=progress)
     if jobs == 1:
         stopped = []
         for i, job in enumerate(todo_jobs):
@@ -412,41 +414,49 @@ def _run_parallel(jobs: list[Job], n: int, devices: list[str], deadline: float |
     jobs the deadline stopped or kept from starting (a stopped one keeps its last checkpoint)."""
     ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
     pending, running = list(jobs), {}  # slot -> (process, job)
-    while pending or running:
-        if _seconds_left(deadline) <= 0:
-            for proc, _ in running.values():
-                proc.terminate()
-            for proc, _ in running.values():
-                proc.join(30)
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join()
-            return [job for _, job in running.values()] + pending
-        for slot in range(n):
-            if slot not in running and pending:
-                job = dataclasses.replace(pending.pop(0), device=devices[slot % len(devices)])
-                Path(job.work).mkdir(parents=True, exist_ok=True)
-                for table in ("losses", "samples", "runs"):
-                    job.result_path(table).unlink(missing_ok=True)
-                proc = ctx.Process(target=_worker, args=(job,), name=f"study {job.config} seed {job.seed}")
-                proc.start()
-                running[slot] = (proc, job)
-        time.sleep(0.5)
-        for slot, (proc, job) in list(running.items()):
+
+    def stop_running():  # each keeps its last checkpoint; the same command resumes it
+        for proc, _ in running.values():
+            proc.terminate()
+        for proc, _ in running.values():
+            proc.join(30)
             if proc.is_alive():
-                continue
-            proc.join()
-            try:
-                result = _read_result(job)
-            except (schema.SchemaError, OSError, ValueError) as e:
-                result = _result(job, _row(job, status="error", message=f"unreadable result: {e}".splitlines()[0]))
-            if result is None:  # killed for memory, or a crash inside a library
-                result = _result(job, _row(job, status="error",
-                                           message=f"worker exited with code {proc.exitcode} before its result"))
-            record(job, result)
-            bar.update()
-            del running[slot]
-    return []
+                proc.kill()
+                proc.join()
+
+    try:  # Ctrl-C, SIGTERM, an error recording a result: no run goes on without this process
+        while pending or running:
+            if _seconds_left(deadline) <= 0:
+                stop_running()
+                return [job for _, job in running.values()] + pending
+            for slot in range(n):
+                if slot not in running and pending:
+                    job = dataclasses.replace(pending.pop(0), device=devices[slot % len(devices)])
+                    Path(job.work).mkdir(parents=True, exist_ok=True)
+                    for table in ("losses", "samples", "runs"):
+                        job.result_path(table).unlink(missing_ok=True)
+                    proc = ctx.Process(target=_worker, args=(job,), name=f"study {job.config} seed {job.seed}")
+                    proc.start()
+                    running[slot] = (proc, job)
+            time.sleep(0.5)
+            for slot, (proc, job) in list(running.items()):
+                if proc.is_alive():
+                    continue
+                proc.join()
+                try:
+                    result = _read_result(job)
+                except (schema.SchemaError, OSError, ValueError) as e:
+                    result = _result(job, _row(job, status="error", message=f"unreadable result: {e}".splitlines()[0]))
+                if result is None:  # killed for memory, or a crash inside a library
+                    result = _result(job, _row(job, status="error",
+                                               message=f"worker exited with code {proc.exitcode} before its result"))
+                record(job, result)
+                bar.update()
+                del running[slot]
+        return []
+    except BaseException:
+        stop_running()
+        raise
 
 
 def summary(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
@@ -466,8 +476,19 @@ def summary(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
                      "skipped_steps": int(r["skipped_steps"].sum()), "final_loss": r["final_loss"].mean(),
                      "train_s": r["train_s"].mean()})
     real = samples[(samples["config"] == store.REAL) & (samples["metric"] == "label_dice") & (samples["tissue"] == "mean")]
-    if len(real):
+    if rows and len(real):  # the ceiling, beside the configurations' scores
         rows.append({"config": store.REAL, "runs": 0, "label_dice": real["value"].mean(),
                      "hist_w1": samples[(samples["config"] == store.REAL) & (samples["metric"] == "hist_w1")
                                         & (samples["tissue"] == "mean")]["value"].mean()})
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
+
+
+SUMMARY_COLUMNS = ("config", "runs", "label_dice", "label_dice_sd", "hist_w1", "ms_ssim", "skipped_steps", "final_loss",
+                   "train_s")
+
+
+def unfinished(tables: dict[str, pd.DataFrame]) -> str:
+    """One line: how many runs of the study did not finish, by status ('' where every one did)."""
+    counts = tables["runs"]["status"].value_counts()
+    counts = counts[counts.index != "ok"]
+    return ", ".join(f"{n} {status}" for status, n in counts.items())

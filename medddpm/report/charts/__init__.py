@@ -26,17 +26,17 @@ if "jsonschema" not in sys.modules:
     sys.modules.setdefault("rfc3987_syntax", None)
 
 from medddpm.report.charts.theme import (  # noqa: E402
-    CATEGORIES, CATEGORY_COLORS, GIB, MAX_ROWS, MS, OTHER, OTHER_COLOR, PALETTE, PARTS, PASS_COLORS, PASS_ORDER,
-    VERDICT_COLORS, _config_legend, _config_param, _configs_in, _default_gpu, _empty, _fold, _gpu_param, _height,
-    _light, _metric_param, _no_gpu, _step_axis, category_color, chosen_axis_title, config_color, decades,
-    distinct_colors, duration_text, figure, gpu_rows, is_cpu, live_notebook, log_axis, parts_color, setup, table, title,
-    top_parts, unit_of, with_unit)
+    CARD_PALETTE, CATEGORIES, CATEGORY_COLORS, GIB, MAX_ROWS, MS, OTHER, OTHER_COLOR, PALETTE, PARTS, PASS_COLORS,
+    PASS_ORDER, VERDICT_COLORS, _config_legend, _config_param, _configs_in, _default_gpu, _empty, _fold, _gpu_param,
+    _height, _light, _metric_param, _no_gpu, _step_axis, card_color, card_legend, card_offset, card_order,
+    card_palette, category_color, chosen_axis_title, config_color, decades, distinct_colors, duration_text, figure,
+    gpu_rows, is_cpu, live_notebook, log_axis, parts_color, setup, table, title, top_parts, unit_of, with_unit)
 from medddpm.report.charts.timing import (  # noqa: E402
     ABLATION_COLORS, COST_METRICS, ablation, bench, cost, gpu_busy, headline, scaling, speedup, step_time)
 from medddpm.report.charts.kernels import PASS_METRICS, category_shares, pass_split, top_kernels  # noqa: E402
 from medddpm.report.charts.counters import (  # noqa: E402
     MEMORY_METRICS, instruction_mix, kernel_stalls, memory, priorities, roofline, stalls, tensor_pipe)
-from medddpm.report.charts.cards import card_steps, category_ratios  # noqa: E402
+from medddpm.report.charts.cards import card_compare, card_steps, category_ratios, ratio_by_share  # noqa: E402
 from medddpm.report.charts.device_memory import (  # noqa: E402
     FIT_COLORS, _model_param, card_label, memory_fits, memory_peaks, switch_costs)
 from medddpm.report.charts.quality import claims_grid, loss_curves, loss_difference, rel_err  # noqa: E402
@@ -44,10 +44,11 @@ from medddpm.report.charts.study import OUTCOME_COLORS, paired_differences, stud
 
 __all__ = [
     # shared
-    "CATEGORIES", "CATEGORY_COLORS", "GIB", "MAX_ROWS", "MS", "OTHER", "OTHER_COLOR", "PALETTE", "PARTS",
-    "PASS_COLORS", "PASS_ORDER", "VERDICT_COLORS", "category_color", "chosen_axis_title", "config_color", "decades",
-    "distinct_colors", "duration_text", "figure", "gpu_rows", "is_cpu", "live_notebook", "log_axis", "parts_color", "setup",
-    "table", "title", "top_parts", "unit_of", "with_unit",
+    "CARD_PALETTE", "CATEGORIES", "CATEGORY_COLORS", "GIB", "MAX_ROWS", "MS", "OTHER", "OTHER_COLOR", "PALETTE",
+    "PARTS", "PASS_COLORS", "PASS_ORDER", "VERDICT_COLORS", "card_color", "card_legend", "card_offset", "card_order",
+    "card_palette", "category_color", "chosen_axis_title", "config_color", "decades", "distinct_colors",
+    "duration_text", "figure", "gpu_rows", "is_cpu", "live_notebook", "log_axis", "parts_color", "setup", "table",
+    "title", "top_parts", "unit_of", "with_unit",
     # step time and what it buys
     "ABLATION_COLORS", "COST_METRICS", "ablation", "bench", "cost", "gpu_busy", "headline", "scaling", "speedup",
     "step_time",
@@ -57,7 +58,7 @@ __all__ = [
     "MEMORY_METRICS", "instruction_mix", "kernel_stalls", "memory", "priorities", "roofline", "stalls",
     "tensor_pipe",
     # cards against each other
-    "card_steps", "category_ratios",
+    "card_compare", "card_steps", "category_ratios", "ratio_by_share",
     # device memory
     "FIT_COLORS", "card_label", "memory_fits", "memory_peaks", "switch_costs",
     # quality and claims

@@ -6,12 +6,14 @@ the page's table of cards."""
 
 from __future__ import annotations
 
+import textwrap
+
 import altair as alt
 import numpy as np
 import pandas as pd
 
-from medddpm.report.charts.theme import (MS, _config_legend, _configs_in, _gpu_param, _height, _light, _no_gpu,
-                                         config_color, figure, gpu_rows, parts_color, title)
+from medddpm.report.charts.theme import (MS, _config_legend, _configs_in, _default_gpu, _gpu_param, _height, _light,
+                                         _no_gpu, config_color, figure, gpu_rows, parts_color, title)
 from medddpm.report.loading import config_order
 from medddpm.report.memory import FIT_VERDICTS, card_memory
 
@@ -19,13 +21,29 @@ FIT_COLORS = ["#54a24b", "#eeca3b", "#e45756"]  # fits, tight, does not fit (mem
 
 
 def _model_param(df: pd.DataFrame, name: str = "model") -> alt.Parameter:
+    """The model dropdown, starting on a model the default GPU (`_gpu_param`'s) ran, the one it ran most
+    configurations of: a GPU that never ran the first model in the list would open on an empty chart."""
     options = sorted(df["model"].unique())
-    return alt.param(name=name, value=options[0], bind=alt.binding_select(options=options, name="model "))
+    mine = df[df["gpu_slug"] == _default_gpu(df["gpu_slug"])] if "gpu_slug" in df else df
+    counts = mine.groupby("model")["config"].nunique() if len(mine) else pd.Series(dtype=int)
+    first = max(options, key=lambda m: (counts.get(m, 0), -options.index(m)))
+    return alt.param(name=name, value=first, bind=alt.binding_select(options=options, name="model "))
 
 
 def card_label(name: str, gib: float) -> str:
     """A card on a chart: its name as its driver gives it, without the vendor's prefix, and its memory in GiB."""
     return f"{name.removeprefix('NVIDIA ')}: {gib:.1f} GiB"
+
+
+AXIS_LINE = 10  # characters of a card's name on one line of an axis label: 60 px, a seventh of the column
+
+
+def axis_label(name: str, gib: float) -> str:
+    """A card under a column of a chart: its name (`card_label`'s, without "Tesla") in lines of at most
+    `AXIS_LINE` characters, broken at spaces and hyphens, over its memory; lines joined by "|" for the axis's
+    `labelExpr` to split. Full names side by side would run into each other."""
+    short = name.removeprefix("NVIDIA ").removeprefix("Tesla ")
+    return "|".join(textwrap.wrap(short, AXIS_LINE, break_on_hyphens=True) + [f"{gib:.1f} GiB"])
 
 
 def _cards(df: pd.DataFrame, cards: pd.DataFrame) -> pd.DataFrame:
@@ -94,15 +112,15 @@ def memory_fits(fits_df: pd.DataFrame, *, cpu: bool = False) -> alt.LayerChart |
     df = gpu_rows(fits_df, cpu)
     if df.empty:
         return _no_gpu(fits_df, "GPU peak memory", " (a CPU run has none): nothing to fit yet")
-    df = _light(df.assign(card_axis=[card_label(c, g) for c, g in zip(df["card"], df["card_gib"])]))
+    df = _light(df.assign(card_axis=[axis_label(c, g) for c, g in zip(df["card"], df["card_gib"])]))
     df["batch_text"] = [("up to " + str(int(b))) if pd.notna(b) and b >= 1 else "-" for b in df["largest_batch"]]
     gpu, model = _gpu_param(df), _model_param(df)
     pick = alt.selection_point(fields=["verdict"], bind="legend")
     base = alt.Chart(df).transform_filter((alt.datum.gpu_slug == gpu) & (alt.datum.model == model))
     order = df.sort_values(["card_gib", "card"])["card_axis"].drop_duplicates().tolist()
-    # a card's name over its memory, on two lines: six cards side by side fit the page's column
+    # a card's name over its memory, the name on short lines: seven cards side by side fit the page's column
     x = alt.X("card_axis:N", sort=order, title="card: the memory its driver reports (GiB)",
-              axis=alt.Axis(labelAngle=0, labelExpr="split(datum.label, ': ')", labelLimit=160))
+              axis=alt.Axis(labelAngle=0, labelExpr="split(datum.label, '|')", labelLimit=160))
     y = alt.Y("config:N", sort=_configs_in(df), title=None)
     tip = [alt.Tooltip("gpu_slug:N", title="measured on"), alt.Tooltip("model:N"),
            alt.Tooltip("config:N", title="configuration"), alt.Tooltip("card:N"),

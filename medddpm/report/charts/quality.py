@@ -7,9 +7,12 @@ import numpy as np
 import pandas as pd
 
 from medddpm.report.charts.theme import (VERDICT_COLORS, _config_param, _configs_in, _empty, _gpu_param, _light,
-                                         _no_gpu, _step_axis, config_color, figure, gpu_rows, is_cpu, log_axis, title)
+                                         _no_gpu, _step_axis, card_color, card_offset, card_order, config_color, figure,
+                                         gpu_rows, is_cpu, log_axis, title)
+from medddpm.report.loading import IN_PART
 
 PANEL_COLUMNS, PANEL_WIDTH, PANEL_HEIGHT = 4, 122, 90  # four panels and their axes fit a 700 px column
+IN_PART_FRAME = 4  # px: a verdict judged in part is a frame of its verdict's colour
 
 
 @figure
@@ -79,11 +82,13 @@ def rel_err(qsum: pd.DataFrame, tolerance: float, *, cpu: bool = False) -> alt.L
     df = _light(q.assign(shown=q["rel_err"].clip(lower=floor), exact=np.where(q["rel_err"] == 0, "bitwise equal", "")))
     pick = alt.selection_point(fields=["gpu_slug"], bind="legend")
     scale, axis = log_axis(lo, 0, "relative L2 error of one forward pass vs strict FP32 (log scale)")
-    pts = alt.Chart(df).mark_point(filled=True, size=110).encode(
+    gpus = card_order(df["gpu_slug"])
+    pts = alt.Chart(df).mark_point(filled=True, size=90, opacity=1).encode(
         y=alt.Y("config:N", sort=_configs_in(df), title=None),
+        yOffset=card_offset(gpus),  # the cards side by side: the same error on two cards stays two points
         x=alt.X("shown:Q", scale=scale, axis=axis),
-        color=alt.Color("config:N", scale=config_color(df["config"]), legend=None),
-        shape=alt.Shape("gpu_slug:N", title="GPU (click)"),
+        color=alt.Color("gpu_slug:N", scale=card_color(gpus), sort=gpus,
+                        legend=alt.Legend(title="GPU (click)", orient="bottom", direction="vertical", labelLimit=400)),
         opacity=alt.condition(pick, alt.value(1.0), alt.value(0.15)),
         tooltip=[alt.Tooltip("gpu_slug:N", title="GPU"), alt.Tooltip("config:N", title="configuration"),
                  alt.Tooltip("precision_used:N", title="precision that ran"),
@@ -93,31 +98,52 @@ def rel_err(qsum: pd.DataFrame, tolerance: float, *, cpu: bool = False) -> alt.L
     tol = alt.Chart(pd.DataFrame({"x": [tolerance]})).mark_rule(strokeDash=[4, 3], color="#e45756").encode(
         x="x:Q", tooltip=[alt.Tooltip("x:Q", title="tolerance (relative L2 error)", format=".0e")])
     return alt.layer(tol, pts).properties(
-        width="container", height=alt.Step(22),
-        title=title("Forward-pass error against strict FP32", "red dashed: the tolerance; an exact match sits at the "
-                    "left edge"))
+        width="container", height=alt.Step(11),  # a step per card in each configuration's band
+        title=title("Forward-pass error against strict FP32", "a colour per GPU, side by side; red dashed: the "
+                    "tolerance; an exact match sits at the left edge"))
 
 
 @figure
-def claims_grid(table: pd.DataFrame, *, cpu: bool = False) -> alt.Chart:
-    """Each claim x each GPU (`claims.verdicts`), the cards side by side, coloured by verdict (five states); hover
-    for the evidence, the claim's scope and the paper's magnitude; click a verdict to highlight. A CPU judges no
-    claim: its column only with `cpu`."""
+def claims_grid(table: pd.DataFrame, *, cpu: bool = False,
+                names: dict[str, str] | None = None) -> alt.LayerChart | alt.Chart:
+    """Each claim x each GPU (`claims.verdicts`), the cards side by side under their short names (`names`,
+    `tables.card_names`), coloured by verdict (five states); a verdict judged in part (`judged`: some of its halves
+    not judged yet) is a frame of its verdict's colour round a white cell that names it, never filled like one
+    judged in full; hover for the evidence, the claim's scope and the paper's magnitude; click a verdict to
+    highlight. A CPU judges no claim: its column only with `cpu`."""
     df = table.drop(columns=["figures"], errors="ignore")
     if not cpu:
         df = df[~df["gpu_slug"].map(is_cpu)]
     if df.empty:
         return _empty("no GPU measured yet: the claims are judged on a GPU")
+    names = names or {}
+    judged = df["judged"] if "judged" in df else pd.Series("", index=df.index)
+    df = df.assign(card=df["gpu_slug"].map(lambda s: names.get(s, s)), part=np.where(judged == IN_PART, IN_PART, ""),
+                   judged=judged.replace("", "not judged"))
+    df["label"] = df["verdict"] + ", " + IN_PART
+    cards = [names.get(s, s) for s in card_order(df["gpu_slug"])]
     pick = alt.selection_point(fields=["verdict"], bind="legend")
-    return alt.Chart(df).mark_rect(stroke="white", strokeWidth=2).encode(
+    base = alt.Chart(df).encode(
         y=alt.Y("short:N", sort=list(dict.fromkeys(df["short"])), title=None, axis=alt.Axis(labelLimit=420)),
-        x=alt.X("gpu_slug:N", title=None, axis=alt.Axis(orient="top", labelAngle=0)),
-        color=alt.Color("verdict:N", scale=alt.Scale(domain=list(VERDICT_COLORS), range=list(VERDICT_COLORS.values())),
-                        title="verdict (click)"),
+        x=alt.X("card:N", sort=cards, title=None,
+                axis=alt.Axis(orient="top", labelAngle=0, labelLimit=160, labelFontWeight="bold")),
         opacity=alt.condition(pick, alt.value(1.0), alt.value(0.2)),
         tooltip=[alt.Tooltip("claim:N"), alt.Tooltip("gpu_slug:N", title="GPU"), alt.Tooltip("verdict:N"),
+                 alt.Tooltip("judged:N"),
                  *([alt.Tooltip("scope:N"), alt.Tooltip("paper:N", title="the paper's magnitude"),
                     alt.Tooltip("paper_card:N", title="the paper's card")] if "scope" in df else []),
-                 alt.Tooltip("evidence:N"), alt.Tooltip("rule:N")],
-    ).add_params(pick).properties(width="container", height=alt.Step(24),
-                                  title=title("The paper's claims, measured", "a column per card, side by side"))
+                 alt.Tooltip("evidence:N"), alt.Tooltip("rule:N")])
+    verdicts = alt.Scale(domain=list(VERDICT_COLORS), range=list(VERDICT_COLORS.values()))
+    full = base.transform_filter(alt.datum.part != IN_PART).mark_rect(stroke="white", strokeWidth=2).encode(
+        color=alt.Color("verdict:N", scale=verdicts, title="verdict (click)",
+                        legend=alt.Legend(orient="bottom", columns=3, labelLimit=300)))
+    # in part: the verdict's colour as a frame round a white cell, which no verdict judged in full looks like
+    part = base.transform_filter(alt.datum.part == IN_PART).mark_rect(
+        fill="white", strokeWidth=IN_PART_FRAME, width=alt.RelativeBandSize(0.94), height=alt.RelativeBandSize(0.72),
+    ).encode(stroke=alt.Stroke("verdict:N", scale=verdicts, legend=None))
+    said = base.transform_filter(alt.datum.part == IN_PART).mark_text(fontSize=11, color="#222").encode(
+        text=alt.Text("label:N"))
+    return alt.layer(full, part, said).add_params(pick).properties(
+        width="container", height=alt.Step(24),
+        title=title("The paper's claims, measured", "a column per card; framed: judged in part, on the halves its data "
+                    "judge"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import colorsys
 import functools
+import json
 import math
 import os
 import re
@@ -110,6 +111,41 @@ def distinct_colors(n: int) -> list[str]:
             out.append(colour)
         k += 1
     return out
+
+
+# One colour per card where cards stand side by side in one chart (each card's marks beside the other's, never on
+# top: `card_offset`). Dark and far apart, so that a card reads at a glance in a point or a thin bar.
+CARD_PALETTE = ["#4c78a8", "#e45756", "#54a24b", "#b279a2", "#f58518", "#9d755d", "#72b7b2", "#222222"]
+
+
+def card_order(slugs) -> list[str]:
+    """Device labels in the order every chart of cards uses: GPUs first, each group sorted."""
+    return sorted(set(slugs), key=lambda s: (is_cpu(s), s))
+
+
+def card_palette(n: int) -> list[str]:
+    """`n` colours for cards: `CARD_PALETTE`, then `distinct_colors` for more."""
+    return CARD_PALETTE[:n] if n <= len(CARD_PALETTE) else distinct_colors(n)
+
+
+def card_color(slugs) -> alt.Scale:
+    """One colour per device label, in `card_order`: the same card has the same colour wherever the same cards
+    are drawn."""
+    domain = card_order(slugs)
+    return alt.Scale(domain=domain, range=card_palette(len(domain)))
+
+
+def card_legend(title: str, names: dict[str, str] | None = None, **kw) -> alt.Legend:
+    """A legend of cards that shows each device label by its short name (`tables.card_names`), the label itself
+    where it has none; the field it encodes stays the label, which selections and tooltips use."""
+    shown = {k: v for k, v in (names or {}).items() if k != v}
+    expr = f"({json.dumps(shown)})[datum.label] || datum.label" if shown else alt.Undefined
+    return alt.Legend(title=title, labelExpr=expr, **kw)
+
+
+def card_offset(slugs, field: str = "gpu_slug") -> alt.YOffset:
+    """Each card's mark in its own lane of a band: two cards' points at the same value never cover each other."""
+    return alt.YOffset(f"{field}:N", sort=card_order(slugs), scale=alt.Scale(paddingInner=0.1))
 
 
 def config_color(configs=()) -> alt.Scale:

@@ -6,8 +6,36 @@ import altair as alt
 import pandas as pd
 
 from medddpm.report.charts.theme import (MS, _config_legend, _configs_in, _empty, _fold, _gpu_param, _height, _light,
-                                         _metric_param, _no_gpu, chosen_axis_title, config_color, figure, gpu_rows,
-                                         title, unit_of, with_unit)
+                                         _metric_param, _no_gpu, card_color, card_offset, card_order,
+                                         chosen_axis_title, config_color, figure, gpu_rows, title, unit_of, with_unit)
+
+
+FLOOR_LINE = 12  # px between two floor labels stacked over the step-time chart
+FLOOR_LABEL = 0.12  # share of the axis a floor's label takes (about 80 px of a 700 px column)
+
+
+def floor_labels(fl: pd.DataFrame, spans: dict[str, float]) -> pd.DataFrame:
+    """The floors' labels of each GPU, whose axis ends at `spans[gpu]` (ms): floors closer than a hundredth of
+    the axis share one label ("bf16 / fp16 floor", at the first), and a label that would run into the one before
+    (closer than `FLOOR_LABEL` of the axis) goes a line higher (`line`: 0, 1, ...). Labels of nearby floors
+    would otherwise print over each other."""
+    rows = []
+    for slug, g in fl.groupby("gpu_slug", sort=False):
+        span = max(spans.get(slug, float(g["floor_ms"].max())), 1e-12)
+        g = g.sort_values("floor_ms")
+        groups: list[list] = []
+        for r in g.itertuples():
+            if groups and (r.floor_ms - groups[-1][0]) / span < 0.01:
+                groups[-1][1].append(r.precision)
+            else:
+                groups.append([r.floor_ms, [r.precision]])
+        line, last = 0, None
+        for floor, names in groups:
+            line = line + 1 if last is not None and (floor - last) / span < FLOOR_LABEL else 0
+            rows.append({"gpu_slug": slug, "floor_ms": floor, "line": line,
+                         "floor_label": f"{' / '.join(names)} floor{'s' if len(names) > 1 else ''}"})
+            last = floor
+    return pd.DataFrame(rows, columns=["gpu_slug", "floor_ms", "floor_label", "line"])
 
 
 @figure
@@ -37,30 +65,38 @@ def step_time(summary: pd.DataFrame, floors: pd.DataFrame | None = None, *,
         color=alt.Color("config:N", scale=config_color(df["config"]), legend=_config_legend(df)),
         opacity=alt.condition(pick, alt.value(1.0), alt.value(0.25)), tooltip=tip).add_params(pick)
     spread = base.mark_rule(color="black").encode(y=y, x="train_p10_ms:Q", x2="train_p90_ms:Q", tooltip=tip)
-    layers = [bars, spread]
+    layers, lines = [bars, spread], 1
     sub = "forward + backward + Adam; whisker: p10-p90"
     fl = gpu_rows(floors, cpu) if floors is not None else None
     if fl is not None and not fl.empty:
-        fl = _light(fl[["gpu_slug", "precision", "floor_ms", "peak_tflops", "source"]]).assign(
-            floor_label=lambda d: d["precision"] + " floor")
+        fl = _light(fl[["gpu_slug", "precision", "floor_ms", "peak_tflops", "source"]])
         rule = alt.Chart(fl).transform_filter(alt.datum.gpu_slug == gpu).mark_rule(strokeDash=[4, 3], color="#333")
         layers.append(rule.encode(x="floor_ms:Q", tooltip=[
             alt.Tooltip("precision:N"), alt.Tooltip("floor_ms:Q", title="floor (ms)", format=".3~r"),
             alt.Tooltip("peak_tflops:Q", title="peak (TFLOP/s)", format=".4~r"), alt.Tooltip("source:N")]))
-        layers.append(rule.mark_text(align="left", dx=3, dy=-4, baseline="bottom", fontSize=10).encode(
-            x="floor_ms:Q", y=alt.value(0), text=alt.Text("floor_label:N")))
+        spans = df.groupby("gpu_slug")["train_p90_ms"].max().to_dict()
+        placed = floor_labels(fl, spans)
+        lines = int(placed["line"].max()) + 1 if len(placed) else 1
+        labels = alt.Chart(placed).transform_filter(alt.datum.gpu_slug == gpu)
+        layers += [labels.transform_filter(alt.datum.line == k).mark_text(
+            align="left", dx=3, dy=-4 - FLOOR_LINE * k, baseline="bottom", fontSize=10).encode(
+            x="floor_ms:Q", y=alt.value(0), text=alt.Text("floor_label:N")) for k in range(lines)]
         sub += "; dashed: the time at the GPU's peak FLOP/s"
+    heading = title("Training micro-step time", sub)
+    heading.offset = 6 + FLOOR_LINE * (lines - 1)  # room for the floors' stacked labels over the plot
     return alt.layer(*layers).add_params(gpu).properties(
-        width="container", height=_height(df, len(order)), title=title("Training micro-step time", sub))
+        width="container", height=_height(df, len(order)), title=heading)
 
 
 @figure
-def headline(head: pd.DataFrame) -> alt.LayerChart:
-    """The first page's figure: per device, each configuration of `step_time.headline` (the paper's four and the
-    fastest measured) as its speedup over strict FP32, a bar with the runs' p10-p90 spread as a whisker and its
-    value beside it; a dashed rule at 1x, so that a configuration slower than the baseline shows as a bar short
-    of it. Every device of `head` is drawn: the page chooses whether CPU rows are among them."""
-    df = head.assign(row=head["gpu_slug"] + " · " + head["config"],
+def headline(head: pd.DataFrame, names: dict[str, str] | None = None) -> alt.LayerChart:
+    """The first page's figure: per device (by its short name, `names`), each configuration of
+    `step_time.headline` (the paper's four and the fastest measured) as its speedup over strict FP32, a bar with
+    the runs' p10-p90 spread as a whisker and its value beside it; a dashed rule at 1x, so that a configuration
+    slower than the baseline shows as a bar short of it. Every device of `head` is drawn: the page chooses whether
+    CPU rows are among them."""
+    names = names or {}
+    df = head.assign(row=head["gpu_slug"].map(lambda s: names.get(s, s)) + " · " + head["config"],
                      value=head["speedup"].map(lambda v: f"{v:.3g}x"))
     bars = alt.Chart(df).encode(y=alt.Y("row:N", sort=list(df["row"]), title=None, axis=alt.Axis(labelLimit=320)))
     x = alt.X("speedup:Q", title="speedup over strict FP32 on the same device (x)",
@@ -80,33 +116,38 @@ def headline(head: pd.DataFrame) -> alt.LayerChart:
         bars.mark_text(align="left", dx=6, fontSize=12, fontWeight="bold").encode(x="hi:Q", text="value:N"),
         one).properties(
         width="container", height={"step": 34},
-        title=alt.Title("A training micro-step against strict FP32",
-                        subtitle="the paper's four and the fastest measured; whisker: the runs' 10th-90th "
-                                 "percentiles; dashed: 1x"))
+        title=title("A training micro-step against strict FP32",
+                    ["the paper's four and the fastest measured", "whisker: the runs' 10th-90th percentiles; "
+                     "dashed: 1x"]))
 
 
 @figure
 def speedup(summary: pd.DataFrame, *, cpu: bool = False) -> alt.LayerChart | alt.Chart:
-    """Speedup over the baseline of the same GPU, every GPU on one chart; click a GPU in the legend."""
+    """Speedup over the baseline of the same GPU, every GPU on one chart: a point per card and configuration,
+    the cards side by side in each configuration's band and told apart by colour (equal speedups on two cards
+    stay two points); click a GPU in the legend."""
     df = _light(gpu_rows(summary[summary["speedup"].notna()], cpu)[
         ["gpu_slug", "device", "config", "train_median_ms", "speedup"]])
     if df.empty:
         return _no_gpu(summary[summary["speedup"].notna()], "speedup over a baseline")
     pick = alt.selection_point(fields=["gpu_slug"], bind="legend")
     order = _configs_in(df)
-    points = alt.Chart(df).mark_point(filled=True, size=110).encode(
+    gpus = card_order(df["gpu_slug"])
+    points = alt.Chart(df).mark_point(filled=True, size=90, opacity=1).encode(
         y=alt.Y("config:N", sort=order, title=None),
+        yOffset=card_offset(gpus),
         x=alt.X("speedup:Q", scale=alt.Scale(type="log"), axis=alt.Axis(format="~g"),
                 title="speedup over the baseline on the same GPU (×, log scale)"),
-        color=alt.Color("config:N", scale=config_color(df["config"]), legend=None),
-        shape=alt.Shape("gpu_slug:N", title="GPU (click)"),
+        color=alt.Color("gpu_slug:N", scale=card_color(gpus), sort=gpus,
+                        legend=alt.Legend(title="GPU (click)", orient="bottom", direction="vertical", labelLimit=400)),
         opacity=alt.condition(pick, alt.value(1.0), alt.value(0.15)),
         tooltip=[alt.Tooltip("device:N"), alt.Tooltip("config:N", title="configuration"),
                  alt.Tooltip("speedup:Q", title="speedup (×)", format=".2f"),
                  alt.Tooltip("train_median_ms:Q", title="median micro-step (ms)", format=MS)]).add_params(pick)
     one = alt.Chart(pd.DataFrame({"x": [1.0]})).mark_rule(strokeDash=[4, 3], color="#666").encode(x="x:Q")
-    return alt.layer(one, points).properties(width="container", height=alt.Step(22),
-                                             title=title("Speedup over strict FP32", "dashed: 1 = the baseline"))
+    return alt.layer(one, points).properties(
+        width="container", height=alt.Step(11),  # a step per card in each configuration's band
+        title=title("Speedup over strict FP32", "a colour per GPU, side by side; dashed: 1 = the baseline"))
 
 
 COST_METRICS = {
@@ -284,5 +325,5 @@ def scaling(summary: pd.DataFrame, *, cpu: bool = False) -> alt.LayerChart | alt
         title=title("Data-parallel throughput", "solid: measured; dashed: linear from one rank"))
 
 
-__all__ = ["ABLATION_COLORS", "COST_METRICS", "ablation", "bench", "cost", "gpu_busy", "scaling", "speedup",
-           "step_time"]
+__all__ = ["ABLATION_COLORS", "COST_METRICS", "ablation", "bench", "cost", "floor_labels", "gpu_busy", "scaling",
+           "speedup", "step_time"]
