@@ -14,14 +14,12 @@ from typing import Literal, get_args, get_type_hints
 import torch
 
 from medddpm.errors import UserError
-from medddpm.model import fused_conv
 from medddpm.model.group_norm import triton_unavailable
 
 Precision = Literal["fp32", "tf32", "bf16", "fp16"]
 AttentionKind = Literal["math", "sdpa"]
 UpsampleKind = Literal["interpolate", "separable", "separable_ndhwc"]
 GroupNormKind = Literal["aten", "chunked", "fused", "triton"]
-ConvKind = Literal["cudnn", "triton", "triton_fp8"]
 
 
 class ConfigError(UserError):
@@ -90,13 +88,6 @@ class Config:
     recompute_pointwise: bool = switch(False, "compiled: recompute reused pointwise results, not store them",
                                        "compiled training graphs recompute a reused pointwise result in each kernel "
                                        "that reads it, not store it (as requested)")
-    # each residual block's GroupNorm-SiLU-convolution as one Triton kernel: the norm and SiLU applied as the
-    # convolution loads its input, the next norm's statistics reduced as it stores its output (model.fused_conv)
-    conv: ConvKind = switch("cudnn", "residual blocks' GroupNorm-SiLU-convolutions: cuDNN after the norm, or one "
-                                     "fused Triton kernel with bf16 or FP8 operands",
-                            "cudnn | triton (GroupNorm-SiLU in the convolution's operand load, the next norm's "
-                            "statistics in its epilogue: one Triton kernel, bf16 operands) | triton_fp8 (the same, "
-                            "FP8 e4m3 operands with per-tensor scales)")
     # with tap_gemm: the GEMM writes the 27 taps' shares tap-major over the input with a zero halo, so that the sum
     # shifts each tap's shares as one contiguous slice (no mask, no pad) and its backward's rows are contiguous too
     tap_major: bool = switch(False, "tap_gemm: the taps' shares tap-major over a zero-haloed input",
@@ -107,11 +98,6 @@ class Config:
     conv_autotune: bool = switch(False, "compiled: autotune forward convolutions between cuDNN and Triton templates",
                                  "compiled graphs choose each forward convolution among cuDNN and Inductor's "
                                  "Triton templates by timing them (as requested)")
-    # sampling: the label map is the same in every denoising step, so the stem convolution's share of it (and the
-    # bias) is computed once per sample; each step adds the noisy image's share as 27 shifted taps
-    condition_once: bool = switch(False, "sampling: the stem's share of the label map once per sample",
-                                  "sampling computes the stem convolution's share of the label map once per "
-                                  "sample, and each denoising step only the noisy image's share")
     description: str = field(default="", compare=False)
 
     def __post_init__(self):
@@ -280,7 +266,6 @@ class Resolved:
     recompute_pointwise: bool
     group_norm: str
     not_applicable: dict[str, str]  # flag -> why it is off on this device
-    conv: str = "cudnn"
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -325,12 +310,8 @@ def resolve(config: Config, device: torch.device | str) -> Resolved:
     if why:
         na["group_norm"] = f"{why}; ran as fused"
         group_norm = "fused"
-    conv = config.conv
-    why = conv != "cudnn" and fused_conv.unavailable(device, fp8=conv == "triton_fp8")
-    if why:
-        na["conv"], conv = f"{why}; ran as conv=cudnn", "cudnn"
     return Resolved(config, device, precision, config.channels_last, config.compile, graphs, config.fused_adam, pin,
-                    recompute, group_norm, not_applicable=na, conv=conv)
+                    recompute, group_norm, not_applicable=na)
 
 
 def set_precision_flags(precision: str) -> dict[str, str]:

@@ -13,7 +13,7 @@ from pathlib import Path
 # graphs' buffers, not the kernels' vector code, and a cold compile of the compiled step took 31 s instead of
 # 46 s. Set before torch is imported, so that the sweeps and notebooks the tests start inherit it too.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
-# Triton kernels (group_norm="triton", conv="triton") run in Triton's CPU interpreter: `triton.jit` picks it as it
+# Triton kernels (group_norm="triton") run in Triton's CPU interpreter: `triton.jit` picks it as it
 # decorates, triton's own library functions when triton is first imported, so it is set before any import;
 # Inductor's CPU code does not read it.
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -24,6 +24,11 @@ import yaml  # noqa: E402
 
 from medddpm.model.unet import ModelSpec
 
+# Time budgets (tests/budgets.py): a test that takes more CPU seconds than its budget fails. pytester runs
+# test_budgets.py's suite.
+pytest_plugins = ["budgets", "pytester"]
+pytest.register_assert_rewrite("budgets")  # imported here first, for shared_budget
+from budgets import shared_budget  # noqa: E402
 
 # With pytest-xdist's workers (scripts/test.sh) the cores are shared out among them.
 THREADS = int(os.environ.get("OMP_NUM_THREADS") or 2)
@@ -40,10 +45,39 @@ def _threads():
     torch.set_num_threads(THREADS)
 
 
+def run_folder(tmp_path_factory) -> Path:
+    """The test run's temporary folder, which pytest-xdist's workers share (each has its own folder below it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _inductor_cache(tmp_path_factory):
+    """One Inductor cache for the whole run, shared by pytest-xdist's workers and by every process a test starts
+    (sweeps, notebook kernels, torchrun ranks): a C++ kernel or a graph that one test compiled is loaded, not
+    compiled again, by the next test that needs it. The kernels are most of a cold compile's time (about 60 of a
+    compiled lever test's 97 CPU seconds), and the compiled-step tests share many at 8^3 (`small_spec`). A fresh
+    folder: nothing an earlier run or another checkout compiled is found, so a run costs what it costs on the CI
+    machine. TORCHINDUCTOR_CACHE_DIR given to the run wins. Tests that must run Inductor's graph passes turn the
+    graph caches off (`fresh_inductor`); the kernels stay cached, as their source is their key."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        folder = run_folder(tmp_path_factory) / "inductor"
+        folder.mkdir(exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+
+
 @pytest.fixture
 def tiny_spec() -> ModelSpec:
     """Two levels, 32 base channels, attention at downsample 2: the reference's shape, tiny."""
     return ModelSpec(size=16, mask_channels=3, base_channels=32, channel_mult=(1, 2), attention_ds=(2,))
+
+
+@pytest.fixture
+def small_spec() -> ModelSpec:
+    """tiny_spec at 8^3, for steps in bfloat16 or float16 and compiled ones: on an AVX2-only CPU a bfloat16 3-D
+    convolution is about 70x slower than a float32 one (a study's bf16 run took 150 s at 16^3, 9 s at 8^3), and
+    Inductor's kernels at 8^3 are the ones the compiled-step tests share through the run's cache."""
+    return ModelSpec(size=8, mask_channels=3, base_channels=32, channel_mult=(1, 2), attention_ds=(2,))
 
 
 def random_batch(spec: ModelSpec, *, batch: int = 1, seed: int = 0):
@@ -189,10 +223,7 @@ def built_book(tmp_path_factory) -> BuiltBook:
     (the HTML, or the build's error)."""
     from poison import poison_gpu
 
-    base = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        base = base.parent  # the run's folder, shared by its workers (each has its own folder below it)
-    root = base / "book"
+    root = run_folder(tmp_path_factory) / "book"
     root.mkdir(exist_ok=True)
     outcome = root / "outcome.json"
     with open(root / ".lock", "w") as lock:

@@ -182,11 +182,8 @@ def _scales(spec, channel: str) -> list[dict]:
     return found
 
 
-def test_charts_validate_and_hold_every_gpu(two):
-    setups = charts.setup()
-    assert setups is None
-    for name, chart in all_charts(two).items():
-        spec = chart.to_dict()  # validates against the Vega-Lite schema
+def test_charts_validate_and_hold_every_gpu(two, specs):
+    for name, spec in specs.items():  # `specs`: each chart's to_dict(), which validates it against the schema
         assert spec["$schema"].startswith("https://vega.github.io/schema/vega-lite/v6"), name
         rows = _datasets(spec)
         if name in ("bench", "memory_peaks", "memory_fits", "switch_costs"):
@@ -206,12 +203,12 @@ def test_charts_validate_and_hold_every_gpu(two):
         assert len(json.dumps(spec)) < 400_000, f"{name}: chart too heavy"
 
 
-def test_config_colour_is_fixed_and_covers_every_config(two):
+def test_config_colour_is_fixed_and_covers_every_config(specs):
     scale = charts.config_color().to_dict()
     assert scale["domain"][:len(CONFIGS)] == list(CONFIGS)
     assert len(set(scale["range"])) == len(scale["domain"])
-    for name, chart in all_charts(two).items():
-        for s in _scales(chart.to_dict(), "color"):
+    for name, spec in specs.items():
+        for s in _scales(spec, "color"):
             assert set(CONFIGS) <= set(s["domain"]), name
             assert s["range"][:len(CONFIGS)] == scale["range"][:len(CONFIGS)], name
     extra = charts.config_color(["baseline", "mine"]).to_dict()
@@ -520,6 +517,9 @@ def _closest(colours: list[str]) -> float:
 
 @pytest.fixture(scope="module")
 def specs(two) -> dict[str, dict]:
+    """Every chart of `two` as its Vega-Lite dict (to_dict() validates it against the schema), made once for the
+    tests that read them: it is the module's most expensive step, after the renderer's set-up."""
+    assert charts.setup() is None
     return {name: chart.to_dict() for name, chart in all_charts(two).items()}
 
 

@@ -30,6 +30,15 @@ H200 = REPO / "data" / "nvidia-h200" / "best"
     ("sm80_xmma_fprop_implicit_gemm_indexed_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_tilesize256x64x32", "convolution",
      levers.NARROW_CONVOLUTIONS),
     ("nvjet_sm90_tst_64x384_64x3_1x2_h_bz_coopB_TNT", "gemm", "GEMMs (attention projections, output taps)"),
+    # group_norm="triton"'s kernels (medddpm.model.group_norm_triton), and ATen's
+    ("_group_norm_stats", "normalization", "GroupNorm statistics"),
+    ("_group_norm_silu_apply", "normalization", "GroupNorm-SiLU forward"),
+    ("_group_norm_silu_backward_sums", "normalization", "GroupNorm-SiLU backward"),
+    ("_group_norm_silu_backward_dx", "normalization", "GroupNorm-SiLU backward"),
+    ("void at::native::(anonymous namespace)::RowwiseMomentsCUDAKernel<float>(long, float, float const*, float*, "
+     "float*)", "normalization", "GroupNorm statistics"),
+    ("void at::native::(anonymous namespace)::GammaBetaBackwardCUDAKernel1<float>(long, long, long)", "normalization",
+     "GroupNorm-SiLU backward"),
 ])
 def test_kernels_fall_into_their_levers(name, category, lever):
     assert levers.lever(name, category) == lever

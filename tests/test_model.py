@@ -578,29 +578,6 @@ def test_tap_major_layer_matches_under_bf16_autocast():
     assert 0 < err[1] < 1.5 * err[0] + 1e-3, err  # bf16's rounding of the shares and of the result
 
 
-@pytest.mark.parametrize("flags, image_channels", [({}, 2), (dict(pad_channels=True, tap_gemm=True, tap_major=True,
-                                                                   group_norm="fused", upsample="separable_ndhwc"), 1)],
-                         ids=["plain-2-channels", "best-levers"])
-def test_denoising_from_the_condition_is_the_forward(flags, image_channels):
-    """`condition` (the stem's share of the label maps, once) then `denoise` (the noisy image's share as
-    shifted taps, then the U-Net) computes the forward of their concatenation: float64, to rounding, for one and
-    for several image channels, with best's model levers and without."""
-    spec = ModelSpec(size=8, mask_channels=3, image_channels=image_channels, base_channels=32,
-                     channel_mult=(1, 2), attention_ds=(2,))
-    torch.manual_seed(0)
-    model = UNet3D(spec, **flags).double().to(memory_format=torch.channels_last_3d).eval()
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.05)
-    x = torch.randn(2, image_channels, 8, 8, 8, dtype=torch.float64)
-    cond = torch.randn(2, 3, 8, 8, 8, dtype=torch.float64)
-    t = torch.tensor([3, 200])
-    with torch.no_grad():
-        plain = model(torch.cat([x, cond], 1), t)
-        split = model.denoise(x, model.condition(cond), t)
-    assert plain.abs().max() > 0.01
-    torch.testing.assert_close(split, plain, rtol=1e-12, atol=1e-13)
-
-
 def test_tap_convolution_refuses_other_shapes():
     from medddpm.model.blocks import TapConv3d
 

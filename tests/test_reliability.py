@@ -31,6 +31,8 @@ from medddpm.report import loading
 from medddpm.store import identity, layout, lock, schema, storage
 from medddpm.store.schema import read_table, write_table
 
+REPO = Path(__file__).resolve().parents[1]
+
 ROOT = Path(__file__).resolve().parent.parent
 _ids = itertools.count()
 
@@ -300,7 +302,7 @@ def test_another_identity_is_measured_beside_the_old_one_never_over_it(tmp_path,
     assert _same(_tables(root / "baseline"), before)
     recorded = json.loads(read_table(Path(steps["folder"]) / "run.parquet").loc[0, "identity"])
     assert recorded["steps"] == 2 and recorded["data"] == "mni" and recorded["label"] == "cpu"
-    assert recorded["switches"] == get_config("baseline").flags
+    assert recorded["switches"] == identity.switches_on(get_config("baseline").flags)
     assert Path(steps["folder"]).name == "baseline~" + identity.key(identity.encode(recorded))
     assert [r["run_id"] for r in sw._main_runs(root)] == [before["run.parquet"].loc[0, "run_id"]], \
         "the summary compares the main runs only"
@@ -309,6 +311,32 @@ def test_another_identity_is_measured_beside_the_old_one_never_over_it(tmp_path,
         assert loading.runs(tmp_path / "data")["folder"].tolist() == ["cpu/baseline"]
         assert sorted(loading.runs(tmp_path / "data", variants=True)["folder"]) == [
             "cpu/baseline", f"cpu/{Path(steps['folder']).name}"]
+
+
+H100 = "nvidia-h100-80gb-hbm3"
+PAPER_ON_H100 = ("baseline", "opt1", "opt2", "opt12", "bf16", "fp16", "best")
+
+
+def test_a_switch_added_or_retired_since_a_run_leaves_its_identity_the_same():
+    """A run records its switches where they are on: one added later is off in every run recorded before it, one
+    retired was off in every run the product can still make. The H100's committed rows recorded every switch of
+    their day; a sweep today finds each of them measured, in its own folder. A switch on, new or retired, is another
+    identity."""
+    found = sw.measured_before(",".join(PAPER_ON_H100), preset="paper", gpu_label=H100, out=REPO / "data")
+    assert found == {c: REPO / "data" / H100 / c for c in PAPER_ON_H100}
+    (plan,) = sw.plan_runs("best", preset="paper", gpu_label=H100)
+    fields = json.loads(plan.identity)
+    assert fields["switches"] == identity.switches_on(get_config("best").flags) and "tap_major" not in fields["switches"]
+    every = get_config("best").flags | schema.RETIRED_SWITCHES  # as a run of a day with every one of them recorded it
+    old = identity.encode(fields | {"switches": dict(sorted(every.items()))})
+    assert old != plan.identity and identity.same(old, plan.identity)
+    assert identity.folder_name("best", old, plan.default) == "best" and identity.key(old) == identity.key(plan.identity)
+    for on in ({"tap_major": True}, {"conv": "triton"}, {"precision": "fp32"}):
+        other = identity.encode(fields | {"switches": dict(sorted((every | on).items()))})
+        assert not identity.same(other, plan.identity), on
+        assert identity.folder_name("best", other, plan.default) == f"best~{identity.key(other)}"
+        assert not sw.stands((other, "ok"), plan.identity)
+    assert identity.canonical("") == "" and identity.canonical("not json") == "not json"
 
 
 def test_measured_before_names_what_the_sweep_skips_and_nothing_else(tmp_path, producer):

@@ -14,16 +14,21 @@ from medddpm.cli.main import main
 from medddpm.measure.scaling import merge_rows, parse_world_sizes, scale
 
 
+# sdpa's switches in float32 (channels-last, SDPA, fused Adam; no bf16 autocast): an AVX2-only CPU runs a bfloat16
+# 3-D convolution about 70x slower than a float32 one, and the ranks' bf16 steps were most of this test's time.
+FP32_SDPA = "sdpa+precision=fp32"
+
+
 @pytest.mark.slow
 def test_two_cpu_ranks_write_every_ranks_steps_and_a_rerun_keeps_other_world_sizes(tmp_path):
-    path = scale("sdpa", "1,2", preset="smoke", out=str(tmp_path), device="cpu", micro_steps=2, warmup=1)
-    assert path == tmp_path / "cpu" / "scaling" / "sdpa.parquet"
+    path = scale(FP32_SDPA, "1,2", preset="smoke", out=str(tmp_path), device="cpu", micro_steps=2, warmup=1)
+    assert path == tmp_path / "cpu" / "scaling" / f"{FP32_SDPA}.parquet"
     df = schema.read_table(path, "scaling")
     assert df.groupby(["world_size", "rank"]).size().to_dict() == {(1, 0): 3, (2, 0): 3, (2, 1): 3}
     assert (df.groupby(["world_size", "rank"])["timed"].sum() == 2).all() and (df["step_ms"] > 0).all()
     assert set(df["backend"]) == {"gloo"} and df["run_id"].nunique() == 2
     first = df[df["world_size"] == 1]
-    scale("sdpa", [2], preset="smoke", out=str(tmp_path), device="cpu", micro_steps=2, warmup=0)
+    scale(FP32_SDPA, [2], preset="smoke", out=str(tmp_path), device="cpu", micro_steps=2, warmup=0)
     again = schema.read_table(path, "scaling")
     pd.testing.assert_frame_equal(again[again["world_size"] == 1].reset_index(drop=True), first.reset_index(drop=True))
     assert again.groupby(["world_size", "rank"]).size().to_dict() == {(1, 0): 3, (2, 0): 2, (2, 1): 2}

@@ -122,10 +122,11 @@ def test_a_row_with_a_retired_column_still_reads_and_none_is_written_again(tmp_p
     row = run_row(get_config("best"), "smoke", env=env, gpu_name="cpu", status="ok", message="")
     assert not set(schema.RETIRED["run"]) & set(row) and not set(schema.RETIRED["run"]) & set(schema.TABLES["run"])
     retired = dict(split_skip=False, store_norm_grad=False, cudnn_try_all=False, memory_budget=1.0, aot_cse=True,
-                   recompute_reads=False, nd_tiling=False, coordinate_descent=False, combo_kernels=False)
+                   recompute_reads=False, nd_tiling=False, coordinate_descent=False, combo_kernels=False,
+                   conv="cudnn", condition_once=False)
     assert set(retired) == set(schema.RETIRED["run"])
-    typed = pa.schema(list(schema.arrow_schema("run")) + [pa.field(k, pa.float64() if k == "memory_budget" else pa.bool_())
-                                                          for k in retired])
+    kinds = {"memory_budget": pa.float64(), "conv": pa.string()}
+    typed = pa.schema(list(schema.arrow_schema("run")) + [pa.field(k, kinds.get(k, pa.bool_())) for k in retired])
     pq.write_table(pa.Table.from_pandas(pd.DataFrame([row | retired]), schema=typed, preserve_index=False),
                    tmp_path / "run.parquet")
     back = schema.read_table(tmp_path / "run.parquet")

@@ -29,18 +29,21 @@ def sweep(*args, **kw):
 
 @pytest.mark.slow
 def test_smoke_sweep_writes_every_table_for_the_paper_configurations(tmp_path):
+    """Every phase at the preset's steps but the sample's: 3 denoising steps, not the preset's 250, which took 80% of
+    a run (the preset's own count reaching the run: test_brats_preset_and_batch_reach_the_producer_notebook; its
+    run landing in the configuration's own folder: tests/test_reliability.py's identity tests)."""
     p = sweep("--preset", "smoke", "--configs", "paper", "--out", str(tmp_path / "data"), "--device", "cpu",
-              cache=tmp_path / "cache")
+              "--sample-steps", "3", cache=tmp_path / "cache")
     out, _ = p.communicate(timeout=1800)
     assert p.returncode == 0, out[-3000:]
     for name in ("baseline", "opt1", "opt2", "opt12"):
-        folder = tmp_path / "data" / "cpu" / name
+        folder = _folder(tmp_path / "data" / "cpu", name)
         run = read_table(folder / "run.parquet")
         assert run.loc[0, "status"] == "ok", run.loc[0, "message"]
         assert run.loc[0, "gpu_slug"] == "cpu" and run.loc[0, "config"] == name
         steps = read_table(folder / "steps.parquet")
         assert (steps.query("phase == 'train'")["timed"].sum(), (~steps.query("phase == 'train'")["timed"]).sum()) == (3, 1)
-        assert (steps["phase"] == "sample").sum() == 250
+        assert (steps["phase"] == "sample").sum() == 3
         kernels = read_table(folder / "kernels.parquet")
         assert abs(kernels["share"].sum() - 1) < 1e-6 and "convolution" in set(kernels["category"])
         quality = read_table(folder / "quality.parquet")
@@ -49,7 +52,7 @@ def test_smoke_sweep_writes_every_table_for_the_paper_configurations(tmp_path):
         assert "?it/s]" not in (folder / "produce.ipynb").read_text(), "the stored notebook keeps no progress bars"
         assert not (folder / "ncu.parquet").exists(), "no GPU, no counters"
         assert set(RUN_TABLES) - {"ncu"} <= {f.stem for f in folder.glob("*.parquet")}
-    opt1 = read_table(tmp_path / "data" / "cpu" / "opt1" / "run.parquet")
+    opt1 = read_table(_folder(tmp_path / "data" / "cpu", "opt1") / "run.parquet")
     assert "precision" in opt1.loc[0, "not_applicable"] and opt1.loc[0, "precision_used"] == "fp32"
 
 
@@ -134,11 +137,12 @@ def test_a_failing_configuration_is_recorded_and_the_sweep_goes_on(tmp_path):
 
 @pytest.mark.slow
 def test_brats_preset_and_batch_reach_the_producer_notebook(tmp_path):
-    """--preset brats --batch 2 (at a CPU-sized input): the run lands in <config>@brats-b2 with the BraTS
-    model's shape, channels and parameters, read back by the book's loader as a variant run."""
+    """--preset brats --batch 2 (at a CPU-sized input, the smallest its five levels take): the run lands in
+    <config>@brats-b2 with the BraTS model's shape, channels and parameters, read back by the book's loader as a
+    variant run."""
     from medddpm import report
 
-    p = sweep("--preset", "brats", "--size", "32x32x16", "--configs", "opt1-ckpt", "--batch", "2", "--micro-steps", "1",
+    p = sweep("--preset", "brats", "--size", "16x16x16", "--configs", "opt1-ckpt", "--batch", "2", "--micro-steps", "1",
               "--warmup", "1", "--phases", "sample,quality", "--out", str(tmp_path / "data"), "--device", "cpu",
               cache=tmp_path / "cache")
     out, _ = p.communicate(timeout=900)
@@ -146,7 +150,7 @@ def test_brats_preset_and_batch_reach_the_producer_notebook(tmp_path):
     folder = _folder(tmp_path / "data" / "cpu", "opt1-ckpt@brats-b2")
     run = read_table(folder / "run.parquet").iloc[0]
     assert run["status"] == "ok", run["message"]
-    assert (run["preset"], run["shape"], run["batch"], run["checkpointing"]) == ("brats", "32x32x16", 2, True)
+    assert (run["preset"], run["shape"], run["batch"], run["checkpointing"]) == ("brats", "16x16x16", 2, True)
     assert (run["image_channels"], run["mask_channels"], run["num_res_blocks"], run["parameters"]) == (4, 4, 2, 57_562_564)
     assert run["sample_steps"] == 20 and len(read_table(folder / "quality.parquet")) == 3
     assert report.runs(tmp_path / "data", variants=True)["folder"].tolist() == [f"cpu/{folder.name}"]

@@ -15,10 +15,10 @@ def _weights(engine):
 
 
 @pytest.mark.slow
-def test_interrupted_run_resumes_from_its_checkpoint(tiny_spec, tmp_path, monkeypatch):
-    data = Pairs(tiny_spec)
+def test_interrupted_run_resumes_from_its_checkpoint(small_spec, tmp_path, monkeypatch):
+    data = Pairs(small_spec)
     kw = dict(steps=6, grad_accum=2, lr=1e-3, save_every=2, log_every=1, progress=False)
-    whole = train(tiny_spec, "baseline", data, out_dir=tmp_path / "whole", **kw)
+    whole = train(small_spec, "baseline", data, out_dir=tmp_path / "whole", **kw)
 
     # Kill the second run inside step 5 (after the step-4 checkpoint was written).
     real_step = train_mod.Engine.step
@@ -32,12 +32,12 @@ def test_interrupted_run_resumes_from_its_checkpoint(tiny_spec, tmp_path, monkey
 
     monkeypatch.setattr(train_mod.Engine, "step", dying_step)
     with pytest.raises(KeyboardInterrupt):
-        train(tiny_spec, "baseline", data, out_dir=tmp_path / "cut", **kw)
+        train(small_spec, "baseline", data, out_dir=tmp_path / "cut", **kw)
     monkeypatch.setattr(train_mod.Engine, "step", real_step)
     assert torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)["step"] == 4
     assert not list((tmp_path / "cut").glob("*.tmp")), "no half-written files"
 
-    resumed = train(tiny_spec, "baseline", data, out_dir=tmp_path / "cut", **kw)
+    resumed = train(small_spec, "baseline", data, out_dir=tmp_path / "cut", **kw)
     assert resumed.step_count == whole.step_count == 6
     for a, b in zip(_weights(whole), _weights(resumed)):
         assert torch.equal(a, b), "a resumed run must continue exactly where the killed one stopped"
@@ -81,7 +81,7 @@ def test_sample_from_checkpoint_writes_nifti(tiny_spec, tmp_path):
 
 
 @pytest.mark.slow
-def test_compiled_sampling_keeps_the_trained_switches(tiny_spec, tmp_path):
+def test_compiled_sampling_keeps_the_trained_switches(small_spec, tmp_path):
     """`compiled=True` keeps torch.compile (and CUDA graphs where they apply) and samples what the
     eager rebuild samples (in FP32, so that the comparison is tight)."""
     import numpy as np
@@ -91,13 +91,13 @@ def test_compiled_sampling_keeps_the_trained_switches(tiny_spec, tmp_path):
     from medddpm.measure.run import randomize_
     from medddpm.train.loop import save_checkpoint
 
-    trained = Engine(tiny_spec, CONFIGS["compile"].with_flags(precision="fp32"), ema=False)
+    trained = Engine(small_spec, CONFIGS["compile"].with_flags(precision="fp32"), ema=False)
     randomize_(trained.model, seed=1)  # the zero-initialised output layer would hide the model
     save_checkpoint(trained, tmp_path / "checkpoint.pt", extra={})
     eager, compiled = (load_checkpoint(tmp_path, compiled=c) for c in (False, True))
     assert not eager.run.compile and eager.denoiser is eager.model
     assert compiled.run.compile and compiled.denoiser is not compiled.model
-    labels = torch.randint(0, 4, (16, 16, 16), generator=torch.Generator().manual_seed(2)).numpy().astype("uint8")
+    labels = torch.randint(0, 4, small_spec.shape, generator=torch.Generator().manual_seed(2)).numpy().astype("uint8")
     images = []
     for engine in (eager, compiled):
         engine.diffusion.__init__(timesteps=3)

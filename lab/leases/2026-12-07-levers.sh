@@ -21,8 +21,9 @@ deadline=${DEADLINE:-570}
 device=${DEVICE:-cuda}
 size=${SIZE:-128}
 label=${LABEL:-}
-VARIANTS=${VARIANTS:-"best best+tap_major=true best+conv_autotune=true best+condition_once=true best+group_norm=triton
-  best+conv=triton best+conv=triton_fp8"}
+# The H100 call of 2026-12-07 also ran best+conv=triton and best+condition_once=true (both retired after it:
+# lab/notebook/retired-levers.md); the code no longer knows them, so a name of theirs is left out.
+VARIANTS=${VARIANTS:-"best best+tap_major=true best+conv_autotune=true best+group_norm=triton"}
 if [ "$device" = cuda ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 2
   preset=paper; warm_jobs=${WARM_JOBS:-5}; rounds=${ROUNDS:-5}; steps=${STEPS:-15}; batches=${BATCHES:-1,2,4,8}
@@ -53,7 +54,7 @@ for name in sys.argv[1:]:
 EOF
 )
 echo "levers: $(echo $variants | wc -w) variants: $(echo $variants)"
-sampling=$(echo "$variants" | head -1; echo "$variants" | grep "condition_once=true")
+sampling=$(echo "$variants" | head -1)  # the batches phase's configuration (levers.py's batch_configs)
 
 # 1. Inductor's cache, WARM_JOBS benches at a time; what a warm machine compiled before is not compiled again
 warm=$BENCH_CACHE/.levers-warm; touch "$warm"

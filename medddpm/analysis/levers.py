@@ -59,6 +59,12 @@ _TRITON_LEVERS = (
     # alone where the output is kept for the backward, fused with a residual add or a skip's concatenation otherwise
     ("bias adds and skip concatenations", re.compile(r"convolution|cat")),
 )
+# GroupNorm's own kernels (group_norm="triton"'s, or ATen's in eager steps): the same three levers as Inductor's
+_NORM_LEVERS = (
+    ("GroupNorm-SiLU backward", re.compile(r"backward|gradients|gammabeta", re.IGNORECASE)),
+    ("GroupNorm statistics", re.compile(r"stats|moments", re.IGNORECASE)),
+    ("GroupNorm-SiLU forward", re.compile(r"")),  # the rest applies the norm (and the SiLU after it)
+)
 NARROW_CONVOLUTIONS = "convolutions on sm80 kernels (narrow layers)"
 
 
@@ -66,6 +72,8 @@ def lever(name: str, category: str) -> str:
     """The lever a kernel belongs to: a group of kernels one change of the program would speed up together."""
     if category == "fused":
         return next((group for group, rule in _TRITON_LEVERS if rule.search(name)), "other fused kernels")
+    if category == "normalization":
+        return next(group for group, rule in _NORM_LEVERS if rule.search(name))
     if category == "convolution":
         family = _CUDNN_FAMILY.match(name)
         if family and family.group(1) != "sm90":

@@ -39,7 +39,7 @@ from medddpm.measure.sweep import final_folder, plan_runs, recorded, run_lock, s
 from medddpm.measure.timing.bench import train_summary
 from medddpm.store import schema
 from medddpm.store.lock import FolderInUse
-from medddpm.store.identity import encode, folder_name, key, split_folder
+from medddpm.store.identity import canonical, encode, folder_name, key, split_folder, switches_on
 from medddpm.store.layout import (ABLATION_DIR, KERNEL_LOG, NOTEBOOK_FILE, ROOFS_FILE, RUN_FILE, RUN_TABLES, SEPARATOR,
                                   hidden, old_folder, run_table, stage_folder)
 from medddpm.store.storage import NotRegularFile, atomic_write, open_regular, publish_folder
@@ -74,7 +74,7 @@ def _identity_of(row, label: str, group: str, name: str, where: Path) -> tuple[s
         recorded_fields = []
     if recorded_fields is not None and (not isinstance(recorded_fields, dict) or encode(recorded_fields) != text):
         raise Refused(f"{where}: column identity is not the sweep's JSON object of the run's identity")
-    fields = recorded_fields or {}
+    fields = json.loads(canonical(text)) if recorded_fields else {}
     mask = fields.get("mask_channels")
     try:
         params = {"batch": int(row["batch"])} | ({"mask_channels": int(mask)} if mask is not None else {})
@@ -88,7 +88,7 @@ def _identity_of(row, label: str, group: str, name: str, where: Path) -> tuple[s
             raise Refused(f"{where}: no identity recorded, so it must be its folder's default run, not one in {name}")
         text = plan.default
         fields = json.loads(text)
-    expected = {"config": row["config"], "switches": dict(sorted(get_config(row["config"]).flags.items())),
+    expected = {"config": row["config"], "switches": switches_on(get_config(row["config"]).flags),
                 "preset": row["preset"], "shape": row["shape"], "batch": int(row["batch"]), "label": label,
                 "group": group}
     if row["status"] == "ok":

@@ -45,7 +45,7 @@ from medddpm.presets import get_preset
 from medddpm.train.budget import SAMPLING, TRAINING, check_fits
 from medddpm.model.unet import ModelSpec, parse_size
 from medddpm.measure.validate import check_label, check_label_device, check_text, known_device_types
-from medddpm.store.identity import encode, folder_name, key, run_identity
+from medddpm.store.identity import encode, folder_name, key, run_identity, same
 from medddpm.store.layout import (KERNEL_LOG, NOTEBOOK_FILE, RUN_FILE, SEPARATOR, is_run, leftover_of, leftover_patterns,
                                    old_folder, run_folder, run_lock_file, run_table, stage_folder)
 from medddpm.store.lock import output_lock
@@ -418,14 +418,15 @@ def sweep(configs: str | list[Config], *, preset: str = "smoke", out: str | os.P
 def final_folder(root: Path, plain: str, ident: str, default: str) -> Path:
     """The folder a configuration's run of identity `ident` is published in."""
     final = root / folder_name(plain, ident, default)
-    if final.name == plain and (recorded(final) or (ident,))[0] not in ("", ident):
+    found = (recorded(final) or (ident,))[0]
+    if final.name == plain and found and not same(found, ident):
         final = root / f"{plain}{SEPARATOR}{key(ident)}"  # the default slot holds another definition
     return final
 
 
 def stands(before: tuple[str, str] | None, ident: str, force: bool = False) -> bool:
     """Whether the run found in a folder stands: one of this identity that did not fail with `error`."""
-    return before is not None and before[0] in ("", ident) and before[1] != "error" and not force
+    return before is not None and (before[0] == "" or same(before[0], ident)) and before[1] != "error" and not force
 
 
 def _committed(root: Path, configs: list[Config], finals: list[Path], idents: list[str], force: bool,

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from medddpm.model.fused_conv import CONV_KINDS, norm_silu_conv
 from medddpm.model.group_norm import norm, norm_silu
 
 ATTENTION_KINDS = ("math", "sdpa")
@@ -159,16 +158,10 @@ def timestep_embedding(t: torch.Tensor, dim: int, *, max_period: float) -> torch
 
 
 class ResBlock(nn.Module):
-    """GN-SiLU-Conv, add projected time embedding, GN-SiLU-Conv(zero); 1x1x1 skip if widths differ.
+    """GN-SiLU-Conv, add projected time embedding, GN-SiLU-Conv(zero); 1x1x1 skip if widths differ."""
 
-    `conv_kind` "triton" or "triton_fp8": each GN-SiLU-Conv is one fused Triton kernel (`fused_conv`), the time
-    embedding the first one's per-sample bias, and the first one's output statistics the second norm's; the same
-    parameters, so checkpoints load either way."""
-
-    def __init__(self, ch_in: int, ch_out: int, *, emb_dim: int, norm_kind: str = "aten", conv_kind: str = "cudnn"):
+    def __init__(self, ch_in: int, ch_out: int, *, emb_dim: int, norm_kind: str = "aten"):
         super().__init__()
-        assert conv_kind in CONV_KINDS, f"conv kind must be one of {CONV_KINDS}, got {conv_kind!r}"
-        self.conv_kind = conv_kind
         self.in_layers = nn.Sequential(*norm_silu(ch_in, kind=norm_kind), nn.Conv3d(ch_in, ch_out, 3, padding=1))
         self.emb_layers = nn.Sequential(nn.SiLU(), nn.Linear(emb_dim, ch_out))
         self.out_layers = nn.Sequential(*norm_silu(ch_out, kind=norm_kind),
@@ -176,19 +169,10 @@ class ResBlock(nn.Module):
         self.skip = nn.Identity() if ch_in == ch_out else nn.Conv3d(ch_in, ch_out, 1)
 
     def forward(self, x, emb):
-        if self.conv_kind != "cudnn":
-            return self._fused(x, emb)
         skip = self.skip(x)
         h = self.in_layers(x)
         norm, act, conv = self.out_layers  # the timestep features are added by the norm (GroupNorm32's shift)
         return skip + conv(act(norm(h, self.emb_layers(emb).to(h.dtype))))
-
-    def _fused(self, x, emb):
-        (norm1, _, conv1), (norm2, _, conv2) = self.in_layers, self.out_layers
-        bias = conv1.bias + self.emb_layers(emb).float()  # (B, C_out): the time embedding, added in the epilogue
-        h, stats = norm_silu_conv(x, norm1, conv1, kind=self.conv_kind, bias=bias, want_stats=True)
-        out, _ = norm_silu_conv(h, norm2, conv2, kind=self.conv_kind, stats=stats)
-        return self.skip(x) + out
 
 
 class Attention(nn.Module):

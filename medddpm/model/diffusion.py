@@ -15,8 +15,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm import tqdm  # text bars: tqdm.auto draws ipywidgets bars, a message per update under papermill
 
+from medddpm.progress import progress_bar
 
 TIMESTEPS = 250  # the reference's T, for training and for ancestral sampling
 
@@ -99,13 +99,10 @@ class GaussianDiffusion(nn.Module):
     # ---------------------------------------------------------------------------------- sampling
 
     def p_step(self, model: nn.Module, x: torch.Tensor, cond: torch.Tensor, t: torch.Tensor,
-               noise: torch.Tensor, *, conditioned: bool = False) -> torch.Tensor:
-        """One ancestral step x_t -> x_{t-1}; `noise` is ignored where t == 0. `conditioned`: `model` takes
-        (x, cond, t) itself (`unet.Conditioned`, whose cond is the label map's share of the stem), not the
-        concatenation of x and the label map."""
+               noise: torch.Tensor) -> torch.Tensor:
+        """One ancestral step x_t -> x_{t-1}; `noise` is ignored where t == 0."""
         model_t = t if self.timestep_map is None else self.timestep_map[t]
-        eps = model(x, cond, model_t) if conditioned else model(torch.cat([x, cond.to(x.dtype)], dim=1), model_t)
-        eps = eps.float()
+        eps = model(torch.cat([x, cond.to(x.dtype)], dim=1), model_t).float()
         x0 = (_gather(self.sqrt_recip_alpha_bar, t, x.ndim) * x - _gather(self.sqrt_recipm1_alpha_bar, t, x.ndim) * eps)
         x0 = x0.clamp(-1, 1)
         mean = _gather(self.post_coef_x0, t, x.ndim) * x0 + _gather(self.post_coef_xt, t, x.ndim) * x
@@ -123,7 +120,8 @@ class GaussianDiffusion(nn.Module):
         b, _, *spatial = cond.shape
         shape = (b, image_channels, *spatial)
         x = torch.randn(shape, device=cond.device, generator=generator)
-        for i in tqdm(reversed(range(self.timesteps)), total=self.timesteps, desc="sampling", disable=not progress):
+        for i in progress_bar(reversed(range(self.timesteps)), total=self.timesteps, desc="sampling",
+                               progress=progress):
             t = torch.full((b,), i, device=cond.device, dtype=torch.long)
             x = step(x, cond, t, torch.randn(shape, device=cond.device, generator=generator))
             if step_callback is not None:

@@ -13,12 +13,10 @@ Its building blocks are in `medddpm.model.blocks` and `medddpm.model.group_norm`
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -195,16 +193,12 @@ class UNet3D(nn.Module):
     checkpoints of the blocks that read their outputs, so that the checkpoints keep the narrow tensors before
     them (`_narrowed`).
     `tap_gemm=True`: the output convolution as a GEMM and a sum of its 27 shifted taps (TapConv3d); with
-    `tap_major=True` the shares tap-major over a zero-haloed input.
-    `conv="triton"` ("triton_fp8"): each residual block's GroupNorm-SiLU-convolutions as fused Triton kernels
-    (ResBlock, `fused_conv`), with bf16 (FP8) operands.
-    `condition` and `denoise` split the forward for sampling, whose label map is the same in every step: the stem
-    convolution's share of it once, then each step from the noisy image (`condition_once`)."""
+    `tap_major=True` the shares tap-major over a zero-haloed input."""
 
     def __init__(self, spec: ModelSpec = ModelSpec(), *, attention: str = "math", recompute_attention: bool = True,
                  upsample: str = "interpolate", checkpointing: bool = False, group_norm: str = "aten",
                  pad_channels: bool = False, tap_gemm: bool = False, tap_major: bool = False,
-                 store_skip_grad: bool = False, narrow_checkpoints: bool = False, conv: str = "cudnn"):
+                 store_skip_grad: bool = False, narrow_checkpoints: bool = False):
         super().__init__()
         assert spec.num_res_blocks >= 1, "each level needs a residual block (the stem's output is its input)"
         self.spec = spec
@@ -214,8 +208,7 @@ class UNet3D(nn.Module):
         emb_dim = 4 * ch
         attn = lambda c: Attention(c, kind=attention, recompute=recompute_attention and not checkpointing,  # noqa: E731
                                    norm_kind=group_norm)
-        res = lambda c_in, c_out: ResBlock(c_in, c_out, emb_dim=emb_dim, norm_kind=group_norm,  # noqa: E731
-                                           conv_kind=conv)
+        res = lambda c_in, c_out: ResBlock(c_in, c_out, emb_dim=emb_dim, norm_kind=group_norm)  # noqa: E731
 
         self.time_embed = nn.Sequential(nn.Linear(spec.time_dim, emb_dim), nn.SiLU(), nn.Linear(emb_dim, emb_dim))
         narrow = PaddedConv3d if pad_channels else nn.Conv3d  # the U-Net's two narrow convolutions
@@ -258,33 +251,7 @@ class UNet3D(nn.Module):
         assert t.shape == x.shape[:1], f"expected one timestep per sample, got t of shape {tuple(t.shape)}"
         emb = self._embed_time(t)
         stem, encoder, decoder = self._layers()
-        return self._unet(stem(x), emb, encoder, decoder)
-
-    def condition(self, cond: torch.Tensor) -> torch.Tensor:
-        """The stem convolution's share of a label map (B, mask_channels, D, H, W), its bias included: what
-        every denoising step of one sample adds to the noisy image's share (`denoise`)."""
-        stem, k = self.stem, self.spec.image_channels
-        return F.conv3d(cond, stem.weight[:, k:], stem.bias, padding=1)
-
-    def denoise(self, x: torch.Tensor, condition: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """The forward of ``cat([x, cond])`` from the noisy image x (B, image_channels, D, H, W) and the label
-        map's `condition`: the stem's share of x as 27 shifted taps of its few channels, a pointwise sum that
-        compiles into one kernel with the addition of `condition` (the stem's convolution with its few input
-        channels runs cuDNN's narrow sm80 kernels), then the U-Net as `forward` runs it."""
-        assert x.ndim == 5 and x.shape[1] == self.spec.image_channels, (
-            f"expected (B, {self.spec.image_channels}, D, H, W) noisy images, got {tuple(x.shape)}")
-        emb = self._embed_time(t)
-        k, (d, h, w) = self.spec.image_channels, x.shape[2:]
-        weight, xp = self.stem.weight[:, :k], F.pad(x, (1, 1) * 3)
-        # in the weights' precision, rounded once to the condition's (as a convolution's accumulator is)
-        share = sum(weight[None, :, c, i, j, l, None, None, None] * xp[:, c:c + 1, i:i + d, j:j + h, l:l + w]
-                    for c in range(k) for i, j, l in itertools.product(range(3), repeat=3))
-        stem = (share + condition).to(condition.dtype).contiguous(memory_format=torch.channels_last_3d)
-        _, encoder, decoder = self._layers()
-        return self._unet(stem, emb, encoder, decoder)
-
-    def _unet(self, h: torch.Tensor, emb: torch.Tensor, encoder: list, decoder: list) -> torch.Tensor:
-        """The U-Net after the stem: encoder, middle, decoder, output."""
+        h = stem(x)
         hs = [h]
         for block in encoder:
             h = block(h, emb)
@@ -375,17 +342,6 @@ def _identity(x):
 def _after(block: nn.Module, x, *args, before: nn.Module):
     """block(before(x), *args): two layers as one checkpointed function."""
     return block(before(x), *args)
-
-
-class Conditioned(nn.Module):
-    """A U-Net's `denoise` as a module's forward (what `torch.compile` compiles): (x, condition, t) -> noise."""
-
-    def __init__(self, unet: UNet3D):
-        super().__init__()
-        self.unet = unet
-
-    def forward(self, x: torch.Tensor, condition: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return self.unet.denoise(x, condition, t)
 
 
 class _DownOnly(nn.Module):

@@ -28,6 +28,9 @@ WRITES = {
                         "settings, skipped steps and times",
     "convergence_losses": "the study's training loss of every step of every run",
     "convergence_samples": "the study's sample scores (label_dice, hist_w1, ms_ssim) and the real images'",
+    "repeats": "blocks of training or denoising steps of best and its variants timed interleaved in one process, "
+               "a row per block: what the Beyond page's lever verdicts pair",
+    "sample_batches": "seconds per generated volume over batch sizes (python -m medddpm sample-batches)",
     "snapshot": "what is live at the peak of a memory snapshot, by the line that allocated it: written beside the "
                 "snapshot by python -m medddpm bench --memory-snapshot DIR, read by python -m medddpm peak",
 }
@@ -37,7 +40,8 @@ WHERE = {"convergence_runs": "data/<gpu-slug>/convergence/runs.parquet",
          "convergence_samples": "data/<gpu-slug>/convergence/samples.parquet",
          "scaling": "data/<gpu-slug>/scaling/<config>.parquet", "bench": "data/<gpu-slug>/reference/bench.parquet",
          "partition": "data/partition.parquet", "snapshot": "DIR/memory-<config>-<commit>.parquet",
-         "roofs": "data/<gpu-slug>/roofs.parquet"}
+         "roofs": "data/<gpu-slug>/roofs.parquet", "repeats": "data/<gpu-slug>/levers/repeats.parquet",
+         "sample_batches": "data/<gpu-slug>/levers/sample_batches.parquet"}
 
 
 def written_files() -> pd.DataFrame:

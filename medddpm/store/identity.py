@@ -10,6 +10,10 @@ Compute's time) is not part of it: it decides which tables a run has, not what t
 A row written before identities were recorded holds ''; it counts as the default identity of its folder
 name (the preset's size, micro-steps and data, the configuration's switches as they are now), which is what
 every such row measured: no sweep before then changed them for the main runs.
+
+The switches are recorded where they differ from their default, "off" (`canonical`): a switch added later is off in
+every run recorded before it, and one retired was off in every run the product can still make, so neither changes
+an identity. Identities recorded with every switch then existing compare, and key their folders, in that form.
 """
 
 from __future__ import annotations
@@ -19,7 +23,12 @@ import json
 import os
 from pathlib import Path
 
+from medddpm.configs import Config, switches
 from medddpm.store.layout import SEPARATOR
+from medddpm.store.schema import RETIRED_SWITCHES
+
+# Each switch's "off" value: the product's own, then the retired ones' (`schema.RETIRED_SWITCHES`)
+_OFF = {f.name: f.default for f in switches(Config)} | RETIRED_SWITCHES
 
 
 def data_fingerprint(source: str) -> str:
@@ -50,11 +59,33 @@ def run_identity(*, config: str, switches: dict, preset: str, shape: str, batch:
     resampled onto their images' grids) is recorded where it is on only, so that every identity recorded before it
     existed stays the same."""
     embedded = not Path(data).is_dir()
-    return {"config": config, "switches": dict(sorted(switches.items())), "preset": preset, "shape": shape,
+    return {"config": config, "switches": switches_on(switches), "preset": preset, "shape": shape,
             "batch": int(batch), "warmup": int(warmup), "steps": int(steps), "sample_steps": int(sample_steps),
             "data": str(data) if embedded else str(Path(data).resolve()), "data_fingerprint": data_fingerprint(data),
             "mask_channels": mask_channels, "label": label, "group": group} | (
         {"resample_mask": "nearest"} if resample_mask else {})
+
+
+def switches_on(switches: dict) -> dict:
+    """The switches away from their "off" value, sorted (a name the product never had stays, whatever its value)."""
+    return {k: v for k, v in sorted(switches.items()) if k not in _OFF or v != _OFF[k]}
+
+
+def canonical(text: str) -> str:
+    """An encoded identity in the form `run_identity` records now: its switches only where on. '' (a row from
+    before identities) and text that is not an identity's JSON stay as they are."""
+    try:
+        identity = json.loads(text)
+    except ValueError:
+        return text
+    if not isinstance(identity, dict) or not isinstance(identity.get("switches"), dict):
+        return text
+    return encode(identity | {"switches": switches_on(identity["switches"])})
+
+
+def same(a: str, b: str) -> bool:
+    """Whether two encoded identities define the same run (`canonical`)."""
+    return canonical(a) == canonical(b)
 
 
 def encode(identity: dict) -> str:
@@ -63,14 +94,14 @@ def encode(identity: dict) -> str:
 
 
 def key(text: str) -> str:
-    """A short hash of an encoded identity, the suffix of its folder."""
-    return hashlib.sha256(text.encode()).hexdigest()[:8]
+    """A short hash of an encoded identity (`canonical`), the suffix of its folder."""
+    return hashlib.sha256(canonical(text).encode()).hexdigest()[:8]
 
 
 def folder_name(plain: str, identity: str, default: str) -> str:
     """The folder of a run of `identity` whose configuration, preset, batch and width name `plain`: `plain`
     itself for the default identity, ``<plain>~<key>`` for any other."""
-    return plain if identity == default else f"{plain}{SEPARATOR}{key(identity)}"
+    return plain if same(identity, default) else f"{plain}{SEPARATOR}{key(identity)}"
 
 
 def split_folder(name: str) -> tuple[str, str]:

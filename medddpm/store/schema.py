@@ -411,13 +411,17 @@ ADDED: dict[str, dict[str, object]] = {
     "kernels": {"op": ""},  # which operator launched a kernel: unknown in tables written before it was recorded
 }
 
-# Columns that committed tables carry and the schema no longer has: switches removed from the product
-# after their runs were recorded (each measured a loss or was never kept). A table is read without them (the
-# files themselves stay as measured); writing rejects them like any column not in the schema.
-RETIRED: dict[str, tuple[str, ...]] = {
-    "run": ("split_skip", "store_norm_grad", "cudnn_try_all", "memory_budget", "aot_cse", "recompute_reads",
-            "nd_tiling", "coordinate_descent", "combo_kernels"),
+# Columns that tables written while a switch existed carry and the schema no longer has: switches removed from
+# the product after runs recorded them (each measured a loss or was never kept), with the value that meant "off"
+# (what every run the product can still make measured). A table is read without them (the files themselves stay as
+# measured); writing rejects them like any column not in the schema. A recorded identity compares them at that value
+# (`store.identity.canonical`).
+RETIRED_SWITCHES: dict[str, object] = {
+    "split_skip": False, "store_norm_grad": False, "cudnn_try_all": False, "memory_budget": 1.0, "aot_cse": True,
+    "recompute_reads": False, "nd_tiling": False, "coordinate_descent": False, "combo_kernels": False,
+    "conv": "cudnn", "condition_once": False,
 }
+RETIRED: dict[str, tuple[str, ...]] = {"run": tuple(RETIRED_SWITCHES)}
 
 # Columns renamed after data was committed: table -> {old name: new name}. A table written under the old name
 # reads under the new one; writing takes the new name only.

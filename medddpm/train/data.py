@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch.utils.data import Dataset
-from tqdm import tqdm  # text bars: tqdm.auto draws ipywidgets bars, a message per update under papermill
 
+from medddpm.progress import progress_bar
 from medddpm.model.unet import ModelSpec
 from medddpm.store.storage import atomic_write, check_regular
 from medddpm.train.folders import BratsCases, NiftiPairs, brats_folders, default_cache_dir
@@ -89,7 +89,7 @@ class MNIPairs(Dataset):
     def prepare(self) -> MNIPairs:
         """Generate every missing pair now (with a progress bar), not during training."""
         missing = [i for i in range(self.n) if not self.path(i).exists()]
-        for i in tqdm(missing, desc=f"MNI pairs {_size_name(self.size)}", disable=not self.progress):
+        for i in progress_bar(missing, desc=f"MNI pairs {_size_name(self.size)}", progress=self.progress):
             self._pair(i)
         return self
 

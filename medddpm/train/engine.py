@@ -17,7 +17,7 @@ from torch.profiler import record_function
 from medddpm.configs import Config, Resolved, get_config, resolve, set_precision_flags
 from medddpm.model.diffusion import TIMESTEPS, GaussianDiffusion
 from medddpm.model.layout import compile_options
-from medddpm.model.unet import Conditioned, ModelSpec, UNet3D
+from medddpm.model.unet import ModelSpec, UNet3D
 from medddpm.model.recompute import SaveRandomOps
 from medddpm.train.checkpoint import cpu_rng_state
 
@@ -92,18 +92,13 @@ class Engine:
         model = UNet3D(spec, attention=config.attention, recompute_attention=config.recompute_attention,
                        upsample=config.upsample, checkpointing=config.checkpointing, group_norm=self.run.group_norm,
                        pad_channels=config.pad_channels, tap_gemm=config.tap_gemm, tap_major=config.tap_major,
-                       store_skip_grad=config.store_skip_grad, narrow_checkpoints=config.narrow_checkpoints,
-                       conv=self.run.conv)
+                       store_skip_grad=config.store_skip_grad, narrow_checkpoints=config.narrow_checkpoints)
         self.model = model.to(self.device, memory_format=self.run.memory_format)
         self.denoiser = self._compile(self.model) if self.run.compile else self.model
         # Sampling saves nothing for a backward, so `recompute_pointwise` only adds work there (a tenth of the
-        # denoising step): its graph keeps Inductor's thresholds. `condition_once`: the sampler is the U-Net's
-        # `denoise`, which takes the label map's share of the stem (`sampling_condition`)
-        sampling = Conditioned(self.model) if config.condition_once else self.model
-        separate = self.run.recompute_pointwise or config.condition_once
-        compiled = self._compile(sampling, training=False) if separate and self.run.compile else sampling
-        self._sampler = compiled if separate else None
-        self._condition: torch.Tensor | None = None  # `condition_once`: the label map's share, one buffer
+        # denoising step): its graph keeps Inductor's thresholds.
+        separate = self.run.recompute_pointwise  # needs compile
+        self._sampler = self._compile(self.model, training=False) if separate else None
         self.diffusion = GaussianDiffusion(timesteps=timesteps).to(self.device)
         # capturable keeps Adam's step counter on the device, which graph replay requires.
         self.opt = torch.optim.Adam(self.model.parameters(), lr=lr, fused=True if self.run.fused_adam else None,
@@ -281,31 +276,16 @@ class Engine:
     @property
     def sampler(self):
         """The denoiser that sampling calls: the training one, or with `recompute_pointwise` the same
-        model compiled a second time without it, or with `condition_once` its `denoise` (`unet.Conditioned`)."""
+        model compiled a second time without it."""
         return self.denoiser if self._sampler is None else self._sampler
-
-    def sampling_condition(self, cond: torch.Tensor) -> torch.Tensor:
-        """What every denoising step of a sample takes for the label maps `cond` (prepared): `cond` itself, or
-        with `condition_once` the stem convolution's share of it (`UNet3D.condition`), computed here once per
-        sample into a buffer the engine keeps, which a captured denoising step reads in place."""
-        if not self.config.condition_once:
-            return cond
-        with self.autocast(), torch.no_grad():
-            c = self.model.condition(cond)
-        if self._condition is None or self._condition.shape != c.shape or self._condition.dtype != c.dtype:
-            self._condition = c
-        else:
-            self._condition.copy_(c)
-        return self._condition
 
     def _denoise(self, x: torch.Tensor, cond: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         with self.autocast(), torch.no_grad():
-            return self.diffusion.p_step(self.sampler, x, cond, t, noise, conditioned=self.config.condition_once)
+            return self.diffusion.p_step(self.sampler, x, cond, t, noise)
 
     def _capture_denoise(self, inputs: tuple[torch.Tensor, ...]) -> None:
-        """Record one denoising step, as `_capture` records a training step. The engine's own condition buffer
-        (`sampling_condition`) is read in place, not copied in: a copy would move it every step."""
-        static = tuple(v if v is self._condition else v.clone() for v in inputs)
+        """Record one denoising step, as `_capture` records a training step."""
+        static = tuple(v.clone() for v in inputs)
         graph, out = self._graphed(lambda: self._denoise(*static))
         self._denoise_graph = graph, static, out
 
@@ -320,17 +300,15 @@ class Engine:
             self._capture_denoise(inputs)
         graph, static, out = self._denoise_graph
         for dst, src in zip(static, inputs, strict=True):
-            if dst is not src:
-                dst.copy_(src, non_blocking=True)
+            dst.copy_(src, non_blocking=True)
         graph.replay()
         return out.clone()  # the next replay overwrites `out`
 
     def sample(self, cond: torch.Tensor, *, image_channels: int, generator: torch.Generator | None = None,
                progress: bool = True, step_callback=None) -> torch.Tensor:
         """Ancestral sampling (`GaussianDiffusion.sample`) with this configuration's denoising step."""
-        return self.diffusion.sample(self.sampler, self.sampling_condition(cond), image_channels=image_channels,
-                                     generator=generator, progress=progress, step_callback=step_callback,
-                                     step=self.denoise_step)
+        return self.diffusion.sample(self.sampler, cond, image_channels=image_channels, generator=generator,
+                                     progress=progress, step_callback=step_callback, step=self.denoise_step)
 
     # -------------------------------------------------------------------------------- checkpoints
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm  # text bars: tqdm.auto draws ipywidgets bars, a message per update under papermill
 
+from medddpm.progress import progress_bar
 from medddpm.train.cache import Built, Entry, VolumeCache
 from medddpm.train.loader import one_hot_condition
 from medddpm.train.geometry import difference, same_grid
@@ -52,7 +52,7 @@ class _CachedFolder(torch.utils.data.Dataset):
     def _open_cache(self, cache_dir, progress: bool, what: str) -> list[tuple[Path, dict[int, int]]]:
         self.cache = VolumeCache(Path(default(cache_dir, default_cache_dir())) / "volumes")
         counts, self.cache_build_s = [], 0.0
-        for item in tqdm(self.items, desc=f"cache {what}", disable=not progress):
+        for item in progress_bar(self.items, desc=f"cache {what}", progress=progress):
             entry = self._entry(item)
             counts.append((item["labels"], entry.counts))
             self.cache_build_s += entry.build_s

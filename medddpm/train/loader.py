@@ -107,5 +107,10 @@ class DeviceLoader:
             # whatever ends the loop (its end, an error, KeyboardInterrupt, the consumer closing the generator)
             shutdown = getattr(it, "_shutdown_workers", None)
             if shutdown is not None:
-                shutdown()
+                try:
+                    shutdown()
+                except RuntimeError:
+                    # a worker ended by the signal that ends this process (a scheduler's SIGTERM reaches the whole
+                    # process group): the loader's SIGCHLD handler reports it while the others are joined
+                    pass
             del it

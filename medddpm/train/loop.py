@@ -9,8 +9,8 @@ import os
 from pathlib import Path
 
 import torch
-from tqdm import tqdm  # text bars: tqdm.auto draws ipywidgets bars, a message per update under papermill
 
+from medddpm.progress import progress_bar
 from medddpm.errors import UserError
 from medddpm.configs import Config, ConfigError, get_config
 from medddpm.train import checkpoint
@@ -204,8 +204,8 @@ def _train(spec, config, dataset, *, out, steps, device, grad_accum, lr, seed, s
         if bad:
             raise Diverged(bad[0], bad[1], counted["saved"])
 
-    bar = tqdm(range(start, steps), initial=start, total=steps, desc=f"train {engine.config.name}",
-               disable=not (progress and main))
+    bar = progress_bar(range(start, steps), initial=start, total=steps, desc=f"train {engine.config.name}",
+                       progress=progress and main)
     # items read ahead by worker processes, in the order batch_indices gives (the loader shuts them down when the
     # loop ends, by an error or Ctrl-C too)
     order = (batch_indices(len(dataset), s, rank * grad_accum + m, seed=seed) for s in range(start, steps)

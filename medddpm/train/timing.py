@@ -18,7 +18,8 @@ import time
 from typing import Callable
 
 import torch
-from tqdm import tqdm  # text bars: tqdm.auto draws ipywidgets bars, a message per update under papermill
+
+from medddpm.progress import progress_bar
 
 
 class StepTimer:
@@ -82,7 +83,7 @@ def time_steps(fn: Callable[[], object], *, device: torch.device | str, warmup: 
     cuda = device.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     warmup_ms = []
-    for _ in tqdm(range(warmup), desc=f"{desc} warm-up", disable=not progress):
+    for _ in progress_bar(range(warmup), desc=f"{desc} warm-up", progress=progress):
         sync()
         t0 = time.perf_counter()
         fn()
@@ -95,7 +96,7 @@ def time_steps(fn: Callable[[], object], *, device: torch.device | str, warmup: 
     if on_timed_start is not None:
         on_timed_start()
     wall0 = time.perf_counter()
-    for _ in tqdm(range(steps), desc=f"{desc} timed", disable=not progress):
+    for _ in progress_bar(range(steps), desc=f"{desc} timed", progress=progress):
         timer.start()
         fn()
         timer.stop()

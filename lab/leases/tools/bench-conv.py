@@ -1,4 +1,5 @@
-"""best's GroupNorm-SiLU-convolutions at 128^3, cuDNN's way against the fused Triton kernel (`conv="triton"`), on a GPU.
+"""best's GroupNorm-SiLU-convolutions at 128^3, cuDNN's way against the fused Triton kernel (`fused_conv.py` beside
+this script: the retired lever `conv`), on a GPU.
 
 Two tables, each row timed with CUDA events around CUDA-graph replays (so that launch gaps, which best's whole-step
 graph removes, stay out), after warm-up (compilation, cuDNN's and Triton's autotuning), median and 10th-90th
@@ -12,7 +13,8 @@ percentiles of `--repeats`, rotating among input sets that together exceed the L
   `triton_fp8` the FP8 kernel: each with the statistics epilogue. What fusion replaces is cudnn + apply (+ stats for
   a block's first convolution) against triton.
 - blocks (forward, and forward + backward, `train`): a whole residual block (`ResBlock`, best's GroupNorm kind),
-  compiled with best's options under bf16 autocast, conv_kind cudnn, triton and triton_fp8.
+  compiled with best's options under bf16 autocast: cuDNN's (`ResBlock`), and the fused kernel's with bf16 and FP8
+  operands (`fused_conv.FusedResBlock`, triton and triton_fp8).
 
 Numerics on the card: each kernel's relative error against a float32 reference (strict FP32 convolution of the
 float32 normalized activation), next to cuDNN's own; a fused block's output and gradients against cuDNN's block.
@@ -40,9 +42,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+import fused_conv  # noqa: E402  (beside this script: the kernel left the product with its lever)
 from medddpm.measure.env import environment  # noqa: E402
 from medddpm.measure.timing import roofs  # noqa: E402
-from medddpm.model import fused_conv  # noqa: E402
 from medddpm.model.blocks import ResBlock  # noqa: E402
 from medddpm.model.group_norm import _group_stats  # noqa: E402
 from medddpm.model.layout import compile_options  # noqa: E402
@@ -232,7 +234,9 @@ def block_rows(c_in: int, c_out: int, side: int, kinds, repeats: int, gen) -> li
     flop = 2 * 27 * vox * (c_in * c_out + c_out * c_out)
     rows, results = [], {}
     for kind in kinds:
-        block = ResBlock(c_in, c_out, emb_dim=256, norm_kind="fused", conv_kind=kind).to(dev, memory_format=CL)
+        block = (ResBlock(c_in, c_out, emb_dim=256, norm_kind="fused") if kind == "cudnn" else
+                 fused_conv.FusedResBlock(c_in, c_out, emb_dim=256, norm_kind="fused", kind=kind))
+        block = block.to(dev, memory_format=CL)
         block.load_state_dict(plain.state_dict())
         for mode in ("forward", "train"):
             torch._dynamo.reset()

@@ -11,7 +11,8 @@ Phases, in order of what the decision needs (each skipped where OUT already hold
   sample   the same interleaving for the denoising step (a sampler engine per variant, batch 1): phase sample.
   quality  each variant's quality phase against strict FP32 (as a sweep's, `Measurement.quality`; the strict-FP32
            side computed once): OUT/<label>/levers/<config>/quality.parquet.
-  batches  seconds per volume over batch sizes for the sampling variants: OUT/<label>/levers/sample_batches.parquet.
+  batches  seconds per volume over batch sizes (--batch-configs, the base by default):
+           OUT/<label>/levers/sample_batches.parquet.
 A phase starts only with its estimated time left before --deadline (seconds since this process started); a
 variant that fails or runs out of memory is recorded on stderr and left out, the others go on. The base (the first
 variant) is in every interleaved call: a variant is judged against the base blocks beside it.
@@ -170,7 +171,7 @@ def makers(call: Call, phase: str):
     def sample(config):
         engine = Engine(call.spec, config, device=call.device, seed=0, ema=False)
         engine.model.eval()
-        c = engine.sampling_condition(engine.prepare(cond))
+        c = engine.prepare(cond)
         g = torch.Generator(call.device).manual_seed(0)
         x, noise = (torch.randn((1, call.spec.image_channels, *call.spec.shape), device=call.device, generator=g)
                     for _ in range(2))
@@ -266,8 +267,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=15, help="timed micro-steps a training block")
     p.add_argument("--sample-steps", type=int, default=15, help="timed denoising steps a sampling block")
     p.add_argument("--batches", default="1,2,4,8", help="batch sizes of the batches phase")
-    p.add_argument("--batch-configs", default="", help="configurations of the batches phase (default: the base, "
-                                                       "and the variants with condition_once)")
+    p.add_argument("--batch-configs", default="", help="configurations of the batches phase (default: the base)")
     p.add_argument("--phases", default="train,kernels,sample,quality,batches")
     p.add_argument("--device", default=None)
     p.add_argument("--gpu-label", default=None, help="the label under OUT (default: the device type)")
@@ -337,9 +337,9 @@ def batches_done(call: Call, config: str, batches: list[int]) -> bool:
 
 
 def batch_configs(variants: list[str], args) -> list[str]:
-    """The batches phase's configurations: --batch-configs, else the base and the variants with condition_once."""
-    return [c.strip() for c in args.batch_configs.split(",") if c.strip()] or \
-        [variants[0]] + [v for v in variants[1:] if get_config(v).condition_once]
+    """The batches phase's configurations: --batch-configs, else the base (the sampling lever the default also took,
+    `condition_once`, left the product on 2026-12-07: lab/notebook/retired-levers.md)."""
+    return [c.strip() for c in args.batch_configs.split(",") if c.strip()] or [variants[0]]
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm  # text bars: tqdm.auto draws ipywidgets bars, a message per update under papermill
 
+from medddpm.progress import progress_bar
 from medddpm.errors import UserError
 from medddpm.configs import get_config
 from medddpm.measure.study import sample_metrics as sm
@@ -286,8 +287,8 @@ def prepare_data(settings: Settings, *, processes: int = 1, progress: bool = Tru
         from concurrent.futures import ProcessPoolExecutor
 
         with ProcessPoolExecutor(min(processes, len(missing)), mp_context=mp.get_context("spawn")) as pool:
-            list(tqdm(pool.map(_make_pair, missing, [settings.size] * len(missing)), total=len(missing),
-                      desc=f"MNI pairs {settings.size}", disable=not progress))
+            list(progress_bar(pool.map(_make_pair, missing, [settings.size] * len(missing)), total=len(missing),
+                              desc=f"MNI pairs {settings.size}", progress=progress))
     data.prepare()
     items = [data[i] for i in range(len(data))]
     reference = sm.tissue_quantiles([x[0].numpy() for x, _ in items], [labels_of(c) for _, c in items])
@@ -385,7 +386,7 @@ def study(configs: list[str], seeds: list[int], settings: Settings = Settings(),
         else:
             tqdm.write(f"{job.config} seed {job.seed}: {run['status']}: {run['message']}")
 
-    bar = tqdm(total=len(todo_jobs), desc="study", unit="run", disable=not progress)
+    bar = progress_bar(total=len(todo_jobs), desc="study", unit="run", progress=progress)
     if jobs == 1:
         stopped = []
         for i, job in enumerate(todo_jobs):

@@ -92,7 +92,7 @@ def bench_sample(spec: ModelSpec, config: Config | str, *, device: torch.device,
     engine = Engine(spec, config, device=device, seed=seed, ema=False, timesteps=timesteps)
     engine.model.eval()
     _, cond = real_batch(spec, seed=seed, batch=batch)
-    c = engine.sampling_condition(engine.prepare(cond))
+    c = engine.prepare(cond)
     g = torch.Generator(engine.device).manual_seed(seed)
     x, noise = (torch.randn((batch, spec.image_channels, *spec.shape), device=engine.device, generator=g)
                 for _ in range(2))

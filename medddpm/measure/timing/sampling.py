@@ -37,7 +37,7 @@ def _row(engine: Engine, spec: ModelSpec, batch: int, *, warmup: int, steps: int
     """One batch's denoising step, timed at the middle of the schedule (as `bench --phase sample` times it)."""
     device = engine.device
     _, cond = real_batch(spec, seed=seed, batch=batch)
-    c = engine.sampling_condition(engine.prepare(cond))
+    c = engine.prepare(cond)
     g = torch.Generator(device).manual_seed(seed)
     x, noise = (torch.randn((batch, spec.image_channels, *spec.shape), device=device, generator=g) for _ in range(2))
     t = torch.full((batch,), timesteps // 2, device=device, dtype=torch.long)

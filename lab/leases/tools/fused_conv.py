@@ -1,4 +1,9 @@
-"""GroupNorm-SiLU-convolution as one Triton kernel (`conv="triton"`, `conv="triton_fp8"`).
+"""GroupNorm-SiLU-convolution as one Triton kernel: the lever `conv` (`triton`, `triton_fp8`), retired from the
+product on 2026-12-07 after the H100's lever call measured best+conv=triton 20.9 ms (38%) slower a training
+micro-step (lab/notebook/retired-levers.md#conv). The kernel stays here for the lab: `bench-conv.py` (beside it)
+imports it, and `FusedResBlock` is the product's residual block with the kernel in place of its two
+GroupNorm-SiLU-convolutions, as the switch built it. It imports the product (`medddpm.model`); the product does
+not import it.
 
 At batch 1 GroupNorm's apply step is a per-channel scale and shift: a = x * scale_c + shift_c, with
 scale_c = gamma_c * rstd_g(c) and shift_c = beta_c - mean_g(c) * scale_c. So "normalize, SiLU, convolve" has the
@@ -34,7 +39,7 @@ The statistics it is given are x's: the backward differentiates the norm through
 returns carry no gradient.
 
 The kernel runs on a CUDA device, or on the CPU under Triton's interpreter (`TRITON_INTERPRET=1` set before
-Triton is imported). Elsewhere `unavailable` says why, and `configs.resolve` runs cuDNN instead.
+Triton is imported). Elsewhere `unavailable` says why.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
+from medddpm.model.blocks import ResBlock
 from medddpm.model.group_norm import _group_stats, group_norm_silu_backward, group_stats_from_parts
 
 try:  # pyproject declares Triton for Linux x86-64, the platform of its wheels
@@ -426,3 +432,21 @@ def norm_silu_conv(x: torch.Tensor, norm: torch.nn.GroupNorm, conv: torch.nn.Con
                                  norm.bias, conv.weight, bias, x_min, x_max, norm.num_groups, operands, out_dtype,
                                  want_stats)
     return y, (ChannelStats(*moments) if want_stats else None)
+
+
+class FusedResBlock(ResBlock):
+    """`ResBlock` with each GN-SiLU-Conv as one fused kernel (`kind` "triton" or "triton_fp8"): the time embedding
+    is the first one's per-sample bias, and the first one's output statistics are the second norm's. The same
+    parameters as `ResBlock`, so a state dict loads either way (what the `conv` switch ran)."""
+
+    def __init__(self, ch_in: int, ch_out: int, *, emb_dim: int, norm_kind: str = "aten", kind: str = "triton"):
+        super().__init__(ch_in, ch_out, emb_dim=emb_dim, norm_kind=norm_kind)
+        assert kind in CONV_KINDS[1:], f"fused convolution kind must be one of {CONV_KINDS[1:]}, got {kind!r}"
+        self.kind = kind
+
+    def forward(self, x, emb):
+        (norm1, _, conv1), (norm2, _, conv2) = self.in_layers, self.out_layers
+        bias = conv1.bias + self.emb_layers(emb).float()  # (B, C_out): the time embedding, added in the epilogue
+        h, stats = norm_silu_conv(x, norm1, conv1, kind=self.kind, bias=bias, want_stats=True)
+        out, _ = norm_silu_conv(h, norm2, conv2, kind=self.kind, stats=stats)
+        return self.skip(x) + out
