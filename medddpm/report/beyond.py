@@ -202,8 +202,8 @@ def ablation_text(abl: pd.DataFrame, base: str = "best") -> str:
                      + (f", the most {code(buys['lever'].iloc[0])} ({buys['saved_ms'].iloc[0]:.1f} ms, "
                         f"{buys['ratio'].iloc[0]:.2f}x slower without it)" if len(buys) else "") + ".")
         for r in g[g["verdict"] == "costs"].itertuples():
-            lines.append(f"  - {code(r.lever)} is faster by {-r.saved_ms:.1f} ms ({1 / r.ratio:.2f}x): on this device the "
-                         "lever costs time.")
+            lines.append(f"  - {code(r.lever)} is faster by {-r.saved_ms:.1f} ms ({1 / r.ratio:.2f}x): on this "
+                         "device the lever costs time.")
         for r in g[g["verdict"] == "failed"].itertuples():
             lines.append(f"  - {code(r.lever)} did not finish ({md(r.status)}: {md(r.message)}).")
     return "\n".join(lines) if lines else "No ablation measured yet: `python -m medddpm ablation`."
@@ -247,7 +247,8 @@ def sampling_text(s: pd.DataFrame, cpus: set[str]) -> str:
     for slug, g in s.groupby("gpu_slug", sort=False):
         g = g.set_index("config")
         fast = g["sample_s"].idxmin()
-        line = f"- **{md(slug)}**{_cpu_note(slug, cpus)}: {code(fast)} samples a volume in {g.loc[fast, 'sample_s']:.3g} s"
+        line = (f"- **{md(slug)}**{_cpu_note(slug, cpus)}: {code(fast)} samples a volume in "
+                f"{g.loc[fast, 'sample_s']:.3g} s")
         if "baseline" in g.index and fast != "baseline":
             line += f", {g.loc['baseline', 'sample_s'] / g.loc[fast, 'sample_s']:.3g}x faster than `baseline`"
         lines.append(line + ".")

@@ -295,8 +295,8 @@ def verdict_text(study: Study, slug: str, step_ms: dict | None = None) -> str:
             mine = v[v["candidate"] == fastest]
             said = (f"judged {mine['verdict'].iloc[0]} against {code(mine['reference'].iloc[0])} above" if len(mine)
                     else "not paired with another configuration here")
-            out.append(f"The fastest configuration measured on this device is {code(fastest)} ({step_ms[fastest]:.1f} ms "
-                       f"a micro-step in its main run): {said}.")
+            out.append(f"The fastest configuration measured on this device is {code(fastest)} "
+                       f"({step_ms[fastest]:.1f} ms a micro-step in its main run): {said}.")
     return " ".join(out)
 
 

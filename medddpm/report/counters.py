@@ -315,7 +315,8 @@ def roofs_in_use(roofs: pd.DataFrame) -> pd.DataFrame:
 
 def roof_sources_text(roofs: pd.DataFrame) -> str:
     said = roofs.drop_duplicates(["gpu_slug", "detail"])
-    return "Sources: " + "; ".join(f"**{md(r.gpu_slug)}**, {md(r.source)}: {md(r.detail)}" for r in said.itertuples()) + "."
+    return "Sources: " + "; ".join(f"**{md(r.gpu_slug)}**, {md(r.source)}: {md(r.detail)}"
+                                   for r in said.itertuples()) + "."
 
 
 FLOP_CLOSE = 0.05  # a counted layer within 5% of its arithmetic counts right

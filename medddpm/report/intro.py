@@ -48,8 +48,8 @@ def result_text(head: pd.DataFrame, tally: pd.DataFrame, on_gpu: bool) -> str:
     for slug, g in head.groupby("gpu_slug", sort=False):
         base = g[g["config"] == "baseline"].iloc[0]
         paper = g[(g["role"] == HEADLINE_ROLES[0]) & (g["config"] != "baseline")]
-        line = (f"- **{md(slug)}** ({md(base['preset'])} preset, {base['size']}³): strict FP32 takes {base['base_ms']:.4g} ms "
-                "a training micro-step. The paper's configurations: " + "; ".join(
+        line = (f"- **{md(slug)}** ({md(base['preset'])} preset, {base['size']}³): strict FP32 takes "
+                f"{base['base_ms']:.4g} ms a training micro-step. The paper's configurations: " + "; ".join(
                     f"{code(r.config)} {r.train_median_ms:.4g} ms, **{r.speedup:.2f}x**"
                     + (" (slower than strict FP32)" if r.hi < 1 else "") for r in paper.itertuples()) + ".")
         fast = g[g["role"] == HEADLINE_ROLES[1]]

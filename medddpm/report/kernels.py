@@ -138,8 +138,8 @@ def backward_text(passes: pd.DataFrame, cpus: set[str]) -> str:
     for slug in gpus_first(p.index.get_level_values("gpu_slug")):
         r = p.loc[(slug, "baseline")] if (slug, "baseline") in p.index else None
         if r is not None and r.get("forward", 0) > 0:
-            lines.append(f"- **{md(slug)}**{' (CPU smoke run)' if slug in cpus else ''}, baseline: backward / forward = "
-                         f"{r.get('backward', np.nan) / r['forward']:.2f}, "
+            lines.append(f"- **{md(slug)}**{' (CPU smoke run)' if slug in cpus else ''}, baseline: backward / "
+                         f"forward = {r.get('backward', np.nan) / r['forward']:.2f}, "
                          f"optimizer {r.get('optimizer', 0) / r.sum():.1%} of the step.")
     return "\n".join(lines) if lines else "No forward/backward split in the data."
 

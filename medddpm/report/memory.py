@@ -453,7 +453,8 @@ def compiled_text(kept: pd.DataFrame, torch_version: str) -> str:
             "GroupNorm is a custom autograd function, whose tensors checkpointing under `torch.compile` may save "
             "instead of recomputing (pytorch/pytorch#177396)."
             + ("" if differ.empty else " The torch versions traced differ for "
-               + ", ".join(f"{code(c)} ({' / '.join(f'{v:.2f}' for v in r.dropna())} GiB)" for c, r in differ.iterrows())
+               + ", ".join(f"{code(c)} ({' / '.join(f'{v:.2f}' for v in r.dropna())} GiB)"
+                           for c, r in differ.iterrows())
                + ": the same code, partitioned by another AOTAutograd."))
 
 
@@ -544,8 +545,8 @@ def cost_line(r) -> str:
     """One pair of runs that differ in one memory-saving switch: its time cost and the memory it saves."""
     saved = (f", {r.saved_gib:.2f} GiB ({r.saved_frac:.0%}) less memory" if pd.notna(r.saved_gib)
              else " (a CPU records no peak)")
-    return (f"**{md(r.gpu_slug)}**, {md(r.model)}{'' if r.batch == 1 else f', batch {r.batch}'}: {code(r.config_off)} → "
-            f"{code(r.config_on)} ({md(r.change)}): {r.time_ratio:.2f}x the step time{saved}.")
+    return (f"**{md(r.gpu_slug)}**, {md(r.model)}{'' if r.batch == 1 else f', batch {r.batch}'}: "
+            f"{code(r.config_off)} → {code(r.config_on)} ({md(r.change)}): {r.time_ratio:.2f}x the step time{saved}.")
 
 
 def costs_text(costs: pd.DataFrame, cpus: set[str]) -> tuple[str, str]:
@@ -589,8 +590,8 @@ def checkpoint_target_text(targets: pd.DataFrame, mem: pd.DataFrame) -> str:
                 & (mem["batch"] == 1)].iloc[0]
         other = (f", and the CUDA context and libraries {r['other_gib']:.2f} GiB beside it"
                  if pd.notna(r["other_gib"]) else "")
-        lines.append(f"On **{md(t.gpu_slug)}**, {code(t.config)} allocates at most {t.peak_gib:.2f} GiB in a whole-head step, "
-                     f"{target.max_gib - t.peak_gib:.2f} GiB under the {target.max_gib:g} GiB target. The targets count "
+        lines.append(f"On **{md(t.gpu_slug)}**, {code(t.config)} allocates at most {t.peak_gib:.2f} GiB in a "
+                     f"whole-head step, {target.max_gib - t.peak_gib:.2f} GiB under the {target.max_gib:g} GiB target. The targets count "
                      "allocated memory; what a card must hold is more: the allocator reserves "
                      f"{r['reserved_gib']:.2f} GiB with its cache{other} ([what fits where](#what-fits-where)).")
     return "\n\n".join(lines)

@@ -65,8 +65,8 @@ def check_files(files: pd.DataFrame) -> None:
 def tree_text(found: Scan, run: pd.DataFrame) -> str:
     """What the data tree holds now: each device's configurations, and the folders read for bench timings only."""
     cpus = cpu_slugs(run)
-    lines = [f"- **{md(slug)}**{' (a CPU: smoke runs)' if slug in cpus else ''}: " + ", ".join(code(c) for c in g["config"])
-             for slug, g in run.groupby("gpu_slug", sort=False)]  # GPUs first
+    lines = [f"- **{md(slug)}**{' (a CPU: smoke runs)' if slug in cpus else ''}: "
+             + ", ".join(code(c) for c in g["config"]) for slug, g in run.groupby("gpu_slug", sort=False)]  # GPUs first
     text = f"The data tree ({code(data_root().name + '/')}) holds these runs now:\n\n" + "\n".join(lines)
     if found.not_runs:
         text += ("\n\nFolders that are not runs (read for bench timings only): "

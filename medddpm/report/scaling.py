@@ -72,8 +72,8 @@ def ranks_text(rows: pd.DataFrame) -> str:
     for (slug, config), g in rows.groupby(["gpu_slug", "config"], sort=False):
         best = g.loc[g["world_size"].idxmax()]
         eff = f", {best['efficiency']:.0%} efficiency" if pd.notna(best["efficiency"]) else ""
-        lines.append(f"- {code(slug)} / {code(config)} ({md(best['backend'])}): {best['samples_per_s']:.3g} samples/s on "
-                     f"{int(best['world_size'])} ranks{eff}; its ranks' median step times "
+        lines.append(f"- {code(slug)} / {code(config)} ({md(best['backend'])}): {best['samples_per_s']:.3g} "
+                     f"samples/s on {int(best['world_size'])} ranks{eff}; its ranks' median step times "
                      f"{best['rank_min_ms']:.4g}-{best['rank_max_ms']:.4g} ms.")
     return "\n".join(lines)
 

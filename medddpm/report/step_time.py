@@ -164,8 +164,8 @@ def fastest_text(summary: pd.DataFrame, cpus: set[str]) -> str:
     for slug, g in summary.groupby("gpu_slug", sort=False):  # GPUs first
         g = g.set_index("config")
         best = g["train_median_ms"].idxmin()
-        line = (f"- **{md(slug)}**{_cpu(slug, cpus)} ({md(g['preset'].iloc[0])}, {g['size'].iloc[0]}³): fastest is {code(best)} "
-                f"at {g.loc[best, 'train_median_ms']:.4g} ms")
+        line = (f"- **{md(slug)}**{_cpu(slug, cpus)} ({md(g['preset'].iloc[0])}, {g['size'].iloc[0]}³): fastest is "
+                f"{code(best)} at {g.loc[best, 'train_median_ms']:.4g} ms")
         if "baseline" in g.index:
             line += (f", {g.loc[best, 'speedup']:.2f}x the strict-FP32 baseline "
                      f"({g.loc['baseline', 'train_median_ms']:.4g} ms)")
@@ -188,8 +188,8 @@ def cost_text(summary: pd.DataFrame, cpus: set[str]) -> str:
         s = g["sample_s"].dropna()
         if len(s):
             fast = s.idxmin()
-            line += (f"; one full sample takes {s.min():.3g} s ({code(fast)}) to {s.max():.3g} s ({code(s.idxmax())}) once "
-                     f"compiled, {g.loc[fast, 'sample_step_median_ms']:.3g} ms or more per denoising step")
+            line += (f"; one full sample takes {s.min():.3g} s ({code(fast)}) to {s.max():.3g} s "
+                     f"({code(s.idxmax())}) once compiled, {g.loc[fast, 'sample_step_median_ms']:.3g} ms or more per denoising step")
             if g.loc[fast, "compile"] and pd.notna(g.loc[fast, "sample_total_s"]):
                 line += f" (the first sample of a process, which compiles, took {g.loc[fast, 'sample_total_s']:.3g} s)"
         lines.append(line + ".")
@@ -212,8 +212,8 @@ def bench_text(bt: pd.DataFrame, summary: pd.DataFrame) -> str:
     `BENCH_APART` from the sweep's (a bench run times a configuration as defined when it ran; the sweep's rows are
     what the other pages use)."""
     both = bt.dropna(subset=["reference_ms"])
-    lines = [f"- **{md(r.gpu_slug)}, {code(r.config)}**: ours {r.ours_ms:.4g} ms, the reference {r.reference_ms:.4g} ms: "
-             f"ours is {faster_text(r.ours_faster)}." for r in both.itertuples()]
+    lines = [f"- **{md(r.gpu_slug)}, {code(r.config)}**: ours {r.ours_ms:.4g} ms, the reference "
+             f"{r.reference_ms:.4g} ms: ours is {faster_text(r.ours_faster)}." for r in both.itertuples()]
     sweep = summary.set_index(["gpu_slug", "config"])["train_median_ms"]
     apart = [(r, sweep[(r.gpu_slug, r.config)]) for r in bt.itertuples() if (r.gpu_slug, r.config) in sweep.index
              and abs(r.ours_ms / sweep[(r.gpu_slug, r.config)] - 1) > BENCH_APART]

@@ -485,8 +485,8 @@ def layout_text(kernels: pd.DataFrame, gpu_layout: pd.DataFrame) -> str:
 
 def pairs_text(pairs: pd.DataFrame, gpus: list[str]) -> str:
     """Each channels-last run's layout share against its partner's, and the GPUs with no such pair yet."""
-    lines = [f"- **{md(r.gpu_slug)}**: {code(r.channels_last)} {r.cl_share:.1%} against {code(r.partner)} {r.partner_share:.1%} "
-             f"({(r.cl_share - r.partner_share) * 100:+.1f} points)" for r in pairs.dropna().itertuples()]
+    lines = [f"- **{md(r.gpu_slug)}**: {code(r.channels_last)} {r.cl_share:.1%} against {code(r.partner)} "
+             f"{r.partner_share:.1%} ({(r.cl_share - r.partner_share) * 100:+.1f} points)" for r in pairs.dropna().itertuples()]
     missing = [g for g in gpus if g not in set(pairs["gpu_slug"])]
     if missing:
         lines.append(f"- {md(', '.join(missing))}: no channels-last profile with a partner in the data yet "
