@@ -208,6 +208,7 @@ class BuiltBook:
 
 
 @pytest.fixture(scope="session")
+@shared_budget(600)  # 240 CPU seconds measured: every page executed, the HTML written
 def built_book(tmp_path_factory) -> BuiltBook:
     """scripts/book.sh run once for the whole test run, on a copy of data/ with a second copy of its first
     GPU folder (FAKE_SLUG) added: the browser test opens every page of it, the second-GPU test reads its
