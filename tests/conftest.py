@@ -215,6 +215,7 @@ class BuiltBook:
 
 
 @pytest.fixture(scope="session")
+@shared_budget(600)  # 240 CPU seconds measured: every page executed, the HTML written
 def built_book(tmp_path_factory) -> BuiltBook:
     """scripts/book.sh run once for the whole test run, on a copy of data/ with a second copy of its first
     GPU folder (FAKE_SLUG) added, every string of it and of its notebooks markup (`poison.poison_gpu`): the

@@ -33,6 +33,7 @@ def test_the_slurm_backend_runs_each_configuration_as_a_job_through_submitit(tmp
     assert not list((tmp_path / "data" / "cpu").glob(".*")), "no staging folders left behind"
 
 
+@pytest.mark.budget(30)  # 9 CPU seconds measured: a Python process a configuration
 def test_slurm_dry_run_prints_one_sbatch_script_per_configuration(tmp_path):
     env = os.environ | {"PYTHONPATH": str(ROOT), "MEDDDPM_CACHE": str(tmp_path / "cache")}
     p = subprocess.run([sys.executable, "-m", "medddpm", "sweep", "--backend", "slurm", "--dry-run",

@@ -339,6 +339,7 @@ def test_fused_group_norm_in_bf16_is_float32_rounded_once():
         GroupNorm32(32, 64, kind="chunked", silu=True)
 
 
+@pytest.mark.budget(30)  # 9.5 CPU seconds measured: float64 models compared
 def test_group_norm_kinds_give_the_same_model(tiny_spec):
     torch.manual_seed(0)
     aten = UNet3D(tiny_spec).double()
@@ -380,6 +381,7 @@ def test_padded_narrow_convolutions_give_the_same_model(tiny_spec, layout):
         torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-10, atol=1e-13, msg=name)
 
 
+@pytest.mark.budget(30)  # 8 CPU seconds measured
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_store_skip_grad_gives_the_same_model_and_stores_each_skip_gradient(tiny_spec, checkpointing):
     """The switch adds an identity on each decoder block's skip connection, whose backward copies the gradient
@@ -406,6 +408,7 @@ def test_store_skip_grad_gives_the_same_model_and_stores_each_skip_gradient(tiny
     assert len(copies) == len(stored.up)
 
 
+@pytest.mark.budget(30)  # 9.5 CPU seconds measured
 @pytest.mark.parametrize("store_skip_grad", [False, True])
 def test_narrow_checkpoints_give_the_same_model_and_keep_no_stem_or_upsampled_output(tiny_spec, store_skip_grad):
     """With checkpointing, `narrow_checkpoints` runs the stem inside the two checkpoints that read its output and
@@ -585,6 +588,7 @@ def test_tap_convolution_refuses_other_shapes():
         TapConv3d(4, 16, 3, stride=2, padding=1)
 
 
+@pytest.mark.budget(60)  # 23 CPU seconds measured: bf16 convolutions on an AVX2-only CPU
 def test_tap_gemm_model_matches_under_bf16_autocast(tiny_spec):
     """Under bf16 autocast (what best runs) the model with tap_gemm is as close to the float32 model as
     the plain one: its output layer rounds the tap shares to bf16 but sums them in float32, once."""
