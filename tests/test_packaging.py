@@ -14,7 +14,8 @@ from packaging.utils import canonicalize_name
 from conftest import REPO
 
 # import name -> distribution, where the two differ
-DISTRIBUTION = {"PIL": "pillow", "pynvml": "nvidia-ml-py", "yaml": "pyyaml", "sklearn": "scikit-learn"}
+DISTRIBUTION = {"PIL": "pillow", "pynvml": "nvidia-ml-py", "yaml": "pyyaml", "sklearn": "scikit-learn",
+                "markdown_it": "markdown-it-py"}
 # imports the package makes only where a GPU tool provides them (Nsight Compute's report module)
 PROVIDED = {"ncu_report"}
 
