@@ -523,7 +523,7 @@ def specs(two) -> dict[str, dict]:
     return {name: chart.to_dict() for name, chart in all_charts(two).items()}
 
 
-@pytest.mark.budget(60)  # 27 CPU seconds measured: the module's chart specs made and validated
+@pytest.mark.budget(90)  # 27-39 CPU seconds measured: the module's chart specs made and validated
 def test_gpu_views_leave_cpu_rows_out_unless_asked(two, specs):
     for name, spec in specs.items():
         assert '"cpu"' not in json.dumps(spec), f"{name}: a CPU row, option or legend entry in a GPU view"

@@ -119,7 +119,7 @@ def test_a_command_exits_once_its_work_is_done(tmp_path):
     assert out.returncode == 0 and json.loads(out.stdout), out.stderr
 
 
-@pytest.mark.budget(30)  # 10 CPU seconds measured
+@pytest.mark.budget(40)  # 10-15 CPU seconds measured
 def test_info_shows_the_brats_model():
     out = run("info", "--preset", "brats", "--json")
     assert out.returncode == 0, out.stderr

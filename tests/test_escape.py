@@ -112,7 +112,7 @@ NAMING_PAGES = ("intro", "methodology", "step-time", "cards", "beyond", "memory"
 
 
 @pytest.mark.slow
-@pytest.mark.budget(150)
+@pytest.mark.budget(200)  # 64-76 CPU seconds measured
 def test_every_page_shows_every_string_of_the_data_as_text(tmp_path):
     """Every page of the book executed on a tree whose every string, its GPU's device name among them, is markup:
     no output holds it as markup; the pages that list a failed run (methodology), an ablation lever that failed

@@ -271,7 +271,7 @@ CHARTS = """() => [...document.querySelectorAll('.jp-OutputArea-output svg.marks
 
 
 @pytest.mark.slow
-@pytest.mark.budget(120)  # 52 CPU seconds measured: the server, a kernel and Chromium
+@pytest.mark.budget(160)  # 52 CPU seconds measured: the server, a kernel and Chromium
 @pytest.mark.skipif(not os.access(CHROMIUM, os.X_OK), reason=f"needs {CHROMIUM} (scripts/test.sh installs it)")
 def test_jupyterlab_in_browser(lab_server):
     from playwright.sync_api import sync_playwright

@@ -28,7 +28,7 @@ def sweep(*args, **kw):
 
 
 @pytest.mark.slow
-@pytest.mark.budget(120)  # 55 CPU seconds measured: four configurations' notebooks
+@pytest.mark.budget(160)  # 55-72 CPU seconds measured: four configurations' notebooks
 def test_smoke_sweep_writes_every_table_for_the_paper_configurations(tmp_path):
     """Every phase at the preset's steps but the sample's: 3 denoising steps, not the preset's 250, which took 80% of
     a run (the preset's own count reaching the run: test_brats_preset_and_batch_reach_the_producer_notebook; its
@@ -58,7 +58,7 @@ def test_smoke_sweep_writes_every_table_for_the_paper_configurations(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.budget(90)  # 37 CPU seconds measured
+@pytest.mark.budget(150)  # 37 CPU seconds measured
 def test_a_killed_sweep_resumes_without_duplicated_or_lost_rows(tmp_path):
     args = ("--preset", "smoke", "--configs", "baseline,opt2", "--out", str(tmp_path / "data"), "--device", "cpu",
             "--phases", "sample,quality", "--micro-steps", "2", "--sample-steps", "3")
@@ -124,7 +124,7 @@ def test_a_wrong_data_path_fails_before_any_configuration_runs(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.budget(90)  # 43 CPU seconds measured
+@pytest.mark.budget(150)  # 43-63 CPU seconds measured
 def test_a_failing_configuration_is_recorded_and_the_sweep_goes_on(tmp_path):
     # A real compile error: Inductor finds no C++ compiler for the CPU kernels of `compile`.
     env = os.environ | {"CXX": "/nonexistent/g++", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
@@ -139,7 +139,7 @@ def test_a_failing_configuration_is_recorded_and_the_sweep_goes_on(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.budget(90)  # 43 CPU seconds measured
+@pytest.mark.budget(150)  # 43-57 CPU seconds measured
 def test_brats_preset_and_batch_reach_the_producer_notebook(tmp_path):
     """--preset brats --batch 2 (at a CPU-sized input, the smallest its five levels take): the run lands in
     <config>@brats-b2 with the BraTS model's shape, channels and parameters, read back by the book's loader as a
@@ -192,7 +192,7 @@ def test_nsight_compute_gets_what_the_time_limit_leaves(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.budget(180)  # 86 CPU seconds measured: a compiled configuration twice, cold then warm
+@pytest.mark.budget(240)  # 86-115 CPU seconds measured: a compiled configuration twice, cold then warm
 def test_a_run_records_what_the_compile_caches_did(tmp_path, monkeypatch):
     """run.parquet says whether the training phase compiled or found its graphs in the on-disk caches, so a
     slow first step says whether it compiled anew; the counts are the phase's, not the process's."""
