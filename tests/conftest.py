@@ -207,6 +207,15 @@ def relabel(folder: Path, old: str, new: str, name: str | None = None) -> None:
         write_table(df, path, table)
 
 
+@pytest.fixture(scope="session")
+def committed_data():
+    """`report.load_all()` of the committed data/, read once a run for the tests that read it as it is: a test
+    derives its own frames from it (`report.Data(**{**data.__dict__, ...})`), never changes them."""
+    from medddpm import report
+
+    return report.load_all(REPO / "data")
+
+
 @dataclass(frozen=True)
 class BuiltBook:
     html: Path  # the build's _build/html

@@ -84,7 +84,6 @@ def test_the_appendix_sets_the_code_every_run_shares_once(tmp_path):
     assert "b ran" in second and "config = 'best'" in second
 
 
-@pytest.mark.budget(40)  # 13 CPU seconds measured: every committed notebook read
 def test_committed_producer_notebooks_hold_no_progress_bars():
     paths = sorted((REPO / "data").glob("**/produce.ipynb"))
     assert paths, "no stored producer notebook under data/"

@@ -30,13 +30,8 @@ def roofs(slug: str, bandwidth: float) -> pd.DataFrame:
 
 
 @pytest.fixture(scope="module")
-def committed() -> report.Data:
-    return report.load_all()
-
-
-@pytest.fixture(scope="module")
-def h200(committed) -> report.Data:
-    data = committed
+def h200(committed_data) -> report.Data:
+    data = committed_data
     runs = data.run[(data.run["gpu_slug"] == H200) & data.run["config"].isin(CONFIGS)]
     if len(runs) < len(CONFIGS) or data.ncu[data.ncu["run_id"].isin(runs["run_id"])].empty:
         pytest.skip("no committed H200 runs with counters")
@@ -177,8 +172,8 @@ def test_a_missed_prediction_names_the_kernels_it_gets_wrong_and_why(h200):
     assert shown["kernel"].str.len().max() <= 60, "a kernel by its short name, never its C++ signature"
 
 
-def test_the_committed_data_gets_estimates_of_the_cards_nobody_measured(committed):
-    data = committed
+def test_the_committed_data_gets_estimates_of_the_cards_nobody_measured(committed_data):
+    data = committed_data
     table, _ = cards.predictions(data)
     counted = set(data.ncu["run_id"]) & set(data.ok.loc[data.ok["gpu_slug"] == H200, "run_id"])
     if not counted:

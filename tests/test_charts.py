@@ -27,10 +27,10 @@ GPU = "nvidia-test-gpu"
 
 
 @pytest.fixture(scope="module")
-def real() -> report.Data:
+def real(committed_data) -> report.Data:
     if not (REAL / "cpu" / "baseline" / "run.parquet").is_file():
         pytest.skip("no data/cpu/baseline run yet")
-    return report.load_all(REAL)
+    return committed_data
 
 
 def _ncu_rows(run_id: str, names: list[str], config: str) -> pd.DataFrame:
@@ -117,40 +117,53 @@ def two(real) -> report.Data:
     return with_gpu(real)
 
 
-def all_charts(data: report.Data, **kw) -> dict[str, alt.TopLevelMixin]:
-    """Every chart of the book's pages from `data`; `kw` (cpu=True) goes to each of them."""
+def chart_inputs(data: report.Data) -> dict[str, tuple]:
+    """What each chart of the book's pages draws from `data` (the pages' summaries), by chart: computed once for
+    `draw`, which makes the charts of them with and without the CPU's rows."""
     summary = report.step_summary(data.run)
     counters = report.ncu_by_run(data.ncu, data.kernels)
     run = data.run[data.run["status"] == "ok"]
     mem = report.memory_runs(run)
     predicted, kernels = cards.predictions(data)
+    comparison = card_compare.comparison(data)
     return {
-        "step_time": charts.step_time(summary, report.beyond.floors(data), **kw),
-        "speedup": charts.speedup(summary, **kw),
-        "cost": charts.cost(summary, **kw),
-        "bench": charts.bench(data.bench, **kw),
-        "category_shares": charts.category_shares(report.category_shares(data.kernels), **kw),
-        "top_kernels": charts.top_kernels(report.top_kernels(data.kernels), **kw),
-        "pass_split": charts.pass_split(report.pass_split(data.kernels), **kw),
-        "tensor_pipe": charts.tensor_pipe(counters, **kw),
-        "instruction_mix": charts.instruction_mix(counters, **kw),
-        "memory": charts.memory(counters, **kw),
-        "stalls": charts.stalls(counters, **kw),
-        "priorities": charts.priorities(report.ncu_priorities(data), **kw),
-        "roofline": charts.roofline(report.roofline_points(data.ncu, data.run, data.roofs), report.roofs_view(data), **kw),
-        "gpu_busy": charts.gpu_busy(report.gpu_busy(data), **kw),
-        "loss_curves": charts.loss_curves(data.quality, **kw),
-        "loss_difference": charts.loss_difference(data.quality, **kw),
-        "rel_err": charts.rel_err(report.quality_summary(data), report.QUALITY_REL_ERR, **kw),
-        "claims": charts.claims_grid(claims.verdicts(data), **kw),
-        "memory_peaks": charts.memory_peaks(mem, **kw),
-        "memory_fits": charts.memory_fits(report.fits(report.memory_model(mem)), **kw),
-        "switch_costs": charts.switch_costs(report.switch_costs(run), **kw),
-        "card_steps": charts.card_steps(cards.step_times(data, predicted), **kw),
-        "category_ratios": charts.category_ratios(cards.category_ratios(data, kernels), **kw),
-        "card_compare": charts.card_compare(card_compare.comparison(data), **kw),
-        "ratio_by_share": charts.ratio_by_share(card_compare.why(card_compare.comparison(data)), **kw),
+        "step_time": (summary, report.beyond.floors(data)),
+        "speedup": (summary,),
+        "cost": (summary,),
+        "bench": (data.bench,),
+        "category_shares": (report.category_shares(data.kernels),),
+        "top_kernels": (report.top_kernels(data.kernels),),
+        "pass_split": (report.pass_split(data.kernels),),
+        "tensor_pipe": (counters,),
+        "instruction_mix": (counters,),
+        "memory": (counters,),
+        "stalls": (counters,),
+        "priorities": (report.ncu_priorities(data),),
+        "roofline": (report.roofline_points(data.ncu, data.run, data.roofs), report.roofs_view(data)),
+        "gpu_busy": (report.gpu_busy(data),),
+        "loss_curves": (data.quality,),
+        "loss_difference": (data.quality,),
+        "rel_err": (report.quality_summary(data), report.QUALITY_REL_ERR),
+        "claims": (claims.verdicts(data),),
+        "memory_peaks": (mem,),
+        "memory_fits": (report.fits(report.memory_model(mem)),),
+        "switch_costs": (report.switch_costs(run),),
+        "card_steps": (cards.step_times(data, predicted),),
+        "category_ratios": (cards.category_ratios(data, kernels),),
+        "card_compare": (comparison,),
+        "ratio_by_share": (card_compare.why(comparison),),
     }
+
+
+CHART_OF = {"claims": charts.claims_grid}  # a chart drawn by another name than its key
+
+
+def draw(inputs: dict[str, tuple], **kw) -> dict[str, alt.TopLevelMixin]:
+    """Every chart of the book's pages from `chart_inputs` (each drawn from its own copy of them); `kw`
+    (cpu=True) goes to each of them."""
+    return {name: (CHART_OF.get(name) or getattr(charts, name))(
+                *(a.copy() if isinstance(a, pd.DataFrame) else a for a in args), **kw)
+            for name, args in inputs.items()}
 
 
 NCU_CHARTS = {"tensor_pipe", "instruction_mix", "memory", "stalls", "priorities", "roofline", "category_ratios"}
@@ -516,19 +529,25 @@ def _closest(colours: list[str]) -> float:
 
 
 @pytest.fixture(scope="module")
-def specs(two) -> dict[str, dict]:
+def inputs(two) -> dict[str, tuple]:
+    """What every chart of `two` draws (`chart_inputs`), computed once for the module: the pages' summaries are
+    its most expensive step."""
+    return chart_inputs(two)
+
+
+@pytest.fixture(scope="module")
+def specs(inputs) -> dict[str, dict]:
     """Every chart of `two` as its Vega-Lite dict (to_dict() validates it against the schema), made once for the
-    tests that read them: it is the module's most expensive step, after the renderer's set-up."""
+    tests that read them."""
     assert charts.setup() is None
-    return {name: chart.to_dict() for name, chart in all_charts(two).items()}
+    return {name: chart.to_dict() for name, chart in draw(inputs).items()}
 
 
-@pytest.mark.budget(90)  # 27-39 CPU seconds measured: the module's chart specs made and validated
-def test_gpu_views_leave_cpu_rows_out_unless_asked(two, specs):
+def test_gpu_views_leave_cpu_rows_out_unless_asked(two, inputs, specs):
     for name, spec in specs.items():
         assert '"cpu"' not in json.dumps(spec), f"{name}: a CPU row, option or legend entry in a GPU view"
     assert charts.is_cpu("cpu") and charts.is_cpu("cpu-my-laptop") and not charts.is_cpu("nvidia-h200")
-    asked = {name: chart.to_dict() for name, chart in all_charts(two, cpu=True).items()}
+    asked = {name: chart.to_dict() for name, chart in draw(inputs, cpu=True).items()}
     for name, spec in specs.items():
         # no CPU rows exist: counters, bench timings and peak memory are a GPU's, and cards are GPUs
         if name not in NCU_CHARTS | {"bench", "memory_peaks", "memory_fits", "switch_costs", "card_steps",
@@ -582,8 +601,8 @@ def test_memory_is_in_gib_with_the_cards_on_the_axis(specs):
         "cards far beyond every peak squeeze the bars"
 
 
-def test_where_to_optimize_first_ranks_the_largest_saving_first(two, specs):
-    prio = report.ncu_priorities(two).sort_values("priority")  # smallest first, as a table may well be ordered
+def test_where_to_optimize_first_ranks_the_largest_saving_first(inputs, specs):
+    prio = inputs["priorities"][0].sort_values("priority")  # smallest first, as a table may well be ordered
     rows = pd.DataFrame(_datasets(charts.priorities(prio).to_dict()))
     assert len(rows) > 3
     for _, g in rows.groupby(["gpu_slug", "config"]):
@@ -738,10 +757,10 @@ def test_x_axis_labels_do_not_collide_in_a_narrow_column(specs):
                 assert b0 >= a1 - 1, f"{name}: x labels overlap at 360 px: {[t for _, t, _ in labels]}"
 
 
-def test_rankings_read_largest_first_as_drawn(two):
+def test_rankings_read_largest_first_as_drawn(inputs):
     """What a reader sees, top to bottom: rank 1 is the largest estimated saving, the ablation's largest lever on
     top (layers that share a y scale quietly drop a sort by field)."""
-    prio = report.ncu_priorities(two).sort_values("priority")
+    prio = inputs["priorities"][0].sort_values("priority")
     labels = [t for _, t in _svg_labels(charts.priorities(prio).to_dict(), 500, "Y")[0]]
     assert [int(t.split(".")[0]) for t in labels] == list(range(1, len(labels) + 1)), labels
     abl = pd.DataFrame({"gpu_slug": GPU, "preset": "paper", "lever": ["a", "b", "c"], "base_ms": 10.0,

@@ -144,14 +144,14 @@ def test_the_book_reads_every_card_against_one_source_measured_only_once_all_are
     assert read["dram"].source == ar.MEASURED and read["dram"].value == pytest.approx(0.8 * 3.35e12)
 
 
-def test_a_card_s_efficiency_has_one_value_and_one_basis_wherever_a_page_reads_it():
+def test_a_card_s_efficiency_has_one_value_and_one_basis_wherever_a_page_reads_it(committed_data):
     """The committed H100 has measured roofs and the H200 none: every page reads both against their datasheets
     and says so (best reaches 31% and 33% of the bf16 peak, not 42% against 33%); with the H200's roofs measured
     too, every page reads both against their measurements. The first page, Beyond's floors, the workshop and the
     claims read one figure."""
     from medddpm.report import beyond, claims, intro, workshop
 
-    data = report.load_all()
+    data = committed_data
     h100, h200 = "nvidia-h100-80gb-hbm3", "nvidia-h200"
     if not {h100, h200} <= set(data.run["gpu_slug"]):
         pytest.skip("needs the committed H100 and H200 rows")
@@ -194,8 +194,8 @@ def test_a_card_s_efficiency_has_one_value_and_one_basis_wherever_a_page_reads_i
             assert "against its own measured roofs" in said, said
 
 
-def test_pages_read_the_measured_roofs_and_say_the_datasheet_where_there_are_none():
-    data = report.load_all()
+def test_pages_read_the_measured_roofs_and_say_the_datasheet_where_there_are_none(committed_data):
+    data = committed_data
     assert data.roofs.empty or set(data.roofs["gpu_slug"]) <= set(data.run["gpu_slug"])
     peaks = report.peaks_of("nvidia-h200", data.run, data.roofs)
     if data.roofs[data.roofs["gpu_slug"] == "nvidia-h200"].empty:
@@ -239,11 +239,11 @@ def test_tensor_precision_is_read_from_the_kernel_s_name_then_from_the_run():
     assert tp("triton_poi_fused_add_3", "fp32", 30.0) is None
 
 
-def test_tensor_core_flops_match_the_layer_s_own_arithmetic_on_the_committed_h200():
+def test_tensor_core_flops_match_the_layer_s_own_arithmetic_on_the_committed_h200(committed_data):
     """TF32's 64-channel full-size convolutions, whose tensor pipe is their whole arithmetic: the count from the
     pipe's active cycles is the layer's 2 x 64 x 64 x 27 x 128^3 FLOPs to within a percent, in all three
     directions; and strict FP32's forward, counted from its FFMA instructions, too."""
-    data = report.load_all()
+    data = committed_data
     check = report.flop_count_check(data)
     if check.empty or "opt1" not in set(check["config"]):
         pytest.skip("no layer-ranged counters of opt1 in the data")
@@ -257,8 +257,8 @@ def test_tensor_core_flops_match_the_layer_s_own_arithmetic_on_the_committed_h20
     assert math.isnan(counters.layer_flops("attention 4096 tokens"))
 
 
-def test_the_roofline_puts_tf32_convolutions_on_the_tensor_cores():
-    data = report.load_all()
+def test_the_roofline_puts_tf32_convolutions_on_the_tensor_cores(committed_data):
+    data = committed_data
     points = report.roofline_points(data.ncu, data.run, data.roofs)
     if points.empty:
         pytest.skip("no counters in the data")

@@ -63,14 +63,14 @@ def test_stall_table_adds_up_on_committed_counters():
                                         if not math.isnan(getattr(r, f"stall_{x}")))
 
 
-def test_cost_model():
+def test_cost_model(committed_data):
     flops = 16.6e12
     h = ws.gpu_hours(flops_per_step=flops, peak_flops=100e12, efficiency=0.25)
     assert math.isclose(h, 200_000 * flops / 25e12 / 3600)
     with pytest.raises(ValueError, match="0 < efficiency <= 1"):
         ws.gpu_hours(flops_per_step=flops, peak_flops=100e12, efficiency=1.5)
     assert 0 < ws.matmul_tflops(device="cpu", n=128, repeats=2) < 100
-    data = report.load_all()
+    data = committed_data
     eff = ws.efficiencies(data)
     assert ((eff["efficiency"] > 0) & (eff["efficiency"] <= 1)).all()
     assert set(eff["gpu_slug"]) <= {s for s in data.run["gpu_slug"] if report.peaks_of(s, data.run, data.roofs)}

@@ -204,8 +204,9 @@ def _container(*classes: str) -> nodes.container:
 
 # tqdm's text bar, "desc: 40%|████      | 2/5 [00:42<00:52, 17.45s/it]", and its form without a total,
 # "desc: 12it [00:03, 3.9it/s]"; a redraw starts with a carriage return.
+BAR_END = re.compile(r"\[[\d:]+(?:<[\d:?]+)?,\s*[^\]\r\n]*?(?:/s|s/)[^\]\r\n]*\]")  # a bar's [elapsed<left, rate]
 PROGRESS = re.compile(r"[^\r\n]*?(?:\d+%\|[^|\r\n]*\||\d+(?:\.\d+)?[kMG]?[a-zA-Z]*)\s*[\d.?]*[kMG]?/?[\d.?]*[kMG]?\s*"
-                      r"\[[\d:]+(?:<[\d:?]+)?,\s*[^\]\r\n]*?(?:/s|s/)[^\]\r\n]*\]")
+                      + BAR_END.pattern)
 # tqdm.auto's warning that it falls back to text bars (no ipywidgets in the kernel), and the line it quotes
 TQDM_WARNING = re.compile(r"[^\n]*TqdmWarning: IProgress not found[^\n]*\n?"
                           r"(?:[ \t]+from \.autonotebook import[^\n]*\n?)?")
@@ -218,7 +219,9 @@ CPU_LABEL = re.compile(r"cpu(?:$|[-_@.])")
 
 
 def _strip_stream(text: str) -> str:
-    text = TQDM_WARNING.sub("", PROGRESS.sub("", text))
+    # Every bar ends as BAR_END does: a text without one holds none, and PROGRESS, which tries every position of
+    # every line, takes seconds to say so of a stored notebook's printed tables.
+    text = TQDM_WARNING.sub("", PROGRESS.sub("", text) if BAR_END.search(text) else text)
     lines = [seg for line in text.split("\n") for seg in line.split("\r")]
     lines = [re.sub(r" {3,}", "  ", line.rstrip()) if len(line) > WIDE else line.rstrip()
              for line in lines if line.strip() and not USDT.match(line)]

@@ -115,10 +115,11 @@ def basis(roofs: pd.DataFrame | None, cards: Mapping[str, str]) -> dict[str, str
     set side by side: MEASURED where every card whose datasheet gives the roof has measured it under its own
     label, DATASHEET_SOURCE otherwise (one card not measured yet puts all of them on their datasheets). A card
     without a datasheet takes no part in the choice: its own measurement is all it has."""
+    own = {slug: own_roofs(roofs, slug) for slug in cards}
     out = {}
     for r in ROOFS:
         sheets = [slug for slug, kind in cards.items() if r in datasheet_roofs(kind)]
-        out[r] = MEASURED if all(r in own_roofs(roofs, slug) for slug in sheets) else DATASHEET_SOURCE
+        out[r] = MEASURED if all(r in own[slug] for slug in sheets) else DATASHEET_SOURCE
     return out
 
 

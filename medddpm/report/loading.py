@@ -277,8 +277,11 @@ def load(table: str, root: str | os.PathLike | None = None, *, variants: bool = 
         raise DataError(f"unknown table {table!r}; known: {', '.join(schema.TABLES)}")
     root = Path(root) if root is not None else data_root()
     run = runs(root, variants=variants)
-    if table == "run":
-        return run
+    return run if table == "run" else _run_tables(table, root, run)
+
+
+def _run_tables(table: str, root: Path, run: pd.DataFrame) -> pd.DataFrame:
+    """`table` of every run of `run` (`runs`), validated, with ``gpu_slug`` and ``config``."""
     frames = []
     for folder in run["folder"]:
         path = run_table(root / folder, table)
@@ -321,8 +324,11 @@ class Data:
 
 
 def load_all(root: str | os.PathLike | None = None) -> Data:
-    return Data(**{t: load(t, root) for t in RUN_TABLES}, bench=bench_runs(root), scaling=scaling_runs(root),
-                roofs=roofs_table(root))
+    """Every table of the tree; the run folders read and checked once (`runs`), not once a table."""
+    root = Path(root) if root is not None else data_root()
+    run = runs(root)
+    return Data(run=run, **{t: _run_tables(t, root, run) for t in RUN_TABLES if t != "run"}, bench=bench_runs(root),
+                scaling=scaling_runs(root), roofs=roofs_table(root))
 
 
 def roofs_table(root: str | os.PathLike | None = None) -> pd.DataFrame:

@@ -241,21 +241,20 @@ def stall_table(ncu_df: pd.DataFrame, *, top: int = 8) -> pd.DataFrame:
     if k.empty or not stalls:
         return pd.DataFrame(columns=cols)
     k = k.assign(kernel=k["kernel"].map(short_name), category=k["kernel"].map(categorize))
+    keys = ["gpu_slug", "config", "kernel"]
+    w = k["duration_ns"].fillna(0)
+    # each figure averaged over a kernel's launches that have it, weighted by their durations (np.average's)
+    averaged = ["warp_cycles_per_inst", "dram_throughput_pct", "achieved_occupancy_pct", "sm_throughput_pct", *stalls]
+    has = {c: k[c].notna() & (w > 0) for c in averaged}
+    weighted = pd.DataFrame({c: (k[c] * w).where(has[c], 0.0) for c in averaged}).groupby([k[c] for c in keys]).sum()
+    weights = pd.DataFrame({c: w.where(has[c], 0.0) for c in averaged}).groupby([k[c] for c in keys]).sum()
+    groups = k.groupby(keys).agg(category=("category", "first"), launches=("kernel", "size"))
+    groups["profiled_ms"] = w.groupby([k[c] for c in keys]).sum() / 1e6
+    groups = groups.join((weighted / weights).where(weights > 0))
     rows = []
-    for (slug, config, name), g in k.groupby(["gpu_slug", "config", "kernel"]):
-        w = g["duration_ns"].fillna(0)
-        if w.sum() <= 0:
-            continue
-
-        def avg(col):
-            v = g[col]
-            m = v.notna() & (w > 0)
-            return float(np.average(v[m], weights=w[m])) if m.any() else math.nan
-
-        row = {"gpu_slug": slug, "config": config, "kernel": name, "category": g["category"].iloc[0],
-               "launches": len(g), "profiled_ms": w.sum() / 1e6,
-               **{c: avg(c) for c in ("warp_cycles_per_inst", "dram_throughput_pct", "achieved_occupancy_pct",
-                                       "sm_throughput_pct", *stalls)}}
+    for (slug, config, name), g in groups[groups["profiled_ms"] > 0].to_dict("index").items():
+        row = {"gpu_slug": slug, "config": config, "kernel": name, **g, "launches": int(g["launches"]),
+               **{c: float(g[c]) for c in averaged}}
         breakdown = {c.removeprefix("stall_"): row[c] for c in stalls if not math.isnan(row[c])}
         if not breakdown:
             continue
