@@ -10,6 +10,7 @@ import pytest
 
 from medddpm.store.layout import RUN_TABLES
 from medddpm.store.schema import read_table
+from test_cli import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,14 +32,7 @@ def sweep(*args, **kw):
 def sweep_here(capsys, *args) -> tuple[int, str]:
     """`sweep ARGS` in this process (a Python process importing torch costs 8-13 CPU seconds): its exit status, and
     what it wrote to stdout and stderr."""
-    from medddpm.cli.main import main
-
-    capsys.readouterr()
-    try:
-        rc = main(["sweep", *args])
-    except SystemExit as e:  # the parser's errors
-        rc = e.code
-    out, err = capsys.readouterr()
+    rc, out, err = cli(capsys, "sweep", *args)
     return rc, out + err
 
 
