@@ -1,13 +1,11 @@
 """The sweep's cluster backends (medddpm/cluster.py) and the container recipes (containers/)."""
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from medddpm.cli.main import main
 from medddpm.measure.cluster import SlurmOptions, submit_slurm
 from medddpm.configs import parse_config_list
 from medddpm.store.schema import read_table
@@ -33,16 +31,15 @@ def test_the_slurm_backend_runs_each_configuration_as_a_job_through_submitit(tmp
     assert not list((tmp_path / "data" / "cpu").glob(".*")), "no staging folders left behind"
 
 
-@pytest.mark.budget(30)  # 9 CPU seconds measured: a Python process a configuration
-def test_slurm_dry_run_prints_one_sbatch_script_per_configuration(tmp_path):
-    env = os.environ | {"PYTHONPATH": str(ROOT), "MEDDDPM_CACHE": str(tmp_path / "cache")}
-    p = subprocess.run([sys.executable, "-m", "medddpm", "sweep", "--backend", "slurm", "--dry-run",
-                        "--configs", "baseline,opt1", "--preset", "paper", "--partition", "gpu-long",
-                        "--gpu-type", "h100", "--time-min", "90", "--phases", "torch",
-                        "--out", str(tmp_path / "data"), "--slurm-folder", str(tmp_path / "jobs")],
-                       env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
-    scripts = re.split(r"\n(?=#!/bin/bash\n)", p.stdout.strip())
+def test_slurm_dry_run_prints_one_sbatch_script_per_configuration(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MEDDDPM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["sweep", "--backend", "slurm", "--dry-run", "--configs", "baseline,opt1", "--preset", "paper",
+                 "--partition", "gpu-long", "--gpu-type", "h100", "--time-min", "90", "--phases", "torch",
+                 "--out", str(tmp_path / "data"), "--slurm-folder", str(tmp_path / "jobs")]) == 0
+    out, err = capsys.readouterr()
+    assert not err, err
+    scripts = re.split(r"\n(?=#!/bin/bash\n)", out.strip())
     assert len(scripts) == 2
     for script, name in zip(scripts, ("baseline", "opt1")):
         lines = script.splitlines()
@@ -55,18 +52,15 @@ def test_slurm_dry_run_prints_one_sbatch_script_per_configuration(tmp_path):
         assert any(line.startswith("export PYTHONPATH=") and str(ROOT) in line for line in lines)
         assert re.search(r"^srun .* -m submitit\.core\._submit ", script, re.M), "the job runs the pickled sweep"
     # Without a GPU type: any GPU.
-    p = subprocess.run([sys.executable, "-m", "medddpm", "sweep", "--backend", "slurm", "--dry-run",
-                        "--configs", "opt12", "--out", str(tmp_path / "data")],
-                       env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0 and "#SBATCH --gpus-per-node=1" in p.stdout.splitlines(), p.stderr
+    assert main(["sweep", "--backend", "slurm", "--dry-run", "--configs", "opt12", "--out", str(tmp_path / "data")]) == 0
+    out, err = capsys.readouterr()
+    assert "#SBATCH --gpus-per-node=1" in out.splitlines(), err
     assert not (tmp_path / "data").exists() and not (tmp_path / "jobs").exists(), "a dry run writes nothing"
 
 
-def test_dry_run_without_the_slurm_backend_is_refused(tmp_path):
-    env = os.environ | {"PYTHONPATH": str(ROOT)}
-    p = subprocess.run([sys.executable, "-m", "medddpm", "sweep", "--dry-run", "--out", str(tmp_path / "d")],
-                       env=env, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2 and "--backend slurm" in p.stderr
+def test_dry_run_without_the_slurm_backend_is_refused(tmp_path, capsys):
+    assert main(["sweep", "--dry-run", "--out", str(tmp_path / "d")]) == 2
+    assert "--backend slurm" in capsys.readouterr().err
 
 
 def _docker_steps(text: str) -> dict:

@@ -136,14 +136,14 @@ def test_step_noise_is_a_function_of_seed_step_and_micro_batch():
         assert not torch.equal(a[1], other[1])
 
 
-def test_fixed_noise_makes_configurations_of_one_seed_train_alike(tiny_spec, tmp_path):
+def test_fixed_noise_makes_configurations_of_one_seed_train_alike(small_spec, tmp_path):
     """baseline and opt1 compute the same on a CPU (no TF32 there): from one seed, with fixed noise, their losses
     agree step for step however the global random state stands; without it, the global state decides."""
-    data = Pairs(tiny_spec)
+    data = Pairs(small_spec)
     logs = []
     for i, config in enumerate(("baseline", "opt1")):
         torch.manual_seed(100 + i)  # fixed_noise must not depend on it
-        train(tiny_spec, config, data, out_dir=tmp_path / config, steps=2, grad_accum=1, seed=5, progress=False,
+        train(small_spec, config, data, out_dir=tmp_path / config, steps=2, grad_accum=1, seed=5, progress=False,
               log_every=1, fixed_noise=True)
         logs.append([r["loss"] for r in read_loss_log(tmp_path / config)])
     assert logs[0] == logs[1] and len(logs[0]) == 2

@@ -17,7 +17,7 @@ from medddpm.train.loop import read_loss_log, train
 from conftest import Pairs, random_batch
 
 WORLD, ACCUM, STEPS, LR = 2, 2, 3, 1e-3
-SPEC = dict(size=16, mask_channels=3, base_channels=32, channel_mult=(1, 2), attention_ds=(2,))
+SPEC = dict(size=8, mask_channels=3, base_channels=32, channel_mult=(1, 2), attention_ds=(2,))  # small_spec
 
 
 def _micro(spec, step, micro):
@@ -63,6 +63,13 @@ def _worker(rank, port, out):
         trained = train(spec, "baseline", Pairs(spec), out_dir=f"{out}/run", steps=2, grad_accum=1, lr=LR,
                         log_every=1, progress=False, ddp=True)
         torch.save([p.detach() for p in trained.model.parameters()], f"{out}/train{rank}.pt")
+        # (3) a folder another training holds (the test's process): rank 0 alone takes its lock, and every rank
+        # stops with its message instead of waiting at a collective for rank 0
+        try:
+            train(spec, "baseline", Pairs(spec), out_dir=f"{out}/held", steps=1, grad_accum=1, lr=LR, progress=False,
+                  ddp=True)
+        except ValueError as e:
+            Path(out, f"refused{rank}").write_text(str(e))
     finally:
         distributed.cleanup()
 
@@ -74,9 +81,23 @@ def _free_port():
 
 
 @pytest.mark.slow
-def test_two_gloo_ranks_match_one_process(tiny_spec, tmp_path):
-    assert tiny_spec == ModelSpec(**SPEC)
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+def test_two_gloo_ranks_match_one_process(small_spec, tmp_path):
+    """Two ranks' engine steps and training agree with one process's; then, with the folder held by another
+    training, every rank stops with its message (none waits at a collective for rank 0)."""
+    from medddpm.store.lock import output_lock
+
+    assert small_spec == ModelSpec(**SPEC)
+    with output_lock(tmp_path / "held", what="training"):
+        ctx = mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=False)
+        try:
+            deadline = time.monotonic() + 900
+            while not ctx.join(timeout=5):
+                assert time.monotonic() < deadline, "a rank still waits"
+        finally:
+            for p in ctx.processes:
+                p.kill()
+    for rank in range(WORLD):
+        assert "is in use by training" in (tmp_path / f"refused{rank}").read_text()
 
     ranks = [torch.load(tmp_path / f"engine{r}.pt") for r in range(WORLD)]
     # (a) DDP keeps the replicas bit-identical: the same all-reduced gradient, the same Adam step.
@@ -88,12 +109,12 @@ def test_two_gloo_ranks_match_one_process(tiny_spec, tmp_path):
     # (b) one process over the global batch (WORLD x ACCUM micro-batches) computes the same gradients
     # and weights, up to float summation order: DDP sums each rank's (sum of ACCUM grads / ACCUM) and
     # divides by WORLD, one process sums all WORLD x ACCUM grads / (WORLD x ACCUM).
-    single = Engine(tiny_spec, "baseline", lr=LR)
+    single = Engine(small_spec, "baseline", lr=LR)
     single_grads = _record_grads(single)
     start = [p.detach().clone() for p in single.model.parameters()]
     single_losses = []
     for step in range(STEPS):
-        single_losses.append(single.step([_micro(tiny_spec, step, m) for m in range(WORLD * ACCUM)]))
+        single_losses.append(single.step([_micro(small_spec, step, m) for m in range(WORLD * ACCUM)]))
     for step in range(STEPS):
         # atol: rounding noise on the scale of the step's largest gradient (some gradients are ~0
         # exactly, e.g. biases ahead of a GroupNorm, and hold nothing but rounding noise).
@@ -167,39 +188,3 @@ def test_ddp_refuses_cuda_graphs_and_a_missing_process_group(tiny_spec):
     engine.run = dataclasses.replace(engine.run, cuda_graphs=True)  # as "graphs" resolves on a GPU
     with pytest.raises(ValueError, match="CUDA graphs are not supported with DDP"):
         engine.wrap_ddp()
-
-
-def _refused_worker(rank, port, out):
-    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                   "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank)}
-    torch.set_num_threads(1)
-    from medddpm.train import distributed
-
-    distributed.init_from_env()
-    try:
-        spec = ModelSpec(**SPEC)
-        train(spec, "baseline", Pairs(spec), out_dir=f"{out}/run", steps=1, grad_accum=1, lr=LR, progress=False,
-              ddp=True)
-    except ValueError as e:
-        Path(out, f"refused{rank}").write_text(str(e))
-    finally:
-        distributed.cleanup()
-
-
-@pytest.mark.slow
-def test_every_rank_stops_when_the_folder_is_in_use(tmp_path):
-    """Rank 0 alone takes the folder's lock; when another training holds it, every rank stops with its message
-    instead of waiting at a collective for rank 0."""
-    from medddpm.store.lock import output_lock
-
-    with output_lock(tmp_path / "run", what="training"):
-        ctx = mp.spawn(_refused_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=False)
-        try:
-            deadline = time.monotonic() + 120
-            while not ctx.join(timeout=5):
-                assert time.monotonic() < deadline, "a rank still waits"
-        finally:
-            for p in ctx.processes:
-                p.kill()
-    for rank in range(WORLD):
-        assert "is in use by training" in (tmp_path / f"refused{rank}").read_text()

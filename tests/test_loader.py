@@ -63,11 +63,26 @@ def _direct(path):
     return np.asarray(nib.as_closest_canonical(nib.load(path)).dataobj)
 
 
-def _children_gone(timeout=10.0):
+@pytest.fixture(autouse=True)
+def _children_before(request):
+    """The processes this one had started before the test (an Inductor compile pool an earlier test in this
+    process left running): `_children_gone` looks at the test's own."""
+    request.node.stash[_BEFORE] = {c.pid for c in psutil.Process().children(recursive=True)}
+
+
+_BEFORE = pytest.StashKey[set]()
+
+
+def _new_children(request) -> list:
+    return [c for c in psutil.Process().children(recursive=True) if c.pid not in request.node.stash[_BEFORE]]
+
+
+def _children_gone(request, timeout=10.0):
+    """The processes the test started that are still there after `timeout` seconds."""
     deadline = time.monotonic() + timeout
-    while psutil.Process().children(recursive=True) and time.monotonic() < deadline:
+    while _new_children(request) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return psutil.Process().children(recursive=True)
+    return _new_children(request)
 
 
 def _one_line(e):
@@ -113,7 +128,7 @@ def test_brats_items_equal_reading_the_files(brats):
     assert torch.equal(labels, torch.from_numpy(_direct(case["seg"])[2:18, 2:18, 1:13].astype(np.uint8)))
 
 
-def test_device_loader_gives_the_items_in_order(ref):
+def test_device_loader_gives_the_items_in_order(ref, request):
     ds = NiftiPairs(ref, size=SIZE)
     order = [2, 0, 0, 1]
     got = list(DeviceLoader(ds, order, device="cpu", workers=2))
@@ -122,7 +137,7 @@ def test_device_loader_gives_the_items_in_order(ref):
         want_image, want_cond = ds[i]
         assert image.shape == (1, 1, SIZE, SIZE, SIZE) and torch.equal(image[0], want_image)
         assert torch.equal(cond[0], want_cond)
-    assert not _children_gone()
+    assert not _children_gone(request)
 
 
 # invalidation and corruption
@@ -278,7 +293,7 @@ def test_brats_2023_names(tmp_path):
 
 # workers
 
-def test_workers_stop_on_an_error(ref):
+def test_workers_stop_on_an_error(ref, request):
     ds = NiftiPairs(ref, size=SIZE)
     path = ref / "image" / "img_001.nii.gz"
     path.write_bytes(b"garbage" * 40)  # after the folder was checked: the worker meets it
@@ -286,16 +301,16 @@ def test_workers_stop_on_an_error(ref):
         for _ in DeviceLoader(ds, [0, 1, 2, 0], device="cpu", workers=2):
             pass
     assert "img_001.nii.gz" in _one_line(e)
-    assert not _children_gone()
+    assert not _children_gone(request)
 
 
-def test_workers_stop_on_keyboard_interrupt_in_the_loop(ref):
+def test_workers_stop_on_keyboard_interrupt_in_the_loop(ref, request):
     ds = NiftiPairs(ref, size=SIZE)
     with pytest.raises(KeyboardInterrupt):
         for k, _ in enumerate(DeviceLoader(ds, [0, 1, 2] * 50, device="cpu", workers=2)):
             if k == 2:
                 raise KeyboardInterrupt
-    assert not _children_gone()
+    assert not _children_gone(request)
 
 
 def test_ctrl_c_leaves_no_worker_behind(ref, tmp_path):
@@ -374,7 +389,7 @@ def test_export_brats_round_trips(brats):
 
 # end-to-end timing in the measurement
 
-def test_end_to_end_timing_feeds_the_step(ref):
+def test_end_to_end_timing_feeds_the_step(ref, request):
     from medddpm.measure.timing.clocks import ClockMonitor
     from medddpm.measure.timing.end_to_end import drift, loader_rate, time_end_to_end
     from medddpm.model.unet import ModelSpec
@@ -387,7 +402,7 @@ def test_end_to_end_timing_feeds_the_step(ref):
     timing = time_end_to_end(engine, ds, warmup=0, steps=2, progress=False)
     assert len(timing["step_ms"]) == 2 and min(timing["step_ms"]) > 0
     assert engine.step_count == before + 2  # every item fed a step
-    assert not _children_gone()
+    assert not _children_gone(request)
     assert loader_rate(ds, device="cpu", items=6, workers=1) > 0
     assert drift([10.0] * 8 + [11.0] * 8) == pytest.approx(0.1) and np.isnan(drift([1.0] * 7))
     summary = ClockMonitor("cpu").summary()  # no GPU: every column missing, no error
@@ -445,7 +460,7 @@ def test_unwritable_cache_is_one_line(ref, tmp_path, monkeypatch, fault):
         assert "No space left on device" in message
 
 
-def test_training_loop_stops_its_workers_on_ctrl_c(ref, tmp_path, monkeypatch):
+def test_training_loop_stops_its_workers_on_ctrl_c(ref, tmp_path, monkeypatch, request):
     """Ctrl-C inside the training loop: its workers stop while the traceback (which keeps the loop's variables alive,
     as a notebook keeps the last one) is still held."""
     from medddpm.model.unet import ModelSpec
@@ -464,4 +479,4 @@ def test_training_loop_stops_its_workers_on_ctrl_c(ref, tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt) as e:
         train(spec, "baseline", ds, out_dir=tmp_path / "run", steps=3, progress=False)
     assert calls and e.traceback  # the traceback, and the loop's frame with it, still held here
-    assert not _children_gone()
+    assert not _children_gone(request)

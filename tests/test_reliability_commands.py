@@ -129,12 +129,13 @@ def test_ctrl_c_in_training_says_which_checkpoint_is_kept(tmp_path, capsys):
 @pytest.mark.slow
 def test_ctrl_c_in_training_resumes_to_the_same_end(tmp_path, capsys):
     out, whole = tmp_path / "run", tmp_path / "whole"
+    at_8 = ("--save-every", "2", "--size", "8")  # 8^3: ten steps in all
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Engine, "step", _interrupted_at(3))
-        assert train_cli(out, "--save-every", "2", steps=4) == 130
+        assert train_cli(out, *at_8, steps=4) == 130
     one_line(capsys, "interrupted: ", f"the checkpoint of step 2 in {out} is kept")
-    assert train_cli(out, "--save-every", "2", steps=4) == 0
-    assert train_cli(whole, "--save-every", "2", steps=4) == 0
+    assert train_cli(out, *at_8, steps=4) == 0
+    assert train_cli(whole, *at_8, steps=4) == 0
     assert loop.read_loss_log(out) == loop.read_loss_log(whole)
     a, b = (torch.load(d / checkpoint.CHECKPOINT, weights_only=True) for d in (out, whole))
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
@@ -315,7 +316,9 @@ def test_export_data_into_a_folder_that_holds_files_changes_nothing(tmp_path, ca
 def test_export_data_stopped_by_a_signal_leaves_no_folder_training_would_take(tmp_path):
     """Real signals: SIGINT and SIGTERM each end in one line and exit code 130 or 143, leaving nothing behind."""
     out = tmp_path / "out"
-    argv = [sys.executable, "-m", "medddpm", "export-data", "--out", str(out), "--pairs", "60", "--size", "48"]
+    # the export must still run when the signal comes, which this process sends once the first volume is staged: on
+    # a loaded 2-core machine an export of 60 pairs had ended by then
+    argv = [sys.executable, "-m", "medddpm", "export-data", "--out", str(out), "--pairs", "600", "--size", "48"]
     for sig in (signal.SIGINT, signal.SIGTERM):
         proc = subprocess.Popen(argv, cwd=ROOT, env=os.environ | {"PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)

@@ -129,8 +129,11 @@ def test_the_handler_is_the_command_s_only(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_training_sent_sigterm_for_real_ends_in_one_line_and_resumes(tmp_path):
-    """The whole process, with its data-loader workers, as a scheduler ends a job: SIGTERM to its process group."""
+def test_a_training_sent_sigterm_for_real_ends_in_one_line_and_resumes(tmp_path, monkeypatch):
+    """The whole process, with its data-loader workers, as a scheduler ends a job: SIGTERM to its process group.
+    The same command resumes it (here, in this process)."""
+    from medddpm.cli import args, commands
+
     out = tmp_path / "run"
     argv = [sys.executable, "-m", "medddpm", "train", "--out", str(out), "--steps", "3", "--save-every", "1", *TINY]
     env = os.environ | {"PYTHONPATH": str(ROOT)}
@@ -145,6 +148,7 @@ def test_a_training_sent_sigterm_for_real_ends_in_one_line_and_resumes(tmp_path)
     assert proc.returncode == TERMINATED and len(lines) == 1, (proc.returncode, err)
     assert lines[0].startswith("terminated (SIGTERM): the checkpoint of step ") and str(out) in lines[0], lines
     assert not leftovers(tmp_path), "no lock file"
-    subprocess.run(argv, cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
+    monkeypatch.setattr(commands, "spec_from", args.spec_from)  # the command line's own model, as the process's
+    assert main(argv[3:]) == 0
     assert torch.load(out / checkpoint.CHECKPOINT, weights_only=True)["step"] == 3
     assert [r["step"] for r in loop.read_loss_log(out)] == [1, 2, 3]

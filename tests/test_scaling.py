@@ -27,11 +27,12 @@ def test_two_cpu_ranks_write_every_ranks_steps_and_a_rerun_keeps_other_world_siz
     assert df.groupby(["world_size", "rank"]).size().to_dict() == {(1, 0): 3, (2, 0): 3, (2, 1): 3}
     assert (df.groupby(["world_size", "rank"])["timed"].sum() == 2).all() and (df["step_ms"] > 0).all()
     assert set(df["backend"]) == {"gloo"} and df["run_id"].nunique() == 2
-    first = df[df["world_size"] == 1]
-    scale(FP32_SDPA, [2], preset="smoke", out=str(tmp_path), device="cpu", micro_steps=2, warmup=0)
+    two = df[df["world_size"] == 2]
+    # the rerun at one rank: a launch of two processes where one of two ranks takes three
+    scale(FP32_SDPA, [1], preset="smoke", out=str(tmp_path), device="cpu", micro_steps=2, warmup=0)
     again = schema.read_table(path, "scaling")
-    pd.testing.assert_frame_equal(again[again["world_size"] == 1].reset_index(drop=True), first.reset_index(drop=True))
-    assert again.groupby(["world_size", "rank"]).size().to_dict() == {(1, 0): 3, (2, 0): 2, (2, 1): 2}
+    pd.testing.assert_frame_equal(again[again["world_size"] == 2].reset_index(drop=True), two.reset_index(drop=True))
+    assert again.groupby(["world_size", "rank"]).size().to_dict() == {(1, 0): 2, (2, 0): 3, (2, 1): 3}
     summary = report.scaling_summary(report.scaling_runs(tmp_path))
     assert list(summary["world_size"]) == [1, 2] and summary["efficiency"].iloc[0] == pytest.approx(1.0)
     assert summary["samples_per_s"].gt(0).all()

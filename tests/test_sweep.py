@@ -1,4 +1,5 @@
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import pytest
 
 from medddpm.store.layout import RUN_TABLES
 from medddpm.store.schema import read_table
+from test_cli import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,16 +29,24 @@ def sweep(*args, **kw):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, **kw)
 
 
+def sweep_here(capsys, *args) -> tuple[int, str]:
+    """`sweep ARGS` in this process (a Python process importing torch costs 8-13 CPU seconds): its exit status, and
+    what it wrote to stdout and stderr."""
+    rc, out, err = cli(capsys, "sweep", *args)
+    return rc, out + err
+
+
 @pytest.mark.slow
 @pytest.mark.budget(160)  # 55-72 CPU seconds measured: four configurations' notebooks
-def test_smoke_sweep_writes_every_table_for_the_paper_configurations(tmp_path):
+def test_smoke_sweep_writes_every_table_for_the_paper_configurations(tmp_path, capsys, monkeypatch):
     """Every phase at the preset's steps but the sample's: 3 denoising steps, not the preset's 250, which took 80% of
     a run (the preset's own count reaching the run: test_brats_preset_and_batch_reach_the_producer_notebook; its
-    run landing in the configuration's own folder: tests/test_reliability.py's identity tests)."""
-    p = sweep("--preset", "smoke", "--configs", "paper", "--out", str(tmp_path / "data"), "--device", "cpu",
-              "--sample-steps", "3", cache=tmp_path / "cache")
-    out, _ = p.communicate(timeout=1800)
-    assert p.returncode == 0, out[-3000:]
+    run landing in the configuration's own folder: tests/test_reliability.py's identity tests); at 8^3, as every
+    sweep here but the BraTS one: nothing checked depends on the size."""
+    monkeypatch.setenv("MEDDDPM_CACHE", str(tmp_path / "cache"))
+    rc, out = sweep_here(capsys, "--preset", "smoke", "--configs", "paper", "--out", str(tmp_path / "data"),
+                         "--device", "cpu", "--sample-steps", "3", "--size", "8")
+    assert rc == 0, out[-3000:]
     for name in ("baseline", "opt1", "opt2", "opt12"):
         folder = _folder(tmp_path / "data" / "cpu", name)
         run = read_table(folder / "run.parquet")
@@ -59,9 +69,11 @@ def test_smoke_sweep_writes_every_table_for_the_paper_configurations(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.budget(150)  # 37 CPU seconds measured
-def test_a_killed_sweep_resumes_without_duplicated_or_lost_rows(tmp_path):
+def test_a_killed_sweep_resumes_without_duplicated_or_lost_rows(tmp_path, capsys, monkeypatch):
+    """The sweep killed (SIGKILL to it and its notebook kernel) in a process of its own; the same command, run again
+    here, resumes it."""
     args = ("--preset", "smoke", "--configs", "baseline,opt2", "--out", str(tmp_path / "data"), "--device", "cpu",
-            "--phases", "sample,quality", "--micro-steps", "2", "--sample-steps", "3")
+            "--phases", "sample,quality", "--micro-steps", "2", "--sample-steps", "3", "--size", "8")
     cpu = tmp_path / "data" / "cpu"
     p = sweep(*args, cache=tmp_path / "cache")
     deadline = time.time() + 600
@@ -73,9 +85,9 @@ def test_a_killed_sweep_resumes_without_duplicated_or_lost_rows(tmp_path):
     assert not list(cpu.glob("opt2*/run.parquet"))
     run_id = read_table(first).loc[0, "run_id"]
 
-    p = sweep(*args, cache=tmp_path / "cache")
-    out, _ = p.communicate(timeout=600)
-    assert p.returncode == 0, out[-3000:]
+    monkeypatch.setenv("MEDDDPM_CACHE", str(tmp_path / "cache"))
+    rc, out = sweep_here(capsys, *args)
+    assert rc == 0, out[-3000:]
     assert "done before" in out
     assert read_table(first).loc[0, "run_id"] == run_id, "a finished configuration is not measured again"
     for name in ("baseline", "opt2"):
@@ -99,10 +111,10 @@ def test_a_killed_sweep_resumes_without_duplicated_or_lost_rows(tmp_path):
     (["--time-limit", "0"], "expected a positive integer, got 0"),
     (["--sample-steps", "1"], "sample_steps must be an int of at least 2"),
 ])
-def test_bad_sweep_parameters_fail_before_any_work(args, message, tmp_path):
-    p = sweep(*args, "--out", str(tmp_path / "data"), cache=tmp_path / "cache")
-    out, _ = p.communicate(timeout=120)
-    assert p.returncode == 2 and message in out
+def test_bad_sweep_parameters_fail_before_any_work(args, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MEDDDPM_CACHE", str(tmp_path / "cache"))
+    rc, out = sweep_here(capsys, *args, "--out", str(tmp_path / "data"))
+    assert rc == 2 and message in out
     assert not (tmp_path / "data").exists()
 
 
@@ -115,23 +127,26 @@ def test_a_count_of_steps_given_to_the_sweep_is_refused_naming_micro_steps(tmp_p
     assert not (tmp_path / "data").exists()
 
 
-def test_a_wrong_data_path_fails_before_any_configuration_runs(tmp_path):
-    p = sweep("--preset", "smoke", "--configs", "baseline", "--out", str(tmp_path / "data"), "--device", "cpu",
-              "--data", str(tmp_path / "missing"), cache=tmp_path / "cache")
-    out, _ = p.communicate(timeout=300)
-    assert p.returncode == 2 and str(tmp_path / "missing") in out.strip().splitlines()[-1]
+def test_a_wrong_data_path_fails_before_any_configuration_runs(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MEDDDPM_CACHE", str(tmp_path / "cache"))
+    rc, out = sweep_here(capsys, "--preset", "smoke", "--configs", "baseline", "--out", str(tmp_path / "data"),
+                         "--device", "cpu", "--data", str(tmp_path / "missing"))
+    assert rc == 2 and str(tmp_path / "missing") in out.strip().splitlines()[-1]
     assert not (tmp_path / "data" / "cpu" / "baseline").exists()
 
 
 @pytest.mark.slow
 @pytest.mark.budget(150)  # 43-63 CPU seconds measured
-def test_a_failing_configuration_is_recorded_and_the_sweep_goes_on(tmp_path):
-    # A real compile error: Inductor finds no C++ compiler for the CPU kernels of `compile`.
-    env = os.environ | {"CXX": "/nonexistent/g++", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    p = sweep("--preset", "smoke", "--configs", "compile,baseline", "--out", str(tmp_path / "data"), "--device",
-              "cpu", "--phases", "sample,quality", "--micro-steps", "1", "--sample-steps", "2", cache=tmp_path / "cache", env=env)
-    out, _ = p.communicate(timeout=600)
-    assert p.returncode == 1, out[-3000:]
+def test_a_failing_configuration_is_recorded_and_the_sweep_goes_on(tmp_path, capsys, monkeypatch):
+    # A real compile error: Inductor finds no C++ compiler for the CPU kernels of `compile` (the notebook kernels
+    # take this process's environment).
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("MEDDDPM_CACHE", str(tmp_path / "cache"))
+    rc, out = sweep_here(capsys, "--preset", "smoke", "--configs", "compile,baseline", "--out", str(tmp_path / "data"),
+                         "--device", "cpu", "--phases", "sample,quality", "--micro-steps", "1", "--sample-steps", "2",
+                         "--size", "8")
+    assert rc == 1, out[-3000:]
     assert "1 of 2 configuration(s) measured; failed: compile (error)" in out
     failed = read_table(_folder(tmp_path / "data" / "cpu", "compile") / "run.parquet")
     assert failed.loc[0, "status"] == "error" and "compiler" in failed.loc[0, "message"].lower()
@@ -140,17 +155,17 @@ def test_a_failing_configuration_is_recorded_and_the_sweep_goes_on(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.budget(150)  # 43-57 CPU seconds measured
-def test_brats_preset_and_batch_reach_the_producer_notebook(tmp_path):
+def test_brats_preset_and_batch_reach_the_producer_notebook(tmp_path, capsys, monkeypatch):
     """--preset brats --batch 2 (at a CPU-sized input, the smallest its five levels take): the run lands in
     <config>@brats-b2 with the BraTS model's shape, channels and parameters, read back by the book's loader as a
     variant run."""
     from medddpm import report
 
-    p = sweep("--preset", "brats", "--size", "16x16x16", "--configs", "opt1-ckpt", "--batch", "2", "--micro-steps", "1",
-              "--warmup", "1", "--phases", "sample,quality", "--out", str(tmp_path / "data"), "--device", "cpu",
-              cache=tmp_path / "cache")
-    out, _ = p.communicate(timeout=900)
-    assert p.returncode == 0, out[-3000:]
+    monkeypatch.setenv("MEDDDPM_CACHE", str(tmp_path / "cache"))
+    rc, out = sweep_here(capsys, "--preset", "brats", "--size", "16x16x16", "--configs", "opt1-ckpt", "--batch", "2",
+                         "--micro-steps", "1", "--warmup", "1", "--phases", "sample,quality", "--out",
+                         str(tmp_path / "data"), "--device", "cpu")
+    assert rc == 0, out[-3000:]
     folder = _folder(tmp_path / "data" / "cpu", "opt1-ckpt@brats-b2")
     run = read_table(folder / "run.parquet").iloc[0]
     assert run["status"] == "ok", run["message"]
@@ -192,24 +207,35 @@ def test_nsight_compute_gets_what_the_time_limit_leaves(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.budget(240)  # 86-115 CPU seconds measured: a compiled configuration twice, cold then warm
+@pytest.mark.budget(160)  # 66-80 CPU seconds measured: a compiled configuration twice, cold then warm
 def test_a_run_records_what_the_compile_caches_did(tmp_path, monkeypatch):
     """run.parquet says whether the training phase compiled or found its graphs in the on-disk caches, so a
-    slow first step says whether it compiled anew; the counts are the phase's, not the process's."""
+    slow first step says whether it compiled anew; the counts are the phase's, not the process's. The smoke
+    model with one level and no attention: the counts, not the model, are under test, and its cold compile
+    takes half the two-level one's CPU seconds."""
+    import dataclasses
     import json
 
     import torch
 
+    from medddpm import presets
     from medddpm.measure import run as measure
 
+    monkeypatch.setitem(presets.PRESETS, "smoke", dataclasses.replace(presets.PRESETS["smoke"], channel_mult=(1,),
+                                                                      attention_ds=()))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # empty: the first run compiles
     caches = []
-    for i in range(2):
-        torch._dynamo.reset()
-        m = measure.Measurement("compile", "smoke", device="cpu", size=8, micro_steps=1, warmup=1, phases=(),
-                                out=str(tmp_path / f"data{i}"))
-        m.train()
-        caches.append(json.loads(m.finish().loc[0, "compile_cache"]))
+    try:
+        for i in range(2):
+            torch._dynamo.reset()
+            m = measure.Measurement("compile", "smoke", device="cpu", size=8, micro_steps=1, warmup=1, phases=(),
+                                    out=str(tmp_path / f"data{i}"))
+            m.train()
+            caches.append(json.loads(m.finish().loc[0, "compile_cache"]))
+    finally:  # Inductor's pool of compile workers, which would outlive the test (a sweep's kernel ends with its run)
+        from torch._inductor.async_compile import shutdown_compile_workers
+
+        shutdown_compile_workers()
     first, second = caches
     assert first.get("inductor.fxgraph_cache_miss", 0) >= 1 and "inductor.fxgraph_cache_hit" not in first, first
     assert second.get("inductor.fxgraph_cache_hit", 0) >= 1 and "inductor.fxgraph_cache_miss" not in second, second
@@ -334,38 +360,32 @@ def test_the_summary_of_a_labelled_card_compares_it_with_its_type_else_with_the_
 
 
 @pytest.mark.slow
-def test_the_sweep_measures_a_committed_device_type_beside_its_rows(tmp_path):
+def test_a_sweep_beside_committed_rows_of_its_device_type_measures_the_reference_width_as_a_variant(
+        tmp_path, capsys, monkeypatch):
     """A sweep on a device type that the data holds committed rows of measures it all the same, into
     <type>-<host>/, leaves the committed files as they were, and starts its kernels without the
-    unencrypted-transport warning."""
+    unencrypted-transport warning. Its --mask-channels 2 on the embedded data (3 tissues) measures the reference's
+    whole-head width into <config>@<preset>-m2, which the loader reads back as a variant run, not as a main one."""
+    from medddpm import report
     from medddpm.measure.env import host_name
+    from medddpm.store.layout import KERNEL_LOG
 
     committed = _run_file(tmp_path / "data", "cpu", "baseline", host=None, ms=10.0)
     before = committed.read_bytes()
-    p = sweep("--preset", "smoke", "--configs", "baseline", "--out", str(tmp_path / "data"), "--device", "cpu",
-              "--phases", "", "--micro-steps", "1", "--warmup", "1", cache=tmp_path / "cache")
-    out, _ = p.communicate(timeout=600)
-    assert p.returncode == 0, out[-3000:]
-    mine = read_table(_folder(tmp_path / "data" / f"cpu-{host_name()}", "baseline") / "run.parquet").iloc[0]
-    assert mine["status"] == "ok" and (mine["gpu_slug"], mine["gpu_type"], mine["gpu_name"], mine["host"]) == (
-        f"cpu-{host_name()}", "cpu", "cpu", host_name())
+    monkeypatch.setenv("MEDDDPM_CACHE", str(tmp_path / "cache"))
+    rc, out = sweep_here(capsys, "--preset", "smoke", "--configs", "baseline", "--mask-channels", "2", "--out",
+                         str(tmp_path / "data"), "--device", "cpu", "--phases", "quality", "--micro-steps", "1",
+                         "--warmup", "1", "--size", "8")
+    assert rc == 0, out[-3000:]
+    label = f"cpu-{host_name()}"
+    folder = _folder(tmp_path / "data" / label, "baseline@smoke-m2")
+    mine = read_table(folder / "run.parquet").iloc[0]
+    assert mine["status"] == "ok", mine["message"]
+    assert (mine["gpu_slug"], mine["gpu_type"], mine["gpu_name"], mine["host"]) == (label, "cpu", "cpu", host_name())
     assert committed.read_bytes() == before and "done before" not in out
-    assert "without encryption" not in out, out[-3000:]
-
-
-@pytest.mark.slow
-def test_the_reference_width_is_measured_as_a_variant(tmp_path):
-    """--mask-channels 2 on the embedded data (3 tissues) measures the reference's whole-head width into
-    <config>@<preset>-m2, which the loader reads back as a variant run, not as the main one."""
-    from medddpm import report
-
-    p = sweep("--preset", "smoke", "--configs", "baseline", "--mask-channels", "2", "--out", str(tmp_path / "data"),
-              "--device", "cpu", "--phases", "quality", "--micro-steps", "1", "--warmup", "1", cache=tmp_path / "cache")
-    out, _ = p.communicate(timeout=600)
-    assert p.returncode == 0, out[-3000:]
-    folder = _folder(tmp_path / "data" / "cpu", "baseline@smoke-m2")
-    run = read_table(folder / "run.parquet").iloc[0]
-    assert run["status"] == "ok", run["message"]
-    assert (run["mask_channels"], run["run_id"].split("/")[1]) == (2, "baseline@smoke-m2")
-    assert report.runs(tmp_path / "data", variants=True)["folder"].tolist() == [f"cpu/{folder.name}"]
-    assert report.runs(tmp_path / "data").empty
+    kernel_said = (folder / KERNEL_LOG).read_text() if (folder / KERNEL_LOG).exists() else ""
+    assert "without encryption" not in out + kernel_said, (out + kernel_said)[-3000:]
+    assert (mine["mask_channels"], mine["run_id"].split("/")[1]) == (2, "baseline@smoke-m2")
+    shutil.rmtree(committed.parent)  # a row alone, without the tables the loader asks a run for
+    assert report.runs(tmp_path / "data", variants=True)["folder"].tolist() == [f"{label}/{folder.name}"]
+    assert report.runs(tmp_path / "data").empty, "the variant is no main run"

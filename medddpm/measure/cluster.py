@@ -220,7 +220,8 @@ def run_local(configs: list[Config], *, preset: str, out: str, params: dict | No
     return sorted(results, key=lambda r: order.get(r["config"], len(order)))
 
 
-def print_scripts(scripts: list[str], file=sys.stdout) -> None:
+def print_scripts(scripts: list[str], file=None) -> None:
+    file = file or sys.stdout  # looked up when called: a redirected sys.stdout gets the scripts
     for k, script in enumerate(scripts):
         if k:
             print(file=file)
