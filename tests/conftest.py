@@ -224,14 +224,16 @@ class BuiltBook:
 
 
 @pytest.fixture(scope="session")
-@shared_budget(600)  # 240 CPU seconds measured: every page executed, the HTML written
+@shared_budget(600)  # 229-285 CPU seconds measured: every page executed, the HTML written
 def built_book(tmp_path_factory) -> BuiltBook:
     """scripts/book.sh run once for the whole test run, on a copy of data/ with a second copy of its first
-    GPU folder (FAKE_SLUG) added, every string of it and of its notebooks markup (`poison.poison_gpu`): the
-    browser test opens every page of it, the second-GPU test reads its charts. pytest-xdist's workers share it:
-    the first to ask builds it under a lock into the run's temporary folder, the others take what it left there
-    (the HTML, or the build's error)."""
-    from poison import poison_gpu
+    GPU folder (FAKE_SLUG) added, every string of it and of its notebooks markup (`poison.poison_gpu`), and its
+    first GPU with counters given every kind of table the book reads, every string of it markup too, its device
+    name among them (`poison.poison_source_gpu`): the browser test opens every page of it, the second-GPU test
+    reads its charts, the escape test reads every page's text. pytest-xdist's workers share it: the first to ask
+    builds it under a lock into the run's temporary folder, the others take what it left there (the HTML, or the
+    build's error)."""
+    from poison import poison_gpu, poison_source_gpu
 
     root = run_folder(tmp_path_factory) / "book"
     root.mkdir(exist_ok=True)
@@ -244,6 +246,7 @@ def built_book(tmp_path_factory) -> BuiltBook:
                 shutil.copytree(REPO / "data", data, ignore=shutil.ignore_patterns(".*"))
                 src = add_fake_gpu(data)
                 poison_gpu(data / FAKE_SLUG)  # its strings markup, and a failed run: the pages must show them as text
+                poison_source_gpu(data)
                 html = build_book(root / "out", data)
             except BaseException as e:
                 outcome.write_text(json.dumps({"error": f"{type(e).__name__}: {e}"}))

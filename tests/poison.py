@@ -3,11 +3,10 @@
 `poison` writes `PAYLOAD` after every string cell of every table under a folder (inside JSON cells, after each
 string value), and into a stored notebook's outputs: a script, an image whose error handler sets
 ``window.__pwned``, a `javascript:` link, and the Markdown that would slant, link, set as code, open a MyST role,
-math or a table row, or read an entity. `poisoned_tree` makes a data tree of one GPU whose device name is markup
-(`LABEL_PAYLOAD`, the name the pages give the card), with every kind of table the pages read, a lever call's among
-them. `problems` reads a page's HTML (a built page, or a page's output as the book renders it) and names every place
-where a payload is markup, or is shown as other than its whole literal text. Run as a script, it executes every page
-of the book on a data tree (``MEDDDPM_DATA``) in this process and prints the problems of their outputs as JSON.
+math or a table row, or read an entity. `poison_source_gpu` makes the first GPU with counters of a copy of data/ one
+whose device name is markup (`LABEL_PAYLOAD`, the name the pages give the card), with every kind of table the pages
+read, a lever call's among them. `problems` reads a page's HTML (a built page, or a page's output as the book renders
+it) and names every place where a payload is markup, or is shown as other than its whole literal text.
 
 Not poisoned (`kept`), each with why: the values a table's schema allows by name (`schema.ENUMS`: anything else is
 refused on reading), the columns the loader holds against the folder a row is in (its label, device type,
@@ -18,14 +17,11 @@ is no measurement the pages know, and their checks stop the build).
 
 from __future__ import annotations
 
-import ast
 import html
 import json
 import math
-import os
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -148,15 +144,9 @@ def poison_gpu(gpu: Path) -> None:
     poison(gpu)
 
 
-# --- a tree of one GPU, every string of it markup -------------------------------------------------------
+# --- a committed GPU, every string of it markup ---------------------------------------------------------
 
 SOURCE = "nvidia-h200"  # the committed GPU with counters, an ablation and bench timings beside its sweep
-LABEL = f"{SOURCE}-pwn"  # the source's device type on a host of its own: the card is named by its device name
-RUNS = ("baseline", "opt1", "opt2", "opt12", "bf16", "best")
-COUNTED = ("baseline", "opt1", "best")  # the runs that keep their counters
-SECOND = "nvidia-h100-80gb-hbm3"  # a second committed card, set against the first on the cards page
-UNRUN = "best"  # a configuration the second card has not run: the cards page predicts its step there
-ABLATION = ("best", "best+precision=tf32", "best+compile=false")
 FAILED_RUNS = ("sdpa", "graphs", "compile")  # configurations of a run that ends in an error
 FAILED_LEVER = "best+recompute_attention=true"
 LEVER = "best+tap_major=true"  # the variant of a lever call, faster than best beyond its spread
@@ -197,47 +187,33 @@ def add_lever_call(gpu: Path) -> None:
             shutil.copy(gpu / "best" / f"{table}.parquet", to)
 
 
-def poisoned_tree(out: Path) -> Path:
-    """A data tree under `out` whose first GPU's device name is `LABEL_PAYLOAD`, made of committed tables of every
-    kind (runs with and without counters, the ablation, bench timings, roofs, a scaling run, the traced partition),
-    a run and an ablation lever that failed, a lever call, and a convergence study with a diverged run, beside a
-    second card (`SECOND`, without its run of `UNRUN`) to set it against; then every table poisoned. Returns the
-    root."""
-    from conftest import REPO, relabel
+def poison_source_gpu(root: Path) -> Path:
+    """The first GPU with counters of a data tree `root` (a copy of data/), `SOURCE`, given what it lacks of the
+    tables the book reads (an ablation lever that failed, a lever call, a scaling run, a convergence study with a
+    diverged run), its device name made `LABEL_PAYLOAD` (its label is its device type: the pages name the card by
+    that name), then every table of it poisoned, and the tree's traced partition too. Every page reads it where it
+    reads one card (the claims' worked example, the card the others are predicted from) as where it reads them
+    all. Returns its folder."""
+    from conftest import relabel
     from test_convergence import fake_study
 
-    from medddpm.store.layout import ABLATION_DIR, PARTITION_FILE, REFERENCE_DIR, ROOFS_FILE, SCALING_DIR, \
-        convergence_folder
+    from medddpm.store.layout import ABLATION_DIR, PARTITION_FILE, SCALING_DIR, convergence_folder
 
-    data, label = REPO / "data", LABEL
-    gpu = out / label
-    for name in RUNS:
-        shutil.copytree(data / SOURCE / name, gpu / name, ignore=shutil.ignore_patterns(".*", NOTEBOOK_FILE))
-        if name not in COUNTED:
-            (gpu / name / "ncu.parquet").unlink(missing_ok=True)
-    for name in ABLATION:
-        shutil.copytree(data / SOURCE / ABLATION_DIR / name, gpu / ABLATION_DIR / name,
-                        ignore=shutil.ignore_patterns(".*", NOTEBOOK_FILE))
-    shutil.copytree(data / SOURCE / REFERENCE_DIR, gpu / REFERENCE_DIR)
-    roofs = schema.read_table(next(data.glob(f"*/{ROOFS_FILE}")), "roofs")  # no run_id: any label's will do
-    schema.write_table(roofs.assign(gpu_type=SOURCE), gpu / ROOFS_FILE, "roofs")
-    relabel(gpu, SOURCE, label, f"NVIDIA {LABEL_PAYLOAD}")
-    scaling = next(data.glob(f"*/{SCALING_DIR}/*.parquet"))
+    gpu = root / SOURCE
+    relabel(gpu, SOURCE, SOURCE, f"NVIDIA {LABEL_PAYLOAD}")
+    scaling = next(root.glob(f"*/{SCALING_DIR}/*.parquet"))
     (gpu / SCALING_DIR).mkdir()
     shutil.copy(scaling, gpu / SCALING_DIR / scaling.name)
-    relabel(gpu / SCALING_DIR, scaling.parent.parent.name, label)
-    shutil.copy(data / PARTITION_FILE, out / PARTITION_FILE)
+    relabel(gpu / SCALING_DIR, scaling.parent.parent.name, SOURCE)
     add_failed_run(gpu, FAILED_LEVER, ABLATION_DIR)
     add_lever_call(gpu)
-    study = convergence_folder(out, label)
-    fake_study(study, slug=label, diverged={"bf16": [1]})
+    study = convergence_folder(root, SOURCE)
+    fake_study(study, slug=SOURCE, diverged={"bf16": [1]})
     runs = schema.read_table(study / "runs.parquet", "convergence_runs")
-    schema.write_table(runs.assign(gpu_slug=label), study / "runs.parquet", "convergence_runs")
-    poison_gpu(gpu)
-    shutil.copytree(data / SECOND, out / SECOND, ignore=shutil.ignore_patterns(".*", NOTEBOOK_FILE, UNRUN))
-    poison(out / SECOND)
-    poison_table(out / PARTITION_FILE)
-    return out
+    schema.write_table(runs.assign(gpu_slug=SOURCE), study / "runs.parquet", "convergence_runs")
+    poison(gpu)
+    poison_table(root / PARTITION_FILE)
+    return gpu
 
 
 # --- the check ----------------------------------------------------------------------------------------
@@ -265,7 +241,9 @@ def visible_text(page_html: str) -> str:
 
 def problems(page_html: str, where: str = "") -> list[str]:
     """Where `page_html` holds a payload as markup, or shows one other than as its whole literal text (or as the
-    part before its first colon: a page may end a source's words there, as the intro's cost text does)."""
+    part before its first colon: a page may end a source's words there, as the intro's cost text does; or as
+    Python's repr writes it, its backslashes doubled: a cell that shows an object, as the claims page shows a
+    rule's verdict)."""
     out = []
     for token, what in MARKUP.items():
         if (i := page_html.find(token)) >= 0:
@@ -276,7 +254,8 @@ def problems(page_html: str, where: str = "") -> list[str]:
         cut = whole[:whole.index(":")]
         for m in re.finditer(re.escape(whole[:24]), text):
             rest = text[m.start():]
-            if not (rest.startswith(whole) or rest.startswith(cut) and not rest.startswith(cut + ":")):
+            if not (rest.startswith((whole, whole.replace("\\", "\\\\")))
+                    or rest.startswith(cut) and not rest.startswith(cut + ":")):
                 out.append(f"{where}: a payload shown as other than its text: ...{rest[:len(whole) + 20]!r}")
                 break
     return out
@@ -285,60 +264,3 @@ def problems(page_html: str, where: str = "") -> list[str]:
 def shows(page_html: str, payload: str = PAYLOAD) -> bool:
     """Whether a reader sees `payload` as its whole text."""
     return " ".join(payload.split()) in visible_text(page_html)
-
-
-# --- every page, executed here --------------------------------------------------------------------------
-
-CELL = re.compile(r"^```\{code-cell\}[^\n]*\n(?P<body>.*?)^```\s*$", re.M | re.S)
-
-
-def page_outputs(page: Path) -> list[str]:
-    """The HTML of every rich output of a book page executed in this process, as the book renders it: an output's
-    HTML where it has some, else its Markdown as CommonMark (myst-nb's rendering of a Markdown output); text
-    streams and plain text are set as literal text and left out."""
-    from IPython.core.displaypub import DisplayPublisher
-    from IPython.core.interactiveshell import InteractiveShell
-    from markdown_it import MarkdownIt
-
-    bundles: list[dict] = []
-
-    class Publisher(DisplayPublisher):
-        def publish(self, data, metadata=None, **kwargs):
-            bundles.append(data)
-
-    shell = InteractiveShell.instance()
-    shell.display_pub = Publisher(shell=shell)
-    ns = {"__name__": "__main__"}
-    here = os.getcwd()
-    os.chdir(page.parent)  # a page runs in its own folder, as the book runs it
-    try:
-        for m in CELL.finditer(page.read_text(encoding="utf-8")):
-            tree = ast.parse("\n".join(line for line in m["body"].split("\n") if not line.startswith(":")))
-            last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-            exec(compile(tree, str(page), "exec"), ns)
-            if last is not None and (value := eval(compile(ast.Expression(last.value), str(page), "eval"), ns)) \
-                    is not None:
-                bundles.append(shell.display_formatter.format(value)[0])
-    finally:
-        os.chdir(here)
-    md = MarkdownIt("commonmark")
-    return [b["text/html"] if "text/html" in b else md.render(b["text/markdown"]) for b in bundles
-            if "text/html" in b or "text/markdown" in b]
-
-
-def main(pages: list[str]) -> None:
-    """Every page named (book/<name>.md) executed on ``$MEDDDPM_DATA``; prints {page: {"problems": [...],
-    "shows": [payloads shown as text]}} as JSON."""
-    from conftest import REPO
-
-    report = {}
-    for name in pages:
-        outputs = page_outputs(REPO / "book" / f"{name}.md")
-        report[name] = {"problems": [p for i, h in enumerate(outputs) for p in problems(h, f"{name} output {i}")],
-                        "shows": [p for p in (PAYLOAD, LABEL_PAYLOAD) if any(shows(h, p) for h in outputs)]}
-    print(json.dumps(report))
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).parent))
-    main(sys.argv[1:])

@@ -1,8 +1,8 @@
 """The book: a strict offline build, every page opened in headless Chromium with no network, and a
 second GPU's data folder showing up in the comparison charts with no page edited, and every string of that
-folder, which is markup (`poison.poison_gpu`), shown as text and never run. One build serves them all
-(conftest.py's `built_book`, on a copy of data/ with a second GPU folder added); a build that must fail is
-the only other run of scripts/book.sh.
+folder and of the first GPU with counters, which is markup (`poison.poison_gpu`, `poison.poison_source_gpu`), shown
+as text and never run. One build serves them all (conftest.py's `built_book`, on a copy of data/ with a second GPU
+folder added); a build that must fail is the only other run of scripts/book.sh.
 
 Needs Debian `chromium` (/usr/bin/chromium; scripts/test.sh installs it) and the `playwright` Python
 package (never `playwright install`). Skipped only when both are missing. The browser test leaves a
@@ -26,6 +26,8 @@ import pytest
 
 from conftest import FAKE_NAME, FAKE_SLUG, REPO, run_book_sh, toc_pages
 import poison
+from medddpm.store import schema
+from medddpm.store.layout import PARTITION_FILE, table_of
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -276,16 +278,30 @@ def test_book_in_browser(book_url, built_book):
     assert "book/methodology" in shown, f"the failed run's message (markup) is not shown as text: {shown}"
 
 
+# The pages that name a card by its device name (`tables.card_names`): its name, which is markup, shows as text.
+NAMING_PAGES = ("intro", "methodology", "step-time", "cards", "beyond", "memory", "quality", "claims", "workshop")
+
+
 def test_no_string_of_the_data_is_markup_on_any_page(built_book):
-    """The added GPU's strings, its failed run's message and its stored notebooks' outputs are markup
-    (`poison.poison_gpu`): every page shows them as text, and holds none of it as HTML."""
-    found, shown = [], []
+    """Every string of two GPUs of the book's data is markup: the added GPU's, its failed run's message and its
+    stored notebooks' outputs (`poison.poison_gpu`), and the first GPU's with counters, its device name among them,
+    given every kind of table the book reads (`poison.poison_source_gpu`). No page holds any of it as HTML; the pages
+    that list a failed run (methodology, and its stored notebooks the appendix), an ablation lever that failed and a
+    lever call (beyond), a study run that diverged (convergence) and two cards side by side (cards) show its text,
+    and the pages that name a card show its name as text."""
+    poisoned = [*(built_book.data / poison.SOURCE).rglob("*.parquet"), *(built_book.data / FAKE_SLUG).rglob("*.parquet"),
+                built_book.data / PARTITION_FILE]
+    assert {table_of(p) for p in poisoned} == set(schema.TABLES) - set(poison.NOT_READ)
+    found, shown, named = [], [], []
     for name in toc_pages():
         page_html = (built_book.html / f"{name}.html").read_text(encoding="utf-8")
         found += poison.problems(page_html, name)
         shown += [name] if poison.shows(page_html) else []
+        named += [name] if poison.shows(page_html, poison.LABEL_PAYLOAD) else []
     assert not found, "\n".join(found)
-    assert {"book/methodology", "book/appendix"} <= set(shown), f"the data's markup is shown as text only on {shown}"
+    pages = {"methodology", "appendix", "beyond", "convergence", "cards"}
+    assert {f"book/{p}" for p in pages} <= set(shown), f"the data's markup is shown as text only on {shown}"
+    assert {f"book/{p}" for p in NAMING_PAGES} <= set(named), f"pages that never name the GPU: {named}"
 
 
 # --- a second GPU appears with no page edited ------------------------------------------------------

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
+import pyarrow as pa
 
 from medddpm.errors import Notice, UserError
 from medddpm.store import identity, schema
@@ -299,7 +300,20 @@ def _run_tables(table: str, root: Path, run: pd.DataFrame) -> pd.DataFrame:
         frames.append(df)
     df = pd.concat(frames, ignore_index=True) if frames else schema.empty(table)
     keys = run[["run_id", "gpu_slug", "config"]]
-    return df.merge(keys, on="run_id", how="left", validate="many_to_one")
+    return _one_chunk(df.merge(keys, on="run_id", how="left", validate="many_to_one"))
+
+
+def _one_chunk(df: pd.DataFrame) -> pd.DataFrame:
+    """`df` with each Arrow-backed column (pandas' strings) in one piece: a table joined from many files holds a piece
+    (chunk) per file, and Arrow selects rows of a column in pieces by joining all of them first, so every selection
+    copies the whole column."""
+    for column in df.columns:
+        to_arrow = getattr(df[column].array, "__arrow_array__", None)
+        chunked = to_arrow() if to_arrow is not None else None
+        if isinstance(chunked, pa.ChunkedArray) and chunked.num_chunks > 1:
+            df[column] = pd.Series(pd.array(chunked.combine_chunks(), dtype=df[column].dtype), index=df.index,
+                                   name=column)
+    return df
 
 
 BENCH_PHASES = ("train", "sample")
