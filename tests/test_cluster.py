@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
+@pytest.mark.budget(200)  # 60-97 CPU seconds measured: two configurations, each a job of its own process
 def test_the_slurm_backend_runs_each_configuration_as_a_job_through_submitit(tmp_path, monkeypatch):
     """The SLURM submission code, unchanged, on submitit's local executor (sbatch-only options ignored)."""
     monkeypatch.setenv("MEDDDPM_CACHE", str(tmp_path / "cache"))
